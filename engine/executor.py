@@ -442,11 +442,15 @@ class GenerationExecutor:
             chat = template_options(**chat)
         else:
             check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
+        # a chat's sampling settings are checked before its template is applied: a mistyped keyword is the first
+        # mistake to fix, and on a tokenizer without a template it read "chat needs a chat template"
+        early = self._params(sampling_params, sampling, 0, pooled=pool) if chat else None
         options: list[PromptOptions] = []
         items = self._prompts(prompts, chat, checked=False, options=options)
         salts = self._salts(salt, options)
         per_prompt = isinstance(sampling_params, Sequence)
-        params = self._params(sampling_params, sampling, len(items), pooled=pool)
+        params = self._params(sampling_params, sampling, len(items), pooled=pool) if early is None \
+            else self._fitted(early, per_prompt, len(items), pooled=pool)
         cut_notes: list[tuple[str, Any, str]] = []  # said as setting_ignored once the call has started
         items = self._check_items(self._truncated(items, params, cut_notes, pool=pool), pool=pool)  # cut, then fits
         defaulted = [] if per_prompt else sorted(defaulted_fields(sampling_params, sampling, self.sampling_defaults))
@@ -670,11 +674,7 @@ class GenerationExecutor:
                     raise GenerationError(f"generate: sampling_params[{i}]: expected a SamplingParams, got "
                                           f"{type(p).__name__}" + (" (sampling_params=None, not a list, takes the "
                                                                    "model's defaults)" if p is None else ""))
-            params = list(sampling_params)
-            if count and len(params) != count:
-                name, kind = ("pooling_params", "PoolingParams") if pooled else ("sampling_params", "SamplingParams")
-                raise GenerationError(f"generate: {name}: expected one {kind} or a list of {count} (one per prompt), "
-                                      f"got a list of {len(params)}")
+            params = self._fitted(list(sampling_params), True, count, pooled=pooled)
         else:  # no SamplingParams: the keywords over the model's sampling defaults (vLLM's default params)
             params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults)] * max(count, 1)
         for p in {id(p): p for p in params}.values():  # a list changed in place since it was built (vLLM's habit)
@@ -695,6 +695,18 @@ class GenerationExecutor:
             self._check_something_allowed(p)
             if p.structured_outputs is not None:  # compiled now: a bad schema is refused before anything runs
                 self.grammars().compile(p.structured_outputs)
+        return params
+
+    @staticmethod
+    def _fitted(params: list[SamplingParams], per_prompt: bool, count: int,
+                pooled: bool = False) -> list[SamplingParams]:
+        """:meth:`_params`' list for ``count`` prompts (0: any): a list given is as long, one given is repeated."""
+        if not per_prompt:
+            return params[:1] * max(count, 1)
+        if count and len(params) != count:
+            name, kind = ("pooling_params", "PoolingParams") if pooled else ("sampling_params", "SamplingParams")
+            raise GenerationError(f"generate: {name}: expected one {kind} or a list of {count} (one per prompt), "
+                                  f"got a list of {len(params)}")
         return params
 
     def grammars(self) -> GrammarBackend:

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from pipeline.errors import GenerationError
+from pipeline.errors import GenerationError, did_you_mean
 from pipeline.limits import short
 
 
@@ -36,7 +36,7 @@ def _check_truncate(_: Any, attribute: attrs.Attribute, value: Any) -> None:
                               f"prompt's last N tokens) or -1 (the model's length), got {short(value)}")
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, init=False)
 class PoolingParams:
     """vLLM's ``PoolingParams`` for ``LLM.embed``: ``normalize`` (L2, True by default as vLLM's embed task),
     ``truncate_prompt_tokens`` (keep the prompt's last N tokens; -1: the model's length) and ``dimensions`` (None
@@ -45,6 +45,19 @@ class PoolingParams:
     normalize: bool = attrs.field(default=True, validator=_check_normalize)
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
     dimensions: int | None = attrs.field(default=None, validator=_check_dimensions)
+
+    def __init__(self, *, normalize: bool = True, truncate_prompt_tokens: int | None = None,
+                 dimensions: int | None = None, **unknown: Any) -> None:
+        """Keywords only; one that is not a field is named, with the field it is close to (``normalise``)."""
+        if unknown:  # Python's TypeError ("unexpected keyword argument 'normalise'") suggested nothing
+            name = next(iter(unknown))
+            raise GenerationError(f"PoolingParams: unknown field {name[:80]!r}; fields are {', '.join(POOLING_FIELDS)}"
+                                  f"{did_you_mean(name, POOLING_FIELDS)}")
+        self.__attrs_init__(normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
+
+
+#: :class:`PoolingParams`' fields, as its unknown-field error lists them
+POOLING_FIELDS = tuple(sorted(f.name for f in attrs.fields(PoolingParams)))
 
 
 @attrs.frozen

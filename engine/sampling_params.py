@@ -611,10 +611,11 @@ def unknown_field(name: str) -> str:
     return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(known)}{did_you_mean(name, known)}"
 
 
-def check_keywords(keywords: Mapping[str, Any]) -> dict[str, Any]:
+def check_keywords(keywords: Mapping[str, Any], arguments: Sequence[str] = ()) -> dict[str, Any]:
     """Sampling keywords given to a generate call (``llm.generate(p, max_tokens=8)``): each a SamplingParams field;
     vLLM's call arguments kvload does not take are named with what to do instead. The keywords, less vLLM's call
-    arguments at their defaults (``mm_processor_kwargs=None``), which ask for nothing."""
+    arguments at their defaults (``mm_processor_kwargs=None``), which ask for nothing. ``arguments``: the call's
+    own (``chat_template``), which an unknown name is compared with too (``chat_templte``)."""
     out = dict(keywords)
     for name in sorted(set(keywords) - _known_keywords()):
         value = keywords[name]
@@ -627,8 +628,9 @@ def check_keywords(keywords: Mapping[str, Any]) -> dict[str, Any]:
         if why is not None:
             raise GenerationError(f"generate: {name}: vLLM's argument, not kvload's: {why}")
         known = sorted(_known_keywords())
-        raise GenerationError(f"generate: unknown argument {name!r}; sampling fields are {', '.join(known)}"
-                              f"{did_you_mean(name, known)}")
+        own = f"; the call's own arguments are {', '.join(arguments)}" if arguments else ""
+        raise GenerationError(f"generate: unknown argument {name[:80]!r}; sampling fields are {', '.join(known)}{own}"
+                              f"{did_you_mean(name, [*arguments, *known])}")
     return out
 
 

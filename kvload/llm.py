@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import queue
 import random
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,14 +41,14 @@ from engine.pooling import (
     score_pairs,
 )
 from engine.prompts import check_tree, is_conversation, is_token_id
-from engine.sampling_params import SamplingParams, is_int
+from engine.sampling_params import SamplingParams, check_keywords, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.llm_ranks import SpawnedRanks, spawn_size
 from kvload.metrics import METRIC_NAMINGS, LlmMetrics, Metric
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
-from pipeline.errors import ConfigError, GenerationError, OutputError, retitled
+from pipeline.errors import ConfigError, GenerationError, OutputError, retitled, unknown_argument
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, plain_scalar, short
 from pipeline.thread_end import EndingThread
@@ -127,6 +129,69 @@ def _followed(method: Callable[..., Any]) -> Callable[..., Any]:
         return ranks.call(method.__name__, method, self, args, kwargs)
 
     return call
+
+
+def _keywords(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A public call's keywords checked before it runs: one it does not take is a ``GenerationError`` naming it, with
+    the argument (or, for a call that takes sampling fields as keywords, the field) it is close to; Python's own
+    TypeError ("unexpected keyword argument 'pooling_param'") suggested nothing."""
+    params = list(inspect.signature(method).parameters.values())
+    own = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+    by_position = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.name != "self"]
+    sampling = any(p.kind is p.VAR_KEYWORD for p in params)
+    taken, call = frozenset(own), method.__name__
+
+    @functools.wraps(method)
+    def checked(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        extra = [k for k in kwargs if k not in taken]
+        if extra:
+            if sampling:  # the rest are sampling fields: checked as the call would, with its own names suggested too
+                with _named(call):
+                    check_keywords({k: kwargs[k] for k in extra}, own)
+            else:
+                name = extra[0]
+                if name in by_position:
+                    raise GenerationError(f"{call}: {name}: given by position ({call}({', '.join(by_position)}, "
+                                          "...)), not as a keyword")
+                raise GenerationError(unknown_argument(call, name, own))
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+def _is_ids_row(value: Any) -> bool:
+    """A prompt's token ids as a row: a list or tuple, or a 1-D array / tensor (not a text, not a dict)."""
+    return getattr(value, "ndim", None) == 1 or isinstance(value, (list, tuple))
+
+
+def _legacy_ids(value: Any) -> tuple[list[Any], bool]:
+    """vLLM's older ``generate(prompt_token_ids=...)`` as prompts, and whether it was one prompt's ids: one list of
+    token ids, or a list of them; anything else is refused naming the keyword (a text was taken as a prompt's text,
+    a number said "prompts: expected a string or a list of prompts")."""
+    if getattr(value, "ndim", None) == 1:
+        return [value], True
+    if getattr(value, "ndim", None) == 2:
+        return list(value), False
+    if isinstance(value, (list, tuple)):
+        if not value:  # said by the prompts' own check, under this name
+            return [], False
+        if not any(_is_ids_row(t) or isinstance(t, (str, bytes, Mapping)) for t in value):
+            return [value], True  # one prompt's ids: each checked as a token id, under this name
+        if all(_is_ids_row(t) for t in value):
+            return list(value), False
+    raise GenerationError(f"generate: prompt_token_ids: expected a list of token ids (ints) or a list of such "
+                          f"lists, got {short(value)}")
+
+
+def _as_legacy_ids(message: str, flat: bool) -> str:
+    """A prompt's error (``generate: prompt 1: ...``, ``generate: prompts: ...``) named by ``prompt_token_ids``, the
+    keyword the ids were given as (``prompt_token_ids[1]``; one list's: ``prompt_token_ids``)."""
+    found = re.match(r"generate: prompt(?:s| (\d+)): ", message)
+    if found is None:
+        return message
+    where = "prompt_token_ids" if flat or found.group(1) is None else f"prompt_token_ids[{found.group(1)}]"
+    rest = message[found.end():].replace("expected a string or a list of token ids", "expected a list of token ids")
+    return f"generate: {where}: {rest}"
 
 
 def _one_or_many(data: Any) -> list[Any]:
@@ -332,6 +397,7 @@ class LLM:
 
     # --- generating -----------------------------------------------------------------------------
 
+    @_keywords
     @_followed
     def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
@@ -352,14 +418,19 @@ class LLM:
         older way to give token ids (one list, or a list of them), in place of ``prompts``.
         """
         _no_lora("generate", lora_request)
-        if prompt_token_ids is not None:  # vLLM's legacy keyword (scripts written for vLLM before 0.10 pass it)
-            if prompts is not None:
-                raise GenerationError("generate: give the prompts as prompts or as prompt_token_ids, not both (a "
-                                      "text with its ids: {'prompt_token_ids': IDS})")
-            flat = isinstance(prompt_token_ids, Sequence) and bool(prompt_token_ids) and all(
-                is_int(t) for t in prompt_token_ids)
-            prompts = [prompt_token_ids] if flat else prompt_token_ids
-        return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
+        if prompt_token_ids is None:
+            return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
+        # vLLM's legacy keyword (scripts written for vLLM before 0.10 pass it)
+        if prompts is not None:
+            raise GenerationError("generate: give the prompts as prompts or as prompt_token_ids, not both (a "
+                                  "text with its ids: {'prompt_token_ids': IDS})")
+        prompts, flat = _legacy_ids(prompt_token_ids)
+        try:
+            return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
+        except GenerationError as e:  # the prompts' errors name the keyword the user gave them as
+            if e.args and isinstance(e.args[0], str):
+                e.args = (_as_legacy_ids(e.args[0], flat), *e.args[1:])
+            raise
 
     def _generate(self, call: str, prompts: Any, sampling_params: Any, use_tqdm: Any, salt: str | None,
                   chat: bool | Mapping[str, Any], sampling: dict[str, Any],
@@ -372,6 +443,7 @@ class LLM:
                 self._metrics.record(outputs, executor.last_stats)
                 return outputs
 
+    @_keywords
     @_followed
     def embed(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
@@ -389,6 +461,7 @@ class LLM:
         """
         return self._embed("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, salt)
 
+    @_keywords
     @_followed
     def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None, use_tqdm: Any = None,
               pooling_params: PoolingParams | None = None, lora_request: Any = None,
@@ -454,6 +527,7 @@ class LLM:
                 outputs=EmbeddingOutput(pooled_vector(row, pooling[i if per_prompt else 0].normalize))))
         return embedded
 
+    @_keywords
     @_followed
     def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: Any = None, use_tqdm: Any = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
@@ -478,6 +552,7 @@ class LLM:
                 return [out for start in range(0, len(prompts), concurrency_limit)
                         for out in executor.beam_search(list(prompts[start:start + concurrency_limit]), params)]
 
+    @_keywords
     @_followed
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: Any = None, lora_request: Any = None, chat_template: str | None = None,
@@ -540,6 +615,7 @@ class LLM:
                 field="generate.use_tqdm", value=use_tqdm if isinstance(use_tqdm, bool) else repr(use_tqdm),
                 reason="kvload.LLM draws no progress bar; llm.last_stats has the call's totals"))
 
+    @_keywords
     def generate_stream(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                         *, salt: str | None = None, chat: bool = False, lora_request: Any = None,
                         **sampling: Any) -> Iterator[TokenDelta]:
@@ -634,6 +710,7 @@ class LLM:
             executor._event(event)
             return done
 
+    @_keywords
     def get_metrics(self, *, metrics_name_prefix: str = "kvload") -> list[Metric]:
         """vLLM's ``LLM.get_metrics()``: every series now, as ``kvload.metrics.Counter`` / ``Gauge`` / ``Histogram``
         records (``name``, ``labels``, then ``value`` or ``count``, ``sum``, ``buckets``), named as ``kvload serve``'s

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
@@ -27,6 +27,12 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
         return ""
     close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_argument(call: str, name: str, known: Sequence[str], what: str = "arguments") -> str:
+    """``"embed: unknown argument 'pooling_param'; arguments are ...; did you mean 'pooling_params'?"``: a keyword the
+    call does not take, in one line (Python's TypeError named no close name)."""
+    return f"{call}: unknown argument {name[:80]!r}; {what} are {', '.join(known)}{did_you_mean(name, known)}"
 
 
 def retitled(message: str, call: str) -> str:

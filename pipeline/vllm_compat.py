@@ -24,7 +24,7 @@ from typing import Any
 from pipeline.config import AUTO, LlmArgs, describe
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
-from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_scalar, short
 from pipeline.paths import get_in, unflatten
 
 #: vLLM's name → kvload's dotted field, where vLLM's setting means exactly what kvload's does (defaults may differ:
@@ -124,6 +124,22 @@ def _count_at_least(low: int) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
+def _on_off(value: Any) -> bool:
+    """vLLM's boolean knobs take true or false (0 and 1 too, as Python's bool does; numpy's bool as a bool)."""
+    value = plain_scalar(value)
+    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or (
+        type(value) is int and value in (0, 1))
+
+
+#: vLLM's on/off engine knobs kvload ignores (``bool`` in vLLM's ``EngineArgs``; ``--X`` / ``--no-X`` switches): a NaN,
+#: a dict or a text is refused as vLLM's own argument check refuses it, not taken and reported ignored
+BOOL_KNOBS = frozenset({
+    "enforce_eager", "disable_cascade_attn", "enable_mfu_metrics", "disable_custom_all_reduce", "disable_log_stats",
+    "disable_async_output_proc", "async_scheduling", "enable_sleep_mode", "enable_lora", "fully_sharded_loras",
+    "enable_expert_parallel", "use_v2_block_manager", "skip_tokenizer_init", "enable_chunked_prefill",
+})
+
+
 #: vLLM's own checks of knobs kvload ignores → (the check, what vLLM accepts): a value vLLM refuses is refused here too,
 #: as a kvload field's bad value is, rather than taken and ignored (``vllm/config/scheduler.py``, ``lora.py``, ...)
 KNOB_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -136,6 +152,13 @@ KNOB_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "preemption_mode": (lambda v: v in ("recompute", "swap"), "recompute or swap"),
     "distributed_executor_backend": (lambda v: v in ("ray", "mp", "uni", "external_launcher"),
                                      "ray, mp, uni or external_launcher"),
+    **dict.fromkeys(BOOL_KNOBS, (_on_off, "true or false")),
+    # an int too: YAML reads an all-digit commit as one
+    "revision": (lambda v: isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)),
+                 "a string (a branch, tag or commit)"),
+    # TensorRT-LLM's scripts pass a tokenizer object: any object is taken but plain data, which no tokenizer is
+    "tokenizer": (lambda v: not isinstance(v, (bool, int, float, complex, bytes, Mapping, list, tuple, set, frozenset)),
+                  "a path or a tokenizer object"),
 }
 
 #: vLLM knobs whose value is a secret: recorded as hidden, never as given (the log, the audit).

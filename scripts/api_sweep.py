@@ -14,8 +14,9 @@ threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVL
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --summary   # the suspects of a results file
 
 A suspect: an exception that is neither ValueError nor TypeError (an IndexError, a RuntimeError from torch), a
-message of more than one line or that does not name the argument, a hang, leftovers, an LLM that no longer gives
-the baseline's tokens, or a hostile value accepted (judge these: ``None`` is often a real default).
+message of more than one line or that does not name the argument, a typo (``*.typo``) not answered with "did you
+mean", a hang, leftovers, an LLM that no longer gives the baseline's tokens, or a hostile value accepted (judge these:
+``None`` is often a real default).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: list[int] | N
         rec["outcome"] = type(exc).__name__
         rec["mro"] = [c.__name__ for c in type(exc).__mro__]
         rec["message"] = str(exc)[:600]
+        if name.endswith(".typo"):  # said past the cut of a long message (every field listed first)
+            rec["suggests"] = "did you mean" in str(exc)
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
@@ -194,8 +197,24 @@ def param_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]
              "score.typo": lambda: llm.score(PROMPT, PROMPT, truncate_prompt_token=2),
              "beam_search.typo": lambda: llm.beam_search([BASE_IDS], kvload.BeamSearchParams(beam_width=2),
                                                          concurency_limit=1),
-             "stream.typo": lambda: llm.generate_stream(BASE_IDS, max_token=3)}
+             "stream.typo": lambda: llm.generate_stream(BASE_IDS, max_token=3),
+             # a typo of the call's own argument, not of a sampling field
+             "gen_own.typo": lambda: llm.generate(BASE_IDS, prioriy=[0], max_tokens=3),
+             "chat_own.typo": lambda: llm.chat([{"role": "user", "content": "w1"}], chat_templte="{{ 1 }}"),
+             "metrics.typo": lambda: llm.get_metrics(metric_name_prefix="vllm"),
+             "chat_no_template.typo": lambda: _without_template(llm, lambda: llm.chat(
+                 [{"role": "user", "content": "w1"}], max_tokns=3))}
     yield from typos.items()
+
+
+def _without_template(llm: Any, call: Callable[[], Any]) -> Any:
+    """``call`` on a tokenizer without a chat template (the word tokenizer's own state), restored after."""
+    template = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = None
+    try:
+        return call()
+    finally:
+        llm.tokenizer.chat_template = template
 
 
 def call_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
@@ -314,6 +333,9 @@ def suspect(r: dict[str, Any]) -> list[str]:
         if arg and arg not in ("prompt", "messages", "sp_list", "pool_list", "kv", "model") \
                 and arg not in msg and arg.replace("_", " ") not in msg:
             why.append(f"message does not name {arg}")
+    # each typo is of a name close to a real one
+    if r["case"].endswith(".typo") and not r.get("suggests", "did you mean" in msg):
+        why.append("typo not suggested")
     if r.get("outcome") == "accepted" and r["case"].rsplit(".", 1)[-1] in NEVER_OK \
             and r["case"] not in TAKES:
         why.append("hostile value accepted")

@@ -128,3 +128,92 @@ def test_a_path_argument_no_file_system_can_hold_is_one_config_error_naming_it(t
     with kvload.LLM(str(tiny_checkpoints("llama")), audit_log=log, **llm_kwargs()) as loaded:
         loaded.generate(IDS, SamplingParams(max_tokens=2))
     assert os.listdir(os.fsencode(tmp_path)) == [b"audit-\xe9.jsonl"]
+
+
+def test_every_public_calls_mistyped_keyword_is_one_line_with_the_name_it_is_close_to(llm):
+    # each read Python's "got an unexpected keyword argument", naming no close name; a call's own argument (priority,
+    # chat_template) mistyped was offered only the sampling fields
+    before = tokens(llm)
+    msgs = [{"role": "user", "content": "w1"}]
+    cases = {
+        "PoolingParams: unknown field 'normalise'; fields are dimensions, normalize, truncate_prompt_tokens; did you "
+        "mean 'normalize'\\?": lambda: PoolingParams(normalise=False),
+        "embed: unknown argument 'pooling_param'; arguments are prompts, pooling_params, .*; did you mean "
+        "'pooling_params'\\?": lambda: llm.embed([IDS], pooling_param=PoolingParams()),
+        "score: unknown argument 'truncate_prompt_token'; arguments are .*; did you mean 'truncate_prompt_tokens'\\?":
+        lambda: llm.score("w1", "w2", truncate_prompt_token=2),
+        "beam_search: unknown argument 'concurency_limit'; arguments are .*; did you mean 'concurrency_limit'\\?":
+        lambda: llm.beam_search([IDS], kvload.BeamSearchParams(beam_width=2), concurency_limit=1),
+        "get_metrics: unknown argument 'metric_name_prefix'; arguments are metrics_name_prefix; did you mean "
+        "'metrics_name_prefix'\\?": lambda: llm.get_metrics(metric_name_prefix="vllm"),
+        "generate: unknown argument 'prioriy'; sampling fields are .*; the call's own arguments are prompts, .*; did "
+        "you mean 'priority'\\?": lambda: llm.generate(IDS, prioriy=[0], max_tokens=2),
+        "chat: unknown argument 'chat_templte'; sampling fields are .*; the call's own arguments are messages, .*; "
+        "did you mean 'chat_template'\\?":
+        lambda: llm.chat(msgs, chat_templte="{{ 1 }}"),
+        "generate_stream: unknown argument 'salts'; sampling fields are .*; the call's own arguments are .*; did you "
+        "mean 'salt'\\?":
+        lambda: llm.generate_stream(IDS, salts="a"),
+        "score: data_1: given by position \\(score\\(data_1, data_2, ...\\)\\), not as a keyword":
+        lambda: llm.score(data_1="w1", data_2="w2"),
+    }
+    for message, make in cases.items():
+        with pytest.raises(ValueError) as caught:
+            make()
+        assert re.fullmatch(message, str(caught.value)), str(caught.value)
+    with pytest.raises(ValueError, match=r"^embed: unknown argument 'zzz'; arguments are [a-z_, ]+$"):
+        llm.embed([IDS], zzz=1)  # close to nothing: no guess
+    assert tokens(llm) == before
+    # what the calls do take still works, by keyword
+    assert llm.embed(prompts=[IDS], pooling_params=PoolingParams(normalize=False), truncate_prompt_tokens=3)
+    assert llm.beam_search(prompts=[IDS], params=kvload.BeamSearchParams(beam_width=2, max_tokens=2),
+                           concurrency_limit=1)
+    assert llm.get_metrics(metrics_name_prefix="vllm")
+
+
+BAD_IDS = [
+    ("abc", "expected a list of token ids \\(ints\\) or a list of such lists, got 'abc'"),  # was taken as a text
+    (b"1", "expected a list of token ids \\(ints\\) or a list of such lists, got b'1'"),
+    (-1, "expected a list of token ids \\(ints\\) or a list of such lists, got -1"),
+    ({"a": 1}, "expected a list of token ids \\(ints\\) or a list of such lists, got "),
+    ([], "expected at least one prompt, got an empty list"),
+    ([1, 1.5], "expected a list of token ids \\(ints\\), got \\[1, 1.5\\]"),
+    ([1, VOCAB + 5], f"token id {VOCAB + 5} is outside the vocabulary"),
+]
+
+
+def test_a_bad_prompt_token_ids_is_named_prompt_token_ids_and_good_ones_generate(llm):
+    # vLLM's older keyword: its errors read "prompt 0: ..." or "prompts: ...", naming an argument not given
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    for given, said in BAD_IDS:
+        with pytest.raises(ValueError, match=rf"^generate: prompt_token_ids: {said}"):
+            llm.generate(prompt_token_ids=given, sampling_params=sp)
+    with pytest.raises(ValueError, match=rf"^generate: prompt_token_ids\[1\]: token id {VOCAB} is outside"):
+        llm.generate(prompt_token_ids=[[1, 2], [3, VOCAB]], sampling_params=sp)
+    np = pytest.importorskip("numpy")
+    want = [o.outputs[0].token_ids for o in llm.generate([IDS, [1, 2]], sp)]
+    for ids, expected in (([IDS, [1, 2]], want), ((tuple(IDS), (1, 2)), want), (np.array([IDS, IDS]), [want[0]] * 2)):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=sp)]
+        assert got == expected, ids
+    assert llm.generate(prompt_token_ids=np.array(IDS), sampling_params=sp)[0].outputs[0].token_ids == want[0]
+
+
+def test_chat_checks_its_sampling_settings_before_the_chat_template(llm):
+    # the word tokenizer has no chat template: a mistyped keyword, or a bad value, read "chat needs a chat template"
+    msgs = [{"role": "user", "content": "w1"}]
+    assert llm.tokenizer.chat_template is None
+    with pytest.raises(ValueError, match=r"^chat: unknown argument 'max_tokns'; .*did you mean 'max_tokens'\?$"):
+        llm.chat(msgs, max_tokns=3)
+    with pytest.raises(ValueError, match=r"^chat: temperature: expected a finite number >= 0"):
+        llm.chat(msgs, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"^chat: sampling_params\[1\]: expected a SamplingParams, got str$"):
+        llm.chat([msgs, msgs], [SamplingParams(max_tokens=2), "x"])
+    with pytest.raises(ValueError, match=r"^chat: prompt 0: chat needs a chat template"):
+        llm.chat(msgs, max_tokens=3)  # what is right is then judged as before
+    # a list of the wrong length is still said against the conversations' count
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    with pytest.raises(ValueError, match=r"^chat: sampling_params: expected one SamplingParams or a list of 2 \(one "
+                                         r"per prompt\), got a list of 1$"):
+        llm.chat([msgs, msgs], [SamplingParams(max_tokens=2)], chat_template=template)
+    outs = llm.chat([msgs, msgs], [SamplingParams(max_tokens=2, ignore_eos=True)] * 2, chat_template=template)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]

@@ -140,6 +140,49 @@ def test_a_vllm_knob_kvload_cannot_honour_is_refused_naming_what_it_accepts(kwar
     assert str(info.value) == message and info.value.source == "api"
 
 
+@pytest.mark.parametrize("value", [float("nan"), {"a": 1}, "yes", 2, 1.0, [True]])
+def test_an_on_off_vllm_knob_given_junk_is_refused_not_reported_ignored(value):
+    # enforce_eager=NaN (or a dict) loaded with only a setting_ignored; vLLM's own check takes a bool
+    for knob in ("enforce_eager", "enable_chunked_prefill", "disable_log_stats"):
+        with pytest.raises(ConfigError) as info:
+            kvload.LLM("tiny-llama", log=False, **{knob: value})
+        assert str(info.value).startswith(f"{knob}: vLLM's setting; expected true or false, got ")
+        assert "\n" not in str(info.value) and info.value.source == "api"
+
+
+def test_every_vllm_switch_kvload_ignores_is_checked_as_on_off_and_takes_bools():
+    np = pytest.importorskip("numpy")
+    from kvload.cli.flags import VLLM_KNOB_FLAGS
+    from pipeline.vllm_compat import BOOL_KNOBS, IGNORED, vllm_knob
+
+    switches = {key for _, key, kind, _ in VLLM_KNOB_FLAGS if kind is None and key in IGNORED}
+    assert switches <= BOOL_KNOBS <= set(IGNORED)
+    for knob in sorted(BOOL_KNOBS):
+        for taken in (True, False, 0, 1, None, np.bool_(True)):
+            assert vllm_knob(knob, taken) == IGNORED[knob]
+    tokenizer = object()  # TensorRT-LLM's scripts pass a tokenizer object: still taken (and ignored)
+    assert vllm_knob("tokenizer", tokenizer) == IGNORED["tokenizer"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tokenizer": float("nan")}, "tokenizer: vLLM's setting; expected a path or a tokenizer object, got nan"),
+    ({"tokenizer": {"a": 1}}, "tokenizer: vLLM's setting; expected a path or a tokenizer object, got a mapping of 1 "
+                              "keys"),
+    ({"revision": float("nan")}, "revision: vLLM's setting; expected a string (a branch, tag or commit), got nan"),
+    ({"revision": {"a": 1}}, "revision: vLLM's setting; expected a string (a branch, tag or commit), got a mapping "
+                             "of 1 keys"),
+])
+def test_a_tokenizer_or_revision_that_is_plain_junk_is_refused_naming_it(kwargs, message):
+    # taken and reported setting_ignored before; a path, a revision string or a tokenizer object still are
+    with pytest.raises(ConfigError) as info:
+        kvload.LLM("tiny-llama", log=False, **kwargs)
+    assert str(info.value) == message and info.value.source == "api"
+    from pipeline.vllm_compat import IGNORED, vllm_knob
+
+    for name, taken in (("tokenizer", "gpt2"), ("tokenizer", object()), ("revision", "main"), ("revision", 1234567)):
+        assert vllm_knob(name, taken) == IGNORED[name]
+
+
 def test_a_torch_dtype_is_taken_as_its_name_as_vllm_takes_it():
     import torch
 
