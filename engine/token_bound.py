@@ -23,8 +23,8 @@ _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "U
 def chars_per_token(tokenizer: Any) -> int | None:
     """The most characters of a prompt one token of ``tokenizer`` (a transformers fast tokenizer) can stand for, or
     None when nothing bounds it: a tokenizer that is not a fast BPE one (WordPiece's and Unigram's unknown token
-    covers a whole word), fuses unknown characters into one token, or whose normalizer or pre-tokenizer may drop
-    characters (``Strip``, ``Replace``, BERT's, ``Whitespace``)."""
+    covers a whole word), fuses unknown characters into one token, has an added token that strips the spaces beside
+    it, or whose normalizer or pre-tokenizer may drop characters (``Strip``, ``Replace``, BERT's, ``Whitespace``)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -38,11 +38,14 @@ def chars_per_token(tokenizer: Any) -> int | None:
     factor = _normalizer_factor(spec.get("normalizer"))
     if factor is None or not _keeps_characters(spec.get("pre_tokenizer")):
         return None
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None  # such a token takes in every space beside it (RoBERTa's <mask>): one token, any length
     vocab = model.get("vocab") or {}
     # a vocabulary entry is written in the model's symbols: one per byte (ByteLevel), or per character (a
     # Metaspace ▁ for a space, a byte-fallback <0x0A> for one byte), so it stands for at most len(entry) characters
     # of the text; an added (special) token is matched as its content, before pre-tokenizing
-    longest = max([len(t) for t in vocab] + [len(t.get("content", "")) for t in spec.get("added_tokens") or []]
+    longest = max([len(t) for t in vocab] + [len(t.get("content", "")) for t in added]
                   + [1])
     return longest * factor
 

@@ -50,6 +50,19 @@ def test_tokenizers_that_can_drop_or_merge_characters_have_no_bound():
     assert chars_per_token(_wordpiece(kind="bpe", normalizer=normalizers.NFC())) is not None
 
 
+def test_an_added_token_that_strips_the_spaces_beside_it_leaves_no_bound():
+    """RoBERTa's <mask> (lstrip) takes in every space before it: a few tokens can stand for any number of
+    characters, so a bound would refuse a prompt that fits."""
+    from tokenizers import AddedToken
+
+    tok = trained_tokenizer("bytelevel", 300)
+    per_token = chars_per_token(tok)
+    tok.add_special_tokens({"mask_token": AddedToken("<mask>", lstrip=True)})
+    text = " " * (per_token * 40) + "<mask>"
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) < fewest_tokens(text, per_token)  # the old claim
+    assert chars_per_token(tok) is None
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from([*"ab ĠĊ\n\t#éa\u0301🙂日", "Hello", "world", "</s>", "<pad>"]),
                 max_size=200).map("".join))
