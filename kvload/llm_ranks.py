@@ -44,6 +44,10 @@ FOLLOWED = ("generate", "chat", "embed", "score", "beam_search", "reset_prefix_c
 CHANNEL_ENV = "KVLOAD_LLM_CHANNEL"
 #: Seconds the ranks get to close their LLM and exit after rank 0 asks; then SIGTERM, then SIGKILL as long again.
 CLOSE_S = 10.0
+#: How long rank 0, having failed a call, waits for each other rank's outcome: one that failed alike answers at once
+#: (the ranks run in step); one still in the call waits in a collective rank 0 left and would answer only at the
+#: collective timeout (600 s), so its silence past this is taken as the ranks having parted.
+PARTED_S = 30.0
 _POLL_S = 0.05
 #: ``LLM`` arguments only rank 0 uses: the other ranks log nothing and have no subscribers, no KV event publisher.
 RANK0_ONLY = ("subscribers", "log", "kv_events_config")
@@ -335,23 +339,34 @@ class SpawnedRanks:
         """Every other rank's outcome of the call; ``RankError`` naming a rank that died or ended it otherwise."""
         if self.stopping:
             return  # closed during the call: rank 0's error ("the LLM was closed") says it
-        words = (type(mine).__name__, str(mine)) if mine is not None else None
+        # the ranks agree when they failed alike: by the error's type, not its text, which may hold what differs
+        # between processes (an object's address in a repr, a set's order under per-process string hashing)
+        kind = type(mine).__name__ if mine is not None else None
         for r in self.ranks:
-            reply = self._reply(r, name, mine)
+            reply = self._reply(r, name, mine, PARTED_S if mine is not None else None)
+            if reply is None:  # rank 0 failed alone mid-call (a subscriber of its own raised): its error is the news
+                self._break(f"tensor_parallel_size={self.world}: a {name} call failed on rank 0 alone, so the ranks "
+                            "are no longer in step; this LLM cannot run any more: close it and create a new one")
+                mine.add_note(f"kvload: rank {r.rank} (pid {r.proc.pid}) was still in the call {PARTED_S:g} s later; "
+                              "the ranks were stopped and this LLM cannot run any more")
+                raise mine
             theirs = (reply[1], reply[2]) if reply[0] == "error" else None
-            if theirs != words:
+            if (theirs[0] if theirs is not None else None) != kind:
                 if theirs is None:
-                    why = f"rank {r.rank} (pid {r.proc.pid}) completed the call where rank 0 failed ({words[1][:200]})"
+                    why = f"rank {r.rank} (pid {r.proc.pid}) completed the call where rank 0 failed ({str(mine)[:200]})"
                 else:
                     why = (f"rank {r.rank} (pid {r.proc.pid}) failed where rank 0 did not: {theirs[0]}: "
                            f"{theirs[1][:300]}")
                 self._fail(name, why, mine)
 
-    def _reply(self, r: _Rank, name: str, mine: BaseException | None = None) -> tuple[Any, ...]:
-        """Rank ``r``'s next message, waited for at most the collective timeout; its death raises ``RankError``."""
+    def _reply(self, r: _Rank, name: str, mine: BaseException | None = None,
+               within_s: float | None = None) -> tuple[Any, ...] | None:
+        """Rank ``r``'s next message, waited for at most the collective timeout (None when ``within_s`` passed first);
+        its death raises ``RankError``."""
         from pipeline.ranks import timeout_s
 
         deadline = time.monotonic() + timeout_s()
+        parted = None if within_s is None else time.monotonic() + within_s
         while True:
             try:
                 if r.conn.poll(_POLL_S):
@@ -360,6 +375,8 @@ class SpawnedRanks:
                 pass
             if r.proc.poll() is not None:
                 self._lost(name, r, mine)
+            if parted is not None and time.monotonic() > parted:
+                return None
             if time.monotonic() > deadline:
                 self._fail(name, f"rank {r.rank} (pid {r.proc.pid}) did not answer within {timeout_s():g} s "
                                  "(KVLOAD_DIST_TIMEOUT_S)", mine)

@@ -116,6 +116,69 @@ def test_an_error_every_rank_raises_is_rank_0s_once_and_the_llm_goes_on(pair):
         alone.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
 
 
+def test_a_refusal_whose_words_differ_between_processes_is_still_one_refusal(pair):
+    """Rank 1 quotes its own copy of the prompt, at another address: the ranks failed alike all the same, so the
+    user's own error comes back and the LLM goes on (it was broken for good, "rank 1 failed where rank 0 did not")."""
+    tp, alone, _ = pair
+    with pytest.raises(GenerationError, match=r"prompt 1: expected a string or a list of token ids.*object at"):
+        tp.generate([[1, 2], object()], max_tokens=2)
+    assert tp.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids == \
+        alone.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
+
+
+ALONE_SCRIPT = """
+import json, os, sys, time
+import kvload
+import kvload.llm_ranks as llm_ranks
+from pipeline.errors import RankError
+
+llm_ranks.PARTED_S = 2.0
+
+def subscriber(record):
+    if record.get("event") == "request_admitted":
+        raise RuntimeError("the subscriber's own fault")
+
+report = {}
+with kvload.LLM(sys.argv[1], tensor_parallel_size=2, subscribers=[subscriber], **json.loads(sys.argv[2])) as tp:
+    report["workers"] = [r.proc.pid for r in tp._ranks.ranks]
+    started = time.monotonic()
+    try:
+        tp.generate([[1, 2, 3]], max_tokens=4, ignore_eos=True)
+    except RuntimeError as exc:
+        report["error"], report["notes"] = str(exc), getattr(exc, "__notes__", [])
+    report["took"] = time.monotonic() - started
+    try:
+        tp.generate([[1, 2, 3]], max_tokens=2)
+    except RankError as exc:
+        report["next"] = str(exc)
+print(json.dumps(report))
+"""
+
+
+def test_a_failure_on_rank_0_alone_mid_call_is_the_users_own_error_soon_and_the_ranks_stop(words, tmp_path):
+    """A subscriber (rank 0's alone) raising between steps left rank 1 in the next step's collective: the call
+    waited the whole collective timeout and then blamed rank 1. Now the subscriber's own error comes back within
+    PARTED_S, the ranks are stopped, and the next call says the LLM cannot run any more."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "KVLOAD_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    script = tmp_path / "alone.py"
+    script.write_text(ALONE_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(words), json.dumps(KW)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=SCRIPT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["error"] == "the subscriber's own fault", report
+    assert any("rank 1" in note and "cannot run any more" in note for note in report["notes"]), report
+    assert report["took"] < DIST_TIMEOUT_S / 2  # a bound, not a speed: no wait for the collective timeout
+    assert "cannot run any more" in report["next"]
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in report["workers"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert report["workers"] and not any(_alive(p) for p in report["workers"])
+
+
 def _streamed(llm, prompts, params, stop_after=None):
     """Each prompt's tokens as ``generate_stream`` yields them; the loop left after ``stop_after`` deltas."""
     tokens: dict[int, list[int]] = {}
