@@ -427,6 +427,7 @@ class _Deadlines(H11Protocol):
     def connection_made(self, transport: Any) -> None:
         self._deadline: asyncio.TimerHandle | None = None
         self._lingering: asyncio.TimerHandle | None = None  # set while refused bytes are read and dropped
+        self._linger_cap: asyncio.TimerHandle | None = None  # the lingering's end however the client sends
         self._stalled: asyncio.TimerHandle | None = None
         self._phase: tuple[Any, ...] | None = None
         self._refused: h11.RemoteProtocolError | None = None
@@ -466,9 +467,10 @@ class _Deadlines(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
-        if self._lingering is not None:
-            self._lingering.cancel()
-            self._lingering = None
+        for timer in (self._lingering, self._linger_cap):  # a pending timer would keep this connection's buffers
+            if timer is not None:
+                timer.cancel()
+        self._lingering = self._linger_cap = None
         self._unstall()
         super().connection_lost(exc)
 
@@ -528,6 +530,11 @@ class _Deadlines(H11Protocol):
                                                          reason=http.HTTPStatus(status).phrase.encode())))
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
+        if self.cycle is not None and not self.cycle.response_complete:
+            # a request's body was being read: its app is running and holds a slot until it hears the client left,
+            # which a lingering close would put off by seconds; the answer is written, the body's rest not wanted
+            self.transport.close()
+            return
         self._linger()
 
     def _linger(self) -> None:
@@ -542,7 +549,7 @@ class _Deadlines(H11Protocol):
             return
         self.transport.write_eof()
         self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
-        self.loop.call_later(self.read_timeout_s, self.transport.close)  # a client sending for ever
+        self._linger_cap = self.loop.call_later(self.read_timeout_s, self.transport.close)  # one sending for ever
 
     def _unsupported_upgrade_warning(self) -> None:
         """uvicorn's two warnings for a request asking to switch protocols (a WebSocket, h2c), logged at debug: the
