@@ -401,7 +401,14 @@ class SpawnedRanks:
         if self.closed:
             return
         self.closed = self.stopping = True
-        self._end()
+        # a rank still loading, or in a call (closed from another thread, or mid-stream), waits in a collective
+        # and never reads "close": asking it first only added CLOSE_S before the signals
+        idle = not self._loading and self._lock.acquire(blocking=False)
+        try:
+            self._end(polite=idle)
+        finally:
+            if idle:
+                self._lock.release()
 
     def _end(self, polite: bool = True) -> None:
         for r in self.ranks:
