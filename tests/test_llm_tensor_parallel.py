@@ -126,6 +126,20 @@ def test_a_refusal_whose_words_differ_between_processes_is_still_one_refusal(pai
         alone.generate([[4, 5]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
 
 
+def _script_report(tmp_path: Path, text: str, *args: str) -> dict:
+    """Run ``text`` as a user's plain script (no torchrun variables) with ``args``; the JSON its last line prints."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "KVLOAD_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    script = tmp_path / "user_script.py"
+    script.write_text(text)
+    r = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=SCRIPT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 ALONE_SCRIPT = """
 import json, os, sys, time
 import kvload
@@ -159,16 +173,7 @@ def test_a_failure_on_rank_0_alone_mid_call_is_the_users_own_error_soon_and_the_
     """A subscriber (rank 0's alone) raising between steps left rank 1 in the next step's collective: the call
     waited the whole collective timeout and then blamed rank 1. Now the subscriber's own error comes back within
     PARTED_S, the ranks are stopped, and the next call says the LLM cannot run any more."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "KVLOAD_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    script = tmp_path / "alone.py"
-    script.write_text(ALONE_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(words), json.dumps(KW)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=SCRIPT_S)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout.strip().splitlines()[-1])
+    report = _script_report(tmp_path, ALONE_SCRIPT, str(words), json.dumps(KW))
     assert report["error"] == "the subscriber's own fault", report
     assert any("rank 1" in note and "cannot run any more" in note for note in report["notes"]), report
     assert report["took"] < DIST_TIMEOUT_S / 2  # a bound, not a speed: no wait for the collective timeout
@@ -282,16 +287,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_plain_script_names_a_killed_rank_and_leaves_no_process(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "KVLOAD_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    script = tmp_path / "user_script.py"
-    script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=SCRIPT_S)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout.strip().splitlines()[-1])
+    report = _script_report(tmp_path, SCRIPT)
     assert report["first"] == report["second"] and len(report["first"]) == 4
     unpickle = r"cannot unpickle .*Can't get attribute 'Tokens'.*; define its class in a module the ranks can import"
     assert re.match(rf"LLM: tensor_parallel_size=2: rank 1 \(pid \d+\) {unpickle}", report["unpickled_arg"]), report
