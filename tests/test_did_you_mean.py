@@ -12,6 +12,7 @@ from models.checkpoint import resolve_checkpoint
 from pipeline.config import LlmArgs
 from pipeline.converter import structure
 from pipeline.errors import close_names, did_you_mean
+from pipeline.paths import unflatten
 from stages.apply_model_defaults import validate_model_defaults
 from tests.cli_support import run_cli
 
@@ -22,22 +23,16 @@ def _refusal(call: Callable[[], object]) -> str:
     return str(err.value)
 
 
-def _nested(path: str) -> dict:
-    """``{"kv_cache_config": {"max_tokns": 1}}`` for ``kv_cache_config.max_tokns``."""
-    head, _, rest = path.partition(".")
-    return {head: _nested(rest) if rest else 1}
-
-
 def _explain(name: str) -> str:
     return _refusal(lambda: resolve_field(name))
 
 
 def _model_default(path: str) -> str:
-    return _refusal(lambda: validate_model_defaults(_nested(path), "TypoSpec"))
+    return _refusal(lambda: validate_model_defaults(unflatten({path: 1}), "TypoSpec"))
 
 
 def _config_key(path: str) -> str:
-    return _refusal(lambda: structure({"model": "m", **_nested(path)}, LlmArgs))
+    return _refusal(lambda: structure({"model": "m", **unflatten({path: 1})}, LlmArgs))
 
 
 def _model(name: str) -> str:
