@@ -15,6 +15,12 @@ import attrs
 #: came, and carries no ``request=None`` on a line no request gave).
 OMIT_NONE = "omit_none"
 
+
+def omitted_when_none() -> Any:
+    """An optional field (default None) that the record leaves out while it is None (:data:`OMIT_NONE`)."""
+    return attrs.field(default=None, metadata={OMIT_NONE: True})
+
+
 #: name -> class, filled by :func:`event`.
 EVENT_TYPES: dict[str, type[Event]] = {}
 
@@ -101,7 +107,7 @@ class ArgsParsed(Event):
     old: Any
     new: Any
     source: str
-    given_as: str | None = attrs.field(default=None, metadata={OMIT_NONE: True})
+    given_as: str | None = omitted_when_none()
 
 
 @event("source_conflict", level="warning")
@@ -255,7 +261,7 @@ class SettingIgnored(Event):
     reason: str
     #: The served request that gave it (``kvload serve``; its reason ends ``(request ID)`` too, for the log line):
     #: ``kvload audit`` counts the same warning of many requests as one.
-    request: str | None = attrs.field(default=None, metadata={OMIT_NONE: True})
+    request: str | None = omitted_when_none()
 
 
 @event("max_seq_len_beyond_positions", level="warning")
