@@ -27,6 +27,7 @@ from pipeline.vllm_compat import (
     SECRET_KNOBS,
     refused_key,
     spec_int,
+    spec_keys,
     speculative_config,
     vllm_knob,
     write_as,
@@ -248,11 +249,8 @@ def trtllm_speculative_config(value: Mapping[str, Any]) -> tuple[dict[str, Any],
         return None
     known = {"decoding_type", "max_draft_len", "max_matching_ngram_size", "max_concurrency", "max_total_draft_tokens",
              *_TRTLLM_NGRAM_SWITCHES, *_TRTLLM_NGRAM_IGNORED}
-    for key in value:
-        if key not in known:
-            raise ConfigError(f"{where}: {short(key)}: not a key of TensorRT-LLM's NGramDecodingConfig; its keys: "
-                              "decoding_type, max_draft_len, max_matching_ngram_size, max_concurrency, is_keep_all, "
-                              "is_use_oldest, is_public_pool, ...", path=where, detail="unknown key")
+    spec_keys(value, known, "not a key of TensorRT-LLM's NGramDecodingConfig; its keys: decoding_type, max_draft_len, "
+              "max_matching_ngram_size, max_concurrency, is_keep_all, is_use_oldest, is_public_pool, ...")
     drafts = spec_int(value, "max_draft_len", 1, MAX_DRAFT_LEN,
                       required="decoding_type NGram (the draft tokens per step)")
     fields: dict[str, Any] = {"max_draft_len": drafts}
