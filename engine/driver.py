@@ -184,10 +184,7 @@ class Driver:
         forkable = (parent.state is RequestState.RUNNING and parent in self.running
                     and (committed == parent.num_prompt_tokens or getattr(self.manager, "forks_past_prompt", False)))
         if forkable and self.scheduler.fork(parent, child, self.running):
-            self._admitted_before.add(child)
-            if self._emit:
-                self._emit(RequestAdmitted(req_id=child.req_id, prompt_tokens=child.num_prompt_tokens,
-                                           reused_prompt_tokens=child.num_reused_tokens, readmitted=False))
+            self._admitted_fork(child)
             return True
         self.waiting.append(child)
         return False
@@ -327,10 +324,7 @@ class Driver:
                 child.finish_reason = reason
                 done.append(child)
             elif self.scheduler.fork(parent, child, self.running):
-                self._admitted_before.add(child)
-                if self._emit:
-                    self._emit(RequestAdmitted(req_id=child.req_id, prompt_tokens=child.num_prompt_tokens,
-                                               reused_prompt_tokens=child.num_reused_tokens, readmitted=False))
+                self._admitted_fork(child)
             else:  # no room now: admitted later as any request, its prompt from the prefix cache where it still is
                 self.waiting.append(child)
 
@@ -398,6 +392,14 @@ class Driver:
         if at_length(req, self.max_seq_len):
             return "length"
         return None
+
+    def _admitted_fork(self, child: Request) -> None:
+        """``child`` was admitted by ``scheduler.fork`` (holding its parent's KV), not by a schedule: recorded as the
+        scheduler's admissions are (:meth:`_report`), as a first admission."""
+        self._admitted_before.add(child)
+        if self._emit:
+            self._emit(RequestAdmitted(req_id=child.req_id, prompt_tokens=child.num_prompt_tokens,
+                                       reused_prompt_tokens=child.num_reused_tokens, readmitted=False))
 
     def _report(self, out: SchedulerOutput) -> None:
         readmitted = [req in self._admitted_before for req in out.admitted]

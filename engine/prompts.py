@@ -168,10 +168,18 @@ def check_text(where: str, text: str) -> None:
     ``where`` names it (``prompt 0``, ``messages[1].content``). Bytes that were not UTF-8 on a command
     line arrive as lone surrogates too (Python's surrogateescape), so they are refused the same way.
     """
+    problem = not_unicode(where, text)
+    if problem is not None:
+        raise GenerationError(f"generate: {problem}")
+
+
+def not_unicode(where: str, text: str) -> str | None:
+    """``where: not valid Unicode text (a lone surrogate at character N; text must be UTF-8)`` when ``text`` holds a
+    lone surrogate, else None: the one wording of that refusal, whichever error (the API's, HTTP's) carries it."""
     at = lone_surrogate(text)
-    if at is not None:
-        raise GenerationError(f"generate: {where}: not valid Unicode text (a lone surrogate at character "
-                              f"{at}; text must be UTF-8)")
+    if at is None:
+        return None
+    return f"{where}: not valid Unicode text (a lone surrogate at character {at}; text must be UTF-8)"
 
 
 def check_tree(where: str, value: Any) -> None:
@@ -393,8 +401,7 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     for name, value in (("chat_template", chat_template), ("chat_template_kwargs", extra)):
         found = surrogate_in(value, name)  # the template puts it in the prompt text, which no tokenizer encodes:
         if found is not None:  # tokenizers raised "TypeError: TextEncodeInput must be Union[...]"
-            raise GenerationError(f"chat: {found[0]}: not valid Unicode text (a lone surrogate at character "
-                                  f"{lone_surrogate(found[1])}; text must be UTF-8)")
+            raise GenerationError(f"chat: {not_unicode(*found)}")
     options: dict[str, Any] = {**extra, "add_generation_prompt": add_generation_prompt,
                                "continue_final_message": continue_final_message}
     if chat_template is not None:
@@ -407,4 +414,4 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 __all__ = ["APPLY_SETTINGS", "CHAT_ARGUMENTS", "CHAT_OPTIONS", "PROMPT_KEYS", "ROLES", "TEMPLATE_MAX_CHARS",
            "TEMPLATE_MAX_SECONDS", "TEMPLATE_MAX_STEPS", "TEMPLATE_OPTIONS", "VLLM_PROMPT_KEYS_NOT_TAKEN", "TextPrompt",
            "TokensPrompt", "apply_template", "array_ints", "check_text", "is_conversation", "is_token_id",
-           "lone_surrogate", "missing_template", "normalize", "template_options", "template_reads"]
+           "lone_surrogate", "missing_template", "normalize", "not_unicode", "template_options", "template_reads"]

@@ -542,6 +542,17 @@ class ServingEngine:
         self._notices.extend(SettingIgnored(field=f"serve.{name}", value=value, reason=f"{why} (request {req_id})",
                                             request=req_id) for name, value, why in notes)
 
+    def _check_submit(self, salt: str | None, priority: int) -> None:
+        """What :meth:`submit` and :meth:`submit_group` refuse before looking at the prompt: a stopped engine (early,
+        to skip the checks; decided again under the lock), the salt (as generate's: hashed into every block key, its
+        length bounded) and a priority the scheduler does not take."""
+        if self._stopping or self.loop_error is not None:
+            raise EngineStopped(self._why_stopped())
+        check_salt(salt)
+        refused = self.executor.priority_refusal(priority)
+        if refused is not None:
+            raise GenerationError(f"generate: priority: {refused}")
+
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
                salt: str | None = None, seed_offset: int = 0, priority: int = 0, samples: int = 1,
                pool: bool = False) -> str:
@@ -559,12 +570,7 @@ class ServingEngine:
         prompt's last hidden state is captured as it is computed (``/v1/embeddings``), for the caller to take from
         ``executor.pooled`` by the request's id once it ended.
         """
-        if self._stopping or self.loop_error is not None:  # early, to skip the checks; decided below, under the lock
-            raise EngineStopped(self._why_stopped())
-        check_salt(salt)  # as generate's: hashed into every block key, and its length bounded
-        refused = self.executor.priority_refusal(priority)
-        if refused is not None:
-            raise GenerationError(f"generate: priority: {refused}")
+        self._check_submit(salt, priority)
         notes: list[tuple[str, Any, str]] = []
         request = self._check(prompt_token_ids, params, notes, pool=pool)
         request.salt = salt
@@ -598,12 +604,7 @@ class ServingEngine:
         to ``sinks[j]``. Their ids, in order; nothing queued when they could never run (as :meth:`submit`)."""
         if not sinks:
             return []
-        if self._stopping or self.loop_error is not None:
-            raise EngineStopped(self._why_stopped())
-        check_salt(salt)
-        refused = self.executor.priority_refusal(priority)
-        if refused is not None:
-            raise GenerationError(f"generate: priority: {refused}")
+        self._check_submit(salt, priority)
         notes: list[tuple[str, Any, str]] = []
         first = self._check(prompt_token_ids, params, notes)
         base = None

@@ -7,14 +7,13 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 from typing import Any
 
 from pipeline.audit import AuditLog
 from pipeline.audit_schema import cross_check
 from pipeline.config import V2_FIELD, framework_defaults
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, did_you_mean
 from pipeline.events import is_value_event
 from pipeline.limits import short_text
 from pipeline.paths import flatten
@@ -41,10 +40,9 @@ def resolve_field(name: str, aliases: dict[str, str] | None = None) -> str:
     by_leaf = [p for p in known if p.rsplit(".", 1)[-1] == name]
     if len(by_leaf) == 1:
         return by_leaf[0]
-    close = difflib.get_close_matches(name, known + [p.rsplit(".", 1)[-1] for p in known], n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'?" if close else f"fields: {', '.join(known)}"
+    hint = did_you_mean(name, known + [p.rsplit(".", 1)[-1] for p in known]) or f"; fields: {', '.join(known)}"
     # quoted cut: the name is the user's, and over HTTP (/v1/kvload/explain?field=) any client's, whole it was 60 KB
-    raise ConfigError(f"explain: {short_text(name, 80)} is not an LlmArgs field; {hint}", path=None)
+    raise ConfigError(f"explain: {short_text(name, 80)} is not an LlmArgs field{hint}", path=None)
 
 
 # --- one field's chain ---------------------------------------------------------------------

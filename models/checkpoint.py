@@ -17,7 +17,6 @@ Reading a GGUF header costs seconds, so once the checkpoint was converted to saf
 
 from __future__ import annotations
 
-import difflib
 import importlib.metadata
 import json
 import os
@@ -28,7 +27,7 @@ import attrs
 
 from models.config_check import check_fields, token_ids_problem
 from models.user_paths import expand_user
-from pipeline.errors import ModelError, cannot_read, first_line
+from pipeline.errors import ModelError, cannot_read, did_you_mean, first_line
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 from pipeline.textfile import read_regular
 
@@ -189,7 +188,7 @@ def resolve_checkpoint(name: str) -> Checkpoint:
             raise ModelError(missing_revision(name, folder))
         setting = cache_setting_problem()  # the lookup went through a file: say so, not only where it looked
         raise ModelError(
-            f"model {name!r}: not a preset or a directory;{_near_name(name)} presets: {', '.join(presets())}; "
+            f"model {name!r}: not a preset or a directory{_near_name(name)} presets: {', '.join(presets())}; "
             f"packaged models: {', '.join(packaged_models())}; nor a model in the local Hugging Face cache "
             f"(looked for {folder}{'; ' + setting if setting else ''}); "
             f"kvload never downloads: fetch it first (hf download {name.partition('@')[0]}) or point HF_HOME / "
@@ -198,19 +197,18 @@ def resolve_checkpoint(name: str) -> Checkpoint:
     if _looks_like_path(name):
         raise ModelError(f"model {name!r}: no such directory")
     raise ModelError(
-        f"model {name!r}: not a preset or a directory;{_near_name(name)} presets: {', '.join(presets())}; "
+        f"model {name!r}: not a preset or a directory{_near_name(name)} presets: {', '.join(presets())}; "
         f"packaged models: {', '.join(packaged_models())} (or give a checkpoint directory, .gguf file or Hugging Face "
         "model id)"
     )
 
 
 def _near_name(name: str) -> str:
-    """`` did you mean 'tiny-llama'?`` for a preset or packaged model spelt nearly so (a letter off, a case, ``_`` for
-    ``-``, ``smollm2`` for ``smollm2-135m``); empty when none is near. The list alone left the user to spot it, and a
-    name shaped like a Hugging Face id was told to ``hf download`` the typo."""
+    """``; did you mean 'tiny-llama'?`` for a preset or packaged model spelt nearly so (a letter off, a case, ``_`` for
+    ``-``, ``smollm2`` for ``smollm2-135m``); ``;`` alone when none is near. The list alone left the user to spot it,
+    and a name shaped like a Hugging Face id was told to ``hf download`` the typo."""
     known = [*presets(), *packaged_models()]
-    close = difflib.get_close_matches(name.lower().replace("_", "-"), known, n=1, cutoff=0.7)
-    return f" did you mean {close[0]!r}?" if close else ""
+    return did_you_mean(name, known) or ";"
 
 
 class _NotStandard:

@@ -7,7 +7,6 @@ Errors come back as one :class:`~pipeline.errors.ConfigError` that names the dot
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -31,7 +30,7 @@ from pipeline.config import (
     parse_size,
     public_fields,
 )
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, did_you_mean
 from pipeline.limits import MAX_INT, plain_scalar
 
 T = TypeVar("T")
@@ -117,10 +116,9 @@ def _describe(exc: BaseException, _type: Any) -> str:
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [a.name for a in public_fields(exc.cl)]
         key = sorted(exc.extra_fields)[0]
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
+        hint = did_you_mean(key, known) or f"; known keys: {', '.join(known)}"
         # an empty key named as one: the line read "kv_cache_config: unknown key", blaming the parent
-        return f"{key or repr(key)}{_SEP}unknown key; {hint}"
+        return f"{key or repr(key)}{_SEP}unknown key{hint}"
     if isinstance(exc, FieldError):
         return f"{exc.field}{_SEP}{exc.detail}"
     if isinstance(exc, KeyError):  # cattrs already noted the missing attribute in the path

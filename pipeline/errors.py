@@ -20,13 +20,68 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     return lines[0]
 
 
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """``"; did you mean 'temperature'?"`` for a mistyped keyword close to one of ``known`` (else ""), to end its
-    refusal with: the list of every field alone left the user to spot the one they meant."""
-    if len(name) > 100:  # no field is that long, and difflib's time grows with it
+#: How near a mistyped name must come to a known one (difflib's ratio, case, ``-``/``_`` and leading dashes aside)
+#: to be offered. One cutoff for every "did you mean" (the callers had 0.5, 0.6, 0.7 and 0.75): at 0.6 ``--quiet``
+#: was offered ``--requests`` and ``--verbos`` ``--version``; 0.7 keeps the one-letter slips and the swapped or
+#: doubled letters, and an abbreviation is met by the names it begins (:func:`close_names`).
+SUGGEST_CUTOFF = 0.7
+
+#: The most names a prefix is answered with (``--api``: ``--api-key or --api-server-count``); more is no suggestion.
+MAX_PREFIXED = 3
+
+
+def _spelling(name: str) -> str:
+    """A name as it is compared: case, ``-`` for ``_`` and dashes at either end aside (``Tiny_Llama`` is ``tiny-llama``;
+    ``--quiet`` is not near ``--requests`` for the ``--`` both begin with)."""
+    return name.lower().replace("-", "_").strip("_")
+
+
+def _spellings(known: Iterable[str]) -> dict[str, list[str]]:
+    """The known names by :func:`_spelling`, each with its spellings sorted (``--max-tokens``, ``--max_tokens``)."""
+    grouped: dict[str, list[str]] = {}
+    for name in sorted(set(known)):
+        grouped.setdefault(_spelling(name), []).append(name)
+    return grouped
+
+
+def _as_typed(name: str, spellings: list[str]) -> str:
+    """Of one name's spellings, the one nearest the user's (``--api_keyy``: ``--api_key``); on a tie the last sorted,
+    the underscored."""
+    return max(reversed(spellings), key=lambda s: difflib.SequenceMatcher(None, name, s).ratio())
+
+
+def prefixed(name: str, known: Iterable[str]) -> list[str]:
+    """The known names ``name`` begins (case and ``-``/``_`` aside), one spelling each, sorted."""
+    return _prefixed(name, _spellings(known))
+
+
+def _prefixed(name: str, grouped: dict[str, list[str]]) -> list[str]:
+    key = _spelling(name)
+    return [_as_typed(name, group) for spelling, group in grouped.items() if spelling.startswith(key)]
+
+
+def close_names(name: str, known: Iterable[str]) -> list[str]:
+    """The known names a mistyped ``name`` most likely meant, best first (empty: none near): the one, or the few, it
+    begins (argparse's prefix matching expanded a unique one), else the nearest within :data:`SUGGEST_CUTOFF`, case
+    and ``-``/``_`` aside."""
+    if not _spelling(name) or len(name) > 100:  # no name is that long, and difflib's time grows with it
+        return []
+    grouped = _spellings(known)
+    begun = _prefixed(name, grouped)
+    if 0 < len(begun) <= MAX_PREFIXED and _spelling(name) not in grouped:
+        return begun
+    close = difflib.get_close_matches(_spelling(name), list(grouped), n=1, cutoff=SUGGEST_CUTOFF)
+    return [_as_typed(name, grouped[c]) for c in close]
+
+
+def did_you_mean(name: str, known: Iterable[str], quote: bool = True) -> str:
+    """``"; did you mean 'temperature'?"`` (or ``'top_k' or 'top_p'``) for a mistyped name near one of ``known``
+    (else ""), to end its refusal with: the list of every field alone left the user to spot the one they meant.
+    ``quote=False`` writes the names bare, as the command line's options stand in its error line."""
+    close = close_names(name, known)
+    if not close:
         return ""
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return f"; did you mean {' or '.join(repr(c) if quote else c for c in close)}?"
 
 
 def unknown_argument(call: str, name: str, known: Sequence[str], what: str = "arguments") -> str:

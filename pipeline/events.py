@@ -11,6 +11,16 @@ from typing import Any, ClassVar
 
 import attrs
 
+#: A field's metadata key: the field is left out of the record when None (a record reads as it did before the field
+#: came, and carries no ``request=None`` on a line no request gave).
+OMIT_NONE = "omit_none"
+
+
+def omitted_when_none() -> Any:
+    """An optional field (default None) that the record leaves out while it is None (:data:`OMIT_NONE`)."""
+    return attrs.field(default=None, metadata={OMIT_NONE: True})
+
+
 #: name -> class, filled by :func:`event`.
 EVENT_TYPES: dict[str, type[Event]] = {}
 
@@ -46,8 +56,9 @@ class Event:
         if self.level != "info":
             record["level"] = self.level
         for a in attrs.fields(type(self)):
-            if a.name not in ("stage", "seq"):
-                record[a.name] = getattr(self, a.name)
+            value = getattr(self, a.name)
+            if a.name not in ("stage", "seq") and not (value is None and a.metadata.get(OMIT_NONE)):
+                record[a.name] = value
         return record
 
 
@@ -96,14 +107,7 @@ class ArgsParsed(Event):
     old: Any
     new: Any
     source: str
-    given_as: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The wire form; ``given_as`` only when a vLLM name gave the value (records read as they always did)."""
-        record = super().to_dict()
-        if self.given_as is None:
-            del record["given_as"]
-        return record
+    given_as: str | None = omitted_when_none()
 
 
 @event("source_conflict", level="warning")
@@ -257,15 +261,7 @@ class SettingIgnored(Event):
     reason: str
     #: The served request that gave it (``kvload serve``; its reason ends ``(request ID)`` too, for the log line):
     #: ``kvload audit`` counts the same warning of many requests as one.
-    request: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The wire form; ``request`` only where a served request gave the setting (no ``request=None`` on a load's
-        or ``generate``'s log line)."""
-        record = Event.to_dict(self)
-        if self.request is None:
-            del record["request"]
-        return record
+    request: str | None = omitted_when_none()
 
 
 @event("max_seq_len_beyond_positions", level="warning")

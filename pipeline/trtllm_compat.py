@@ -15,12 +15,11 @@ defines is never ignored: when kvload gains a field, its key starts to act.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, close_names, did_you_mean
 from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, short
 from pipeline.vllm_compat import (
     DUMMY_LOAD,
@@ -28,6 +27,7 @@ from pipeline.vllm_compat import (
     SECRET_KNOBS,
     refused_key,
     spec_int,
+    spec_keys,
     speculative_config,
     vllm_knob,
     write_as,
@@ -249,11 +249,8 @@ def trtllm_speculative_config(value: Mapping[str, Any]) -> tuple[dict[str, Any],
         return None
     known = {"decoding_type", "max_draft_len", "max_matching_ngram_size", "max_concurrency", "max_total_draft_tokens",
              *_TRTLLM_NGRAM_SWITCHES, *_TRTLLM_NGRAM_IGNORED}
-    for key in value:
-        if key not in known:
-            raise ConfigError(f"{where}: {short(key)}: not a key of TensorRT-LLM's NGramDecodingConfig; its keys: "
-                              "decoding_type, max_draft_len, max_matching_ngram_size, max_concurrency, is_keep_all, "
-                              "is_use_oldest, is_public_pool, ...", path=where, detail="unknown key")
+    spec_keys(value, known, "not a key of TensorRT-LLM's NGramDecodingConfig; its keys: decoding_type, max_draft_len, "
+              "max_matching_ngram_size, max_concurrency, is_keep_all, is_use_oldest, is_public_pool, ...")
     drafts = spec_int(value, "max_draft_len", 1, MAX_DRAFT_LEN,
                       required="decoding_type NGram (the draft tokens per step)")
     fields: dict[str, Any] = {"max_draft_len": drafts}
@@ -303,7 +300,15 @@ def _near_miss(prefix: str, key: Any, own: set[str], ignored: Mapping[str, str])
     """A mistyped TensorRT-LLM key gets a suggestion of that key (the converter suggests kvload's own)."""
     if not isinstance(key, str) or key in own:
         return
-    close = difflib.get_close_matches(key, sorted(own | set(ignored)), n=1, cutoff=0.75)
-    if close and close[0] in ignored:
-        raise ConfigError(f"{prefix}{key}: unknown key; did you mean '{close[0]}' (a TensorRT-LLM option kvload "
-                          "accepts and ignores)?", path=prefix + key, detail="unknown key")
+    known = own | set(ignored)
+    close = close_names(key, known)
+    theirs = [repr(name) for name in close if name in ignored]
+    if not theirs:
+        return
+    if len(theirs) < len(close):  # --cuda_graph: some of the names it begins are kvload's own
+        note = f"{' and '.join(theirs)}: TensorRT-LLM option{'s' if len(theirs) > 1 else ''} kvload accepts and ignores"
+    else:
+        note = "TensorRT-LLM options kvload accepts and ignores" if len(theirs) > 1 else \
+            "a TensorRT-LLM option kvload accepts and ignores"
+    raise ConfigError(f"{prefix}{key}: unknown key{did_you_mean(key, known)} ({note})", path=prefix + key,
+                      detail="unknown key")

@@ -419,11 +419,8 @@ def speculative_config(value: Any) -> tuple[dict[str, Any], list[tuple[str, Any,
                           path=where, detail="not an n-gram method")
     known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
              "disable_by_batch_size", *SPECULATIVE_IGNORED}
-    for key in value:
-        if key not in known:
-            raise ConfigError(f"{where}: {short(key)}: not a vLLM speculative_config key kvload knows; its n-gram "
-                              "keys: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
-                              "disable_by_batch_size", path=where, detail="unknown key")
+    spec_keys(value, known, "not a vLLM speculative_config key kvload knows; its n-gram keys: method, "
+              "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, disable_by_batch_size")
     drafts = spec_int(value, "num_speculative_tokens", 1, MAX_DRAFT_LEN,
                       required="method 'ngram' (the draft tokens per step, kvload's max_draft_len)")
     low = spec_int(value, "prompt_lookup_min", 1, None)
@@ -452,6 +449,15 @@ def speculative_config(value: Any) -> tuple[dict[str, Any], list[tuple[str, Any,
         if key in value and value[key] is not None:
             ignored.append((f"{where}.{key}", value[key], why))
     return fields, ignored
+
+
+def spec_keys(value: Mapping[str, Any], known: set[str], why: str) -> None:
+    """Refuse the first key of ``speculative_config`` not in ``known``: ``speculative_config: KEY: why``. vLLM's
+    shape and TensorRT-LLM's NGram (``pipeline.trtllm_compat``) check theirs through this, as :func:`spec_int`."""
+    for key in value:
+        if key not in known:
+            raise ConfigError(f"speculative_config: {short(key)}: {why}", path="speculative_config",
+                              detail="unknown key")
 
 
 def spec_int(value: Mapping[str, Any], key: str, low: int, high: int | None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +11,7 @@ from pipeline.bus import Emit
 from pipeline.config import AUTO, LlmArgs, framework_defaults, freeze, set_field
 from pipeline.context import Context, ModelInfo
 from pipeline.converter import structure
-from pipeline.errors import ConfigError, ModelError
+from pipeline.errors import ConfigError, ModelError, did_you_mean
 from pipeline.events import ModelDefaultApplied, ModelDefaultSkipped, ModelResolved, ModelSpecFallback
 from pipeline.generation_config import resolve_sampling_defaults
 from pipeline.paths import flatten, get_in, unflatten
@@ -44,9 +43,7 @@ def validate_model_defaults(proposed: Any, spec_name: str) -> dict[str, Any]:
     leaves = flatten(proposed)
     for path, value in leaves.items():
         if path not in known:
-            close = difflib.get_close_matches(path, list(known), n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ModelError(f"{where}: unknown key '{path}'{hint}")
+            raise ModelError(f"{where}: unknown key '{path}'{did_you_mean(path, known)}")
         if path not in MODEL_SETTABLE:
             raise ModelError(f"{where}: key '{path}' may not be set by a model (it is the user's to decide)")
         if value == AUTO:

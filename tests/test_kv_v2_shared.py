@@ -19,6 +19,7 @@ import pipeline
 from cache_backends import LayerKV, build_layout
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
+from cache_backends.v2 import KVCacheManagerV2
 from cache_backends.v2.radix import PendingPrefix
 from cache_backends.v2.shared_pool import SharedPool, interleave
 from engine.simulator import simulate
@@ -502,15 +503,24 @@ def _slide_run(requests: list[tuple[str, list[int], int]], fast: bool) -> tuple[
     m._slide_parked = slide  # type: ignore[method-assign]
     arena.take_one_each = take  # type: ignore[method-assign]
     queue = [Request(rid, prompt, new) for rid, prompt, new in requests]
+    # each request's KV checked as it ends (the loop after the run this replaced saw none: every request had ended)
+    states = _decode_all(m, queue, 3, lambda r: check_kv(m, r))
+    return states, took[0], took[1]
+
+
+def _decode_all(m: KVCacheManagerV2, queue: list[Request], at_once: int, ending: Callable[[Request], None]) -> list:
+    """Prefill ``at_once`` of ``queue`` at a time and decode each a token per step (reserved by ``schedule_tokens``,
+    as the scheduler does) until it has its new tokens, then ``ending(r)`` and free it; the state after every step."""
     running: list[Request] = []
     states = []
     while queue or running:
-        while queue and len(running) < 3:
+        while queue and len(running) < at_once:
             r = queue.pop(0)
             prefill(m, r)
             running.append(r)
         for r in list(running):
             if len(r.output_token_ids) >= r.max_new_tokens:
+                ending(r)
                 m.free(r)
                 running.remove(r)
                 continue
@@ -520,9 +530,7 @@ def _slide_run(requests: list[tuple[str, list[int], int]], fast: bool) -> tuple[
             m.commit(r, 1)
         m.check_invariants()
         states.append(_slide_state(m))
-    for r in running:
-        check_kv(m, r)
-    return states, took[0], took[1]
+    return states
 
 
 @pytest.mark.parametrize("requests", [
@@ -559,28 +567,13 @@ def _finish_run(requests: list[tuple[str, list[int], int, int, int]], fast: bool
     m._finish_parked = finish  # type: ignore[method-assign]
     queue = [Request(rid, prompt, new, priority=priority) for rid, prompt, new, priority, _ in requests]
     ahead = {rid: k for rid, _, _, _, k in requests}
-    running: list[Request] = []
-    states = []
-    while queue or running:
-        while queue and len(running) < at_once:
-            r = queue.pop(0)
-            prefill(m, r)
-            running.append(r)
-        for r in list(running):
-            if len(r.output_token_ids) >= r.max_new_tokens:
-                if ahead[r.req_id]:  # blocks past the full ones: the tail a finish frees
-                    r.draft_token_ids = [3] * ahead[r.req_id]
-                    assert m.schedule_tokens(r, ahead[r.req_id]) == ahead[r.req_id]
-                m.free(r)
-                running.remove(r)
-                continue
-            r.output_token_ids.append(next_token(r))
-            assert m.schedule_tokens(r, 1) == 1
-            write_kv(m, r, r.num_computed_tokens, 1)
-            m.commit(r, 1)
-        m.check_invariants()
-        states.append(_slide_state(m))
-    return states, took[0]
+
+    def reserve_ahead(r: Request) -> None:
+        if ahead[r.req_id]:  # blocks past the full ones: the tail a finish frees
+            r.draft_token_ids = [3] * ahead[r.req_id]
+            assert m.schedule_tokens(r, ahead[r.req_id]) == ahead[r.req_id]
+
+    return _decode_all(m, queue, at_once, reserve_ahead), took[0]
 
 
 @settings(max_examples=40, deadline=None)

@@ -20,6 +20,7 @@ from kvload.cli.values import (
     tri_state,
 )
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from pipeline.paths import set_in
 
 
 @attrs.frozen
@@ -284,11 +285,7 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
         value = getattr(ns, f.dest, None)
         if value is None:
             continue
-        *parents, leaf = f.path.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        set_in(tree, f.path, value)
     for _, key, _, _ in VLLM_KNOB_FLAGS:
         value = getattr(ns, _knob_dest(key), None)
         if value is not None:

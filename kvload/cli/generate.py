@@ -13,7 +13,7 @@ from kvload.cli.output import print_result, prints
 from kvload.cli.parser import HelpFormatter
 from kvload.cli.sampling_defaults import default_length_origin, peek_sampling_defaults
 from kvload.cli.token_printer import _TokenPrinter
-from kvload.cli.values import _bounded, integer, number, token_ids
+from kvload.cli.values import _bounded, at_least, integer, number, token_ids
 from pipeline.errors import ConfigError
 from pipeline.limits import MAX_INT, MAX_LOGPROBS, MAX_N
 
@@ -204,7 +204,7 @@ def add_generate_command(sub: Any) -> None:
     )
 
     g.add_argument("--max_new_tokens", "--max-new-tokens", dest="max_new_tokens", default=None,
-                   metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   metavar="N", type=at_least(1),
                    help=f"most tokens generated per sample (SamplingParams.max_tokens; default: the model's, else "
                         f"{DEFAULT_MAX_TOKENS}); --max_tokens is the KV cache budget")
     g.add_argument("--temperature", default=None, metavar="T",
@@ -229,7 +229,7 @@ def add_generate_command(sub: Any) -> None:
                    type=_bounded(integer, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
                    help="report the K most likely tokens' log-probabilities per generated token (printed after "
                         "each reply; in --json, each sample's logprobs)")
-    g.add_argument("--seed", default=None, metavar="S", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
+    g.add_argument("--seed", default=None, metavar="S", type=at_least(0),
                    help="sampling seed (each prompt's sample j uses S + j, vLLM's rule); absent = a fresh random seed")
     g.add_argument("--salt", default=None, metavar="TEXT",
                    help="prefix-reuse scope: prompts under different salts never share cached blocks")
@@ -247,7 +247,7 @@ def add_generate_command(sub: Any) -> None:
                    metavar="F", type=_bounded(number, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
                    help="subtract F per time the output holds a token from its logit (default: 0 = off)")
     g.add_argument("--min_tokens", "--min-tokens", dest="min_tokens", default=0, metavar="N",
-                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
+                   type=at_least(0),
                    help="no EOS, stop token or stop string ends a sample before it has N tokens (default: 0)")
     g.add_argument("--min_p", "--min-p", dest="min_p", default=None, metavar="P",
                    type=_bounded(number, lambda v: 0 <= v <= 1, "a number in [0, 1]"),

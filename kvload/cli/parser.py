@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 
 from kvload.cli.flags import FLAG_FOR_PATH
 from kvload.cli.output import ResultStream, _drop_stdout, error_text
-from pipeline.errors import OutputError
+from pipeline.errors import OutputError, close_names, did_you_mean, prefixed
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -129,12 +129,7 @@ class OneLineParser(argparse.ArgumentParser):
         name = unknown.split("=", 1)[0]
         if name in options:  # an option of another subcommand
             return f"; {name} belongs to another command (see kvload --help)"
-        several = prefixed_options(name, options)
-        if 1 < len(several) <= 3:  # a prefix of a few (--api: --api-key, --api-server-count): each, not a guess
-            return f"; did you mean {' or '.join(several)}?"
-        close = closest_option(name, options)
-        return f"; did you mean {close}?" if close else ""
-
+        return did_you_mean(name, options, quote=False)
 
     def _options(self) -> set[str]:
         """Every option string of this parser and its subcommands'."""
@@ -173,27 +168,10 @@ def _secret_like(arg: str, options: set[str]) -> bool:
     name = arg.split("=", 1)[0]
     if name in options:
         return False
-    if any(secret_option(o) for o in prefixed_options(name, options)):  # --api: it may be --api-key's, hidden
+    if any(secret_option(o) for o in prefixed(name, options)):  # --api: it may be --api-key's, hidden
         return True
-    close = closest_option(name, options)  # the hint's own choice: --hf-tokn, hinted --hf-token, hides its value too
-    return close is not None and secret_option(close)
-
-
-def prefixed_options(name: str, options: set[str]) -> list[str]:
-    """The known options ``name`` begins, one spelling each (the underscored, which sorts last)."""
-    return list({_norm(o): o for o in sorted(options) if o.startswith(name)}.values())
-
-
-def closest_option(name: str, options: set[str]) -> str | None:
-    """The known option a mistyped ``name`` most likely meant (None: none close): the only one it begins, as argparse's
-    prefix matching would have expanded it, else the nearest spelling."""
-    import difflib
-
-    prefixed = prefixed_options(name, options)
-    if len(prefixed) == 1:  # what argparse's prefix matching used to expand it to
-        return prefixed[0]
-    close = difflib.get_close_matches(name, sorted(options), n=1, cutoff=0.75)
-    return close[0] if close else None
+    # the hint's own choice: --hf-tokn, hinted --hf-token, hides its value too
+    return any(secret_option(close) for close in close_names(name, options))
 
 
 def hide_secrets(argv: Sequence[str], extras: Sequence[str], options: set[str]) -> list[str]:

@@ -10,7 +10,7 @@ from kvload.cli.files import _audit_subscribers
 from kvload.cli.flags import add_model_flags, cli_overrides
 from kvload.cli.output import print_result
 from kvload.cli.parser import HelpFormatter
-from kvload.cli.values import _bounded, integer, workload_arg
+from kvload.cli.values import at_least, workload_arg
 from pipeline.errors import ConfigError
 
 
@@ -95,9 +95,9 @@ def add_simulate_command(sub: Any) -> None:
     add_model_flags(p)
     g = p.add_argument_group("workload")
     g.add_argument("--workload", required=True, choices=tuple(WORKLOADS), help="which synthetic workload")
-    g.add_argument("--requests", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"), default=None, metavar="N",
+    g.add_argument("--requests", type=at_least(1), default=None, metavar="N",
                    help="number of requests (default: the workload's, see below)")
-    g.add_argument("--seed", type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), default=0, metavar="S",
+    g.add_argument("--seed", type=at_least(0), default=0, metavar="S",
                    help="random seed of the token ids (default 0)")
     g.add_argument("--workload-arg", "--workload_arg", dest="workload_args", type=workload_arg, action="append",
                    default=[], metavar="KEY=N", help="a workload size parameter, e.g. prefix_len=512 (repeatable)")

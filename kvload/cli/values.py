@@ -214,6 +214,12 @@ def _bounded(kind: Callable[[str], Any], ok: Callable[[Any], bool], expected: st
     return parse
 
 
+def at_least(least: int) -> Callable[[str], int]:
+    """An integer flag's type: a whole number >= ``least`` (and at most 2**63 - 1, as :func:`integer`), refused as
+    "expected an integer >= N"; the one check every count or seed flag had written out."""
+    return _bounded(integer, lambda v: v >= least, f"an integer >= {least}")
+
+
 def workload_arg(text: str) -> tuple[str, int]:
     """``KEY=INT`` → (key, int)."""
     key, sep, value = text.partition("=")

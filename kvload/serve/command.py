@@ -82,7 +82,7 @@ def add_serve_command(sub: Any) -> None:
     """``serve``: load, build the routed KV manager, answer OpenAI-style HTTP requests."""
     from kvload.cli.flags import _underscored, add_model_flags
     from kvload.cli.parser import HelpFormatter
-    from kvload.cli.values import _bounded, integer, json_object, number, size
+    from kvload.cli.values import _bounded, at_least, integer, json_object, number, size
 
     p = sub.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (continuous batching)",
@@ -106,7 +106,7 @@ def add_serve_command(sub: Any) -> None:
                    help="the model name clients send and /v1/models lists (default: MODEL's name); several, as vLLM "
                         "takes them: a request may give any, answers and metrics carry the first")
     g.add_argument("--default-max-tokens", "--default_max_tokens", dest="default_max_tokens", default=None,
-                   metavar="N", type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   metavar="N", type=at_least(1),
                    help=f"max_tokens of a request that gives none (default: the model's max_new_tokens from its "
                         f"generation_config.json, else {DEFAULT_MAX_TOKENS}; never past max_seq_len)")
     g.add_argument("--kv-events-file", "--kv_events_file", dest="kv_events_file", default=None, metavar="FILE.jsonl",
@@ -171,11 +171,11 @@ def add_serve_command(sub: Any) -> None:
                                              "fresh id (vLLM's flag)")
     g.add_argument("--h11-max-incomplete-event-size", "--h11_max_incomplete_event_size",
                    dest="h11_max_incomplete_event_size", default=None, metavar="BYTES",
-                   type=_bounded(integer, lambda v: 1 <= v <= MAX_INT, "an integer >= 1"),
+                   type=at_least(1),
                    help="the largest request head (request line and headers) in bytes; a larger one gets HTTP 431 "
                         "(vLLM's flag; default uvicorn's 16384)")
     g.add_argument("--h11-max-header-count", "--h11_max_header_count", dest="h11_max_header_count", default=None,
-                   metavar="N", type=_bounded(integer, lambda v: 1 <= v <= MAX_INT, "an integer >= 1"),
+                   metavar="N", type=at_least(1),
                    help="the most headers a request may have; more get HTTP 431 (vLLM's flag; default: no count, "
                         "the head's size bounds them)")
     # vLLM's front-end flags kvload serve cannot honour: parsed, so the refusal is one line saying why (cmd_serve)
@@ -195,9 +195,9 @@ def add_serve_command(sub: Any) -> None:
                         "string is one part) or auto (default): openai for a template that loops over a message's "
                         "content, else string")
     g.add_argument("--max-log-len", "--max_log_len", dest="max_log_len", default=None, metavar="N",
-                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"), help=argparse.SUPPRESS)
+                   type=at_least(0), help=argparse.SUPPRESS)
     g.add_argument("--audit-keep", "--audit_keep", dest="audit_keep", default=AUDIT_KEEP_DEFAULT, metavar="N",
-                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
+                   type=at_least(0),
                    help="request-time audit records (request_admitted, request_finished, ...) kept in memory for "
                         "GET /v1/kvload/audit, the newest; the load's are always kept and --audit-log FILE gets "
                         "every record (default %(default)s, a few hundred bytes each)")
@@ -216,14 +216,14 @@ def add_serve_command(sub: Any) -> None:
                         "trickles holds nothing (default %(default)g)")
     g.add_argument("--max-concurrent-requests", "--max_concurrent_requests", dest="max_concurrent_requests",
                    default=MAX_CONCURRENT_DEFAULT, metavar="N",
-                   type=_bounded(integer, lambda v: v >= 1, "an integer >= 1"),
+                   type=at_least(1),
                    help="completion, chat, responses, messages and (de)tokenize requests the server holds at once, "
                         "from their headers until their answer ends (queued for the engine included); more get HTTP "
                         "503 at once, before their body is read, and /health and /metrics keep answering "
                         "(default %(default)s)")
     g.add_argument("--responses-store-max", "--responses_store_max", dest="responses_store_max",
                    default=RESPONSES_STORE_MAX_DEFAULT, metavar="N",
-                   type=_bounded(integer, lambda v: v >= 0, "an integer >= 0"),
+                   type=at_least(0),
                    help="responses of POST /v1/responses kept in memory (all but those sent with store: false, as "
                         "OpenAI keeps them) for previous_response_id and GET/DELETE /v1/responses/{id}; past N the "
                         "least recently used is dropped (kvload_responses_evicted_total counts them); 0 keeps none "

@@ -27,7 +27,7 @@ import attrs
 
 from engine.beam_search import BeamSearchParams
 from engine.messages import MessageError, chat_messages
-from engine.prompts import TEMPLATE_OPTIONS, lone_surrogate, surrogate_in, template_options
+from engine.prompts import TEMPLATE_OPTIONS, lone_surrogate, not_unicode, surrogate_in, template_options
 from engine.sampling_params import (
     SamplingParams,
     check_logit_bias_count,
@@ -409,10 +409,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     _need(all(stops), "stop", "non-empty strings", stop)
     _as_api(check_stop_sizes, stops)  # the Python API's bounds, in its words
     for i, text in enumerate(stops):  # as prompts and salt: a stop string no decoded text could ever contain
-        at = lone_surrogate(text)
-        if at is not None:
-            raise BadRequest(f"stop[{i}]: not valid Unicode text (a lone surrogate at character {at}; text must be "
-                             "UTF-8)", param="stop")
+        problem = not_unicode(f"stop[{i}]", text)
+        if problem is not None:
+            raise BadRequest(problem, param="stop")
     stop_ids = body.get("stop_token_ids") or []
     _need(isinstance(stop_ids, list), "stop_token_ids", "a list of token ids (integers >= 0)", stop_ids)
     _as_api(check_stop_token_ids_count, len(stop_ids))
@@ -895,10 +894,9 @@ def _check_unicode(value: Any, field: str) -> None:
     """``BadRequest`` naming where in ``value`` (its keys too) a string holds a lone surrogate (JSON's ``"\\ud800"``):
     no tokenizer encodes one, and the chat template puts such values in the prompt."""
     found = surrogate_in(value, field)
-    if found is not None:
-        where, text = found
-        raise BadRequest(f"{where}: not valid Unicode text (a lone surrogate at character {lone_surrogate(text)}; text "
-                         "must be UTF-8)", param=field)
+    problem = not_unicode(*found) if found is not None else None
+    if problem is not None:
+        raise BadRequest(problem, param=field)
 
 
 def _shown(choice: Any) -> str:
