@@ -138,3 +138,45 @@ def test_embed_and_score_py():
     assert re.findall(r"\(size=(\d+)\)", out) == ["576", "576"]  # SmolLM2-135M's hidden size
     brazil, france = map(float, re.findall(r"^Score: (\S+)$", out, re.M))
     assert 0 < brazil < france <= 1  # the question is nearer the answer about France
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_metrics_py_tells_the_records_apart_vector_included():
+    spec = '{"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}'
+    out = run_example("metrics.py", spec)
+    assert re.search(r"^kvload_generation_tokens \(counter\) = \d+$", out, re.M)
+    assert re.search(r"^kvload_time_to_first_token_seconds \(histogram\)$", out, re.M)
+    (values,) = re.findall(r"^kvload_spec_decode_num_accepted_tokens_per_pos \(vector\) = (\[.*\])$", out, re.M)
+    accepted = int(re.search(r"^kvload_spec_decode_num_accepted_tokens \(counter\) = (\d+)$", out, re.M)[1])
+    assert len(eval(values)) == 3 and sum(eval(values)) == accepted
+
+
+def test_get_metrics_has_vllms_accepted_per_position_vector(tiny_checkpoints, tmp_path):
+    from kvload.metrics import Counter, Vector
+
+    # the tiny qwen3 falls into runs of one token, which the n-gram drafts then guess
+    words = with_tokenizer(tiny_checkpoints("qwen3"), tmp_path / "ckpt", 512)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with kvload.LLM(str(words), speculative_config=spec, device="cpu", max_model_len=64, log=False,
+                    kv_cache_config={"max_tokens": 256, "tokens_per_block": 4}) as llm:
+        llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], kvload.SamplingParams(max_tokens=30, ignore_eos=True))
+        stats = llm.last_stats
+        ours = {m.name: m for m in llm.get_metrics()}
+        theirs = {m.name: m for m in llm.get_metrics(metrics_name_prefix="vllm")}
+    vector = ours["kvload_spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(vector, Vector) and len(vector.values) == 3
+    assert sum(vector.values) == stats.accepted_draft_tokens == ours["kvload_spec_decode_num_accepted_tokens"].value > 0
+    assert vector.values == list(stats.accepted_per_position) + [0] * (3 - len(stats.accepted_per_position))
+    assert vector.values == sorted(vector.values, reverse=True)  # position i is confirmed only after 0 ... i-1
+    assert theirs["vllm:spec_decode_num_accepted_tokens_per_pos"].values == vector.values
+    assert isinstance(ours["kvload_spec_decode_num_draft_tokens"], Counter)
+
+
+def test_get_metrics_has_no_vector_without_drafts(tiny_checkpoints, tmp_path):
+    from kvload.metrics import Vector
+
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    with kvload.LLM(str(words), device="cpu", max_model_len=64, log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        llm.generate([[5, 6, 7]], kvload.SamplingParams(max_tokens=4))
+        assert not [m for m in llm.get_metrics() if isinstance(m, Vector)]  # as vLLM, which has the series with drafts
