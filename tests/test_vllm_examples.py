@@ -7,6 +7,7 @@ naming the file and commit it follows; a vLLM user changes the import line and t
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -180,3 +181,22 @@ def test_get_metrics_has_no_vector_without_drafts(tiny_checkpoints, tmp_path):
     with kvload.LLM(str(words), device="cpu", max_model_len=64, log=False, kv_cache_config={"max_tokens": 256}) as llm:
         llm.generate([[5, 6, 7]], kvload.SamplingParams(max_tokens=4))
         assert not [m for m in llm.get_metrics() if isinstance(m, Vector)]  # as vLLM, which has the series with drafts
+
+
+def test_vllms_import_path_of_the_sampling_parameters():
+    from kvload.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+
+    assert (SamplingParams, StructuredOutputsParams, BeamSearchParams) == (
+        kvload.SamplingParams, kvload.StructuredOutputsParams, kvload.BeamSearchParams)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_structured_outputs_py_choice_regex_json_grammar():
+    out = run_example("structured_outputs.py")
+    got = dict(re.findall(r"^Structured outputs by (\w+): (.*?)\n-{50}$", out, re.M | re.S))
+    assert got["Choice"] in ("Positive", "Negative")
+    assert re.fullmatch(r"\w+(@\w*(\.(c(om?)?)?)?)?", got["Regex"])  # the regex's prefix (max_tokens may cut it)
+    car = json.loads(got["JSON"])
+    assert set(car) == {"brand", "model", "car_type"} and car["car_type"] in ("sedan", "SUV", "Truck", "Coupe")
+    assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", got["Grammar"])
