@@ -17,7 +17,7 @@ from typing import Any
 
 from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, VLLM_LIST_FLAGS, VLLM_STORE_TRUE_FLAGS
 from kvload.cli.values import integer, json_object, number, size
-from pipeline.vllm_compat import SAME_MEANING
+from pipeline.vllm_compat import IGNORED, NO_OP_ONLY, REFUSED, SAME_MEANING, TAKEN_ELSEWHERE, different_meaning
 
 #: ``LlmArgs`` fields vLLM's ``EngineArgs`` has under the same name (``-tp`` too, as vLLM spells it)
 SAME_NAME = ("dtype", "device", "generation_config", "override_generation_config", "scheduling_policy",
@@ -33,6 +33,18 @@ OTHER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("seed", integer, "N"),
     ("kv_events_config", json_object, "JSON"),
 )
+
+#: ``--help`` of the flags whose kvload flag reads otherwise (kvload's is the switch off) or that have none
+OWN_HELP = {
+    "enable_prefix_caching": "kvload's kv_cache_config.enable_block_reuse: prefix (block) reuse on (the default) or "
+                             "off",
+    "seed": "the engine seed (0 by default): samples without a seed of their own draw from one sequence it starts",
+    "kv_events_config": "vLLM's KV cache event publisher, a JSON object of its KVEventsConfig keys",
+    "trust_remote_code": "accepted, reported setting_ignored: kvload never runs a checkpoint's own code (the families "
+                         "it serves run transformers' built-in classes)",
+    "speculative_config": "speculative decoding: {\"method\": \"ngram\", \"num_speculative_tokens\": N} is "
+                          "kvload's n-gram drafts (max_draft_len); other methods are refused",
+}
 
 #: why ``EngineArgs(...)`` is not an object here
 NOT_CONSTRUCTED = ("EngineArgs: kvload's EngineArgs only adds vLLM's engine flags to a parser (EngineArgs.add_cli_args"
@@ -51,10 +63,30 @@ def _field_type(path: str) -> tuple[Callable[[str], Any] | None, str | None]:
     return flag.type, flag.metavar
 
 
+def _help(name: str) -> str:
+    """What ``--help`` says of vLLM's ``name`` here: kvload's field it sets, or why it does nothing or is refused."""
+    path = SAME_MEANING.get(name, name)
+    flag = next((f for f in FLAGS if f.path == path), None)
+    if name in OWN_HELP:
+        text = OWN_HELP[name]
+    elif flag is not None:
+        text = flag.help if path == name else f"kvload's {path}: {flag.help}"
+    elif name in IGNORED:
+        text = f"accepted, reported setting_ignored: {IGNORED[name]}"
+    elif name in NO_OP_ONLY:
+        accepted, why = NO_OP_ONLY[name]
+        text = f"only {' or '.join(map(repr, accepted))}: {why}"
+    elif name in REFUSED:
+        text = f"refused: {REFUSED[name]}"
+    else:
+        text = f"refused: {different_meaning(name, lambda p: p) or TAKEN_ELSEWHERE.get(name, '')}"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
 def _switch(group: Any, name: str, store_true: bool = False) -> None:
     """vLLM's on/off flag: ``--X`` / ``--no-X`` (``store_true``: ``--X`` alone, as vLLM declares it)."""
     action = "store_true" if store_true else argparse.BooleanOptionalAction
-    group.add_argument(_flag(name), dest=name, action=action, default=argparse.SUPPRESS)
+    group.add_argument(_flag(name), dest=name, action=action, default=argparse.SUPPRESS, help=_help(name))
 
 
 class EngineArgs:
@@ -75,20 +107,23 @@ class EngineArgs:
                 _switch(parser, name)
                 continue
             kind, metavar = _field_type(path)
-            parser.add_argument(_flag(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS)
+            parser.add_argument(_flag(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                                help=_help(name))
         for name in SAME_NAME:
             kind, metavar = _field_type(name)
             short = ("-tp",) if name == "tensor_parallel_size" else ()
             parser.add_argument(_flag(name), *short, dest=name, type=kind, metavar=metavar,
-                                default=argparse.SUPPRESS)
+                                default=argparse.SUPPRESS, help=_help(name))
         for name, kind, metavar in OTHER_FLAGS:
-            parser.add_argument(_flag(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS)
+            parser.add_argument(_flag(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                                help=_help(name))
         for flag, key, kind, metavar in VLLM_KNOB_FLAGS:
             if kind is None:
                 _switch(parser, key, store_true=flag in VLLM_STORE_TRUE_FLAGS)
             else:
                 parser.add_argument(flag, *VLLM_KNOB_SHORT.get(flag, ()), dest=key, type=kind, metavar=metavar,
-                                    nargs="+" if flag in VLLM_LIST_FLAGS else None, default=argparse.SUPPRESS)
+                                    nargs="+" if flag in VLLM_LIST_FLAGS else None, default=argparse.SUPPRESS,
+                                    help=_help(key))
         return parser
 
 

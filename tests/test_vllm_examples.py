@@ -47,6 +47,18 @@ def test_engine_args_puts_only_the_given_flags_under_llms_keywords():
     assert vars(engine_parser().parse_args([])) == {"max_tokens": None, "top_k_words": None}
 
 
+def test_engine_args_help_says_what_each_flag_does_here():
+    parser = engine_parser()
+    engine = [a for a in parser._actions if a.dest not in ("help", "max_tokens", "top_k_words")]
+    said = {a.option_strings[0]: a.help for a in engine}
+    assert len(said) > 60 and all(h and not h.rstrip().endswith(":") for h in said.values()), said
+    assert said["--max-model-len"].startswith("kvload's max_seq_len: longest sequence")
+    assert said["--enforce-eager"].startswith("accepted, reported setting_ignored: CUDA graphs")
+    assert said["--gpu-memory-utilization"].startswith("refused: vLLM's share of the whole GPU's memory")
+    assert said["--quantization"].startswith("only None: ")
+    assert "--gpu-memory-utilization F" in parser.format_help()  # argparse formats every line (a % would break it)
+
+
 def test_engine_args_into_an_argument_group_with_the_groups_default_model():
     parser = FlexibleArgumentParser()
     group = parser.add_argument_group("Engine arguments")
