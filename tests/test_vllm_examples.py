@@ -195,11 +195,24 @@ def test_get_metrics_has_no_vector_without_drafts(tiny_checkpoints, tmp_path):
         assert not [m for m in llm.get_metrics() if isinstance(m, Vector)]  # as vLLM, which has the series with drafts
 
 
-def test_vllms_import_path_of_the_sampling_parameters():
+def test_vllms_import_paths_of_the_parameters_prompts_and_outputs():
+    from kvload.inputs import TextPrompt, TokensPrompt
+    from kvload.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
+    )
     from kvload.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
     assert (SamplingParams, StructuredOutputsParams, BeamSearchParams) == (
         kvload.SamplingParams, kvload.StructuredOutputsParams, kvload.BeamSearchParams)
+    assert (TextPrompt, TokensPrompt) == (kvload.TextPrompt, kvload.TokensPrompt)
+    assert (RequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput,
+            ScoringRequestOutput) == (kvload.RequestOutput, kvload.CompletionOutput, kvload.EmbeddingOutput,
+                                      kvload.EmbeddingRequestOutput, kvload.ScoringOutput, kvload.ScoringRequestOutput)
 
 
 @pytest.mark.slow
