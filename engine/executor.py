@@ -483,6 +483,7 @@ class GenerationExecutor:
         start = time.perf_counter()
         forward_s = kv_s = 0.0
         drafted = accepted = 0
+        per_position: list[int] = []  # accepted drafts per draft position, summed over the steps
         self._live = {live.request.req_id: live for live in lives}
         # a prompt's index -> its samples, a first sample's request id -> the samples forked from it, each live's place:
         # a step's report reads the lives the step touched through these. It scanned every live of the call per step
@@ -503,6 +504,10 @@ class GenerationExecutor:
             kv_s += st.kv_seconds
             drafted += st.draft_tokens
             accepted += st.accepted_draft_tokens
+            for i, n in enumerate(st.accepted_per_position):
+                if i == len(per_position):
+                    per_position.append(0)
+                per_position[i] += n
             if proposer is not None:
                 for req in st.finished:
                     proposer.forget(req.req_id)
@@ -592,7 +597,7 @@ class GenerationExecutor:
             generated_tokens=sum(len(c.token_ids) for o in ordered for c in o.outputs), steps=steps, wall_s=wall,
             forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
             **{k: after[k] - before[k] for k in after}, samples=len(lives), draft_tokens=drafted,
-            accepted_draft_tokens=accepted)
+            accepted_draft_tokens=accepted, accepted_per_position=tuple(per_position))
         self.last_stats = stats
         self._event(GenerationFinished(
             call=call, requests=stats.samples, prompt_tokens=stats.prompt_tokens,

@@ -191,6 +191,8 @@ class GenerationStats:
     warmup_s: float = 0.0  # compiling attention shapes first seen in this call; not in wall_s/forward_s
     draft_tokens: int = 0  # speculative decoding: draft tokens computed
     accepted_draft_tokens: int = 0  # drafts the model confirmed (each one a token without a step of its own)
+    #: per draft position (0: the first draft), the drafts confirmed there (sums to accepted_draft_tokens)
+    accepted_per_position: tuple[int, ...] = ()
 
     @property
     def acceptance_rate(self) -> float:

@@ -483,7 +483,22 @@ def _build(params: StructuredOutputsParams, json_schema: Any, regex: Any, ebnf: 
         why = reason(exc)
         if kind == "json" and _UNSATISFIABLE.search(why):
             raise GenerationError(f"generate: structured_outputs.json: {NO_VALUE}: {why} {_WHEREVER}") from None
-        raise GenerationError(f"generate: structured_outputs.{kind}: xgrammar refused it: {why}") from None
+        lark = LARK_GRAMMAR if kind == "grammar" and looks_like_lark(params.spec) else ""
+        raise GenerationError(f"generate: structured_outputs.{kind}: xgrammar refused it: {why}{lark}") from None
+
+
+#: what a refused grammar written in Lark's notation is told: vLLM's examples send one (its SQL grammar), which vLLM
+#: hands to its guidance backend; kvload has xgrammar alone
+LARK_GRAMMAR = ("; this reads as a Lark grammar (rules `name: ...`, none `name ::= ...`), which vLLM passes to its "
+                "guidance backend: kvload compiles xgrammar's EBNF only (`root ::= ...`, rules `name ::= ...`, "
+                "regexes as character classes, e.g. [a-zA-Z_] [a-zA-Z0-9_]*)")
+
+
+def looks_like_lark(grammar: str) -> bool:
+    """Whether ``grammar`` has rules but none in EBNF's ``::=``: a Lark grammar (vLLM's test for one)."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.splitlines())
+    rules = [line for line in lines if line]
+    return bool(rules) and not any("::=" in line for line in rules)
 
 
 def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],

@@ -5,7 +5,8 @@ with ``kvload.PoolingParams``),
 ``kvload.SamplingParams`` (with ``kvload.StructuredOutputsParams``), ``kvload.BeamSearchParams`` and the outputs
 (``RequestOutput``, ``CompletionOutput``,
 ``TokenDelta``, ``BeamSearchOutput``), vLLM's prompt dicts ``TextPrompt`` / ``TokensPrompt``;
-``kvload.plan`` / ``kvload.load`` (the pipeline API).
+``kvload.plan`` / ``kvload.load`` (the pipeline API); vLLM's script helpers ``EngineArgs.add_cli_args`` and
+``FlexibleArgumentParser`` (also as ``kvload.utils`` / ``kvload.utils.argparse_utils``, vLLM's import paths).
 Names are imported on first use, so ``import kvload`` (and the CLI) stays quick: torch and
 transformers load only when something needs them.
 """
@@ -23,6 +24,8 @@ _EXPORTS = {
     "load": "kvload.api",
     "plan": "kvload.api",
     "LLM": "kvload.llm",
+    "EngineArgs": "kvload.engine_args",
+    "FlexibleArgumentParser": "kvload.engine_args",
     "SamplingParams": "engine.sampling_params",
     "StructuredOutputsParams": "engine.structured_params",
     "BeamSearchParams": "engine.beam_search",

@@ -313,7 +313,7 @@ class LLM:
             self.result.context.on_close(lambda: self._write_audit(audit_log))
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
-        self._metrics = LlmMetrics(str(self.args.model))
+        self._metrics = LlmMetrics(str(self.args.model), self.args.max_draft_len)
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
             executor.call_seeds, executor.llm_seed = random.Random(seed), int(seed)

@@ -1,7 +1,7 @@
 """``kvload.LLM.get_metrics()``: vLLM's in-memory metrics snapshot, with the names ``kvload serve`` exposes.
 
-vLLM's ``LLM.get_metrics()`` returns ``Counter`` / ``Gauge`` / ``Histogram`` records read from its Prometheus
-registry; kvload's are the same shapes, counted from what each ``generate`` / ``chat`` call returned (its
+vLLM's ``LLM.get_metrics()`` returns ``Counter`` / ``Gauge`` / ``Histogram`` / ``Vector`` records read from its
+Prometheus registry; kvload's are the same shapes, counted from what each ``generate`` / ``chat`` call returned (its
 ``RequestOutput``s and ``GenerationStats``) and read from the KV cache manager at the time of asking, so no
 ``prometheus_client`` is needed. Names and labels are the server's (``kvload.serve.metrics``), and so are the
 histogram buckets, defined here for both.
@@ -89,6 +89,14 @@ class Histogram(Metric):
     buckets: dict[str, int] = attrs.field(hash=False)
 
 
+@attrs.frozen
+class Vector(Metric):
+    """Counts by position (vLLM's ``Vector``): ``spec_decode_num_accepted_tokens_per_pos``, the drafts confirmed at
+    each draft position (0: the first), one value per position ``max_draft_len`` allows."""
+
+    values: list[int] = attrs.field(hash=False)
+
+
 def _le(bound: float) -> str:
     return "+Inf" if math.isinf(bound) else repr(float(bound))
 
@@ -115,8 +123,10 @@ class _Buckets:
 class LlmMetrics:
     """The totals behind :meth:`kvload.LLM.get_metrics`: what every returned call produced, plus the manager's own."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_draft_len: int = 0) -> None:
         self.model_name = model_name
+        #: drafts confirmed per draft position (speculative decoding; empty without it, as vLLM has no series then)
+        self.accepted_per_pos = [0] * max_draft_len
         self._lock = threading.Lock()  # a stream's thread records while the caller may ask
         self.counts = dict.fromkeys(("prompt_tokens", "generation_tokens", "num_preemptions", "num_suspensions",
                                      "engine_steps", "spec_decode_num_draft_tokens",
@@ -136,6 +146,8 @@ class LlmMetrics:
             c["engine_steps"] += stats.steps
             c["spec_decode_num_draft_tokens"] += stats.draft_tokens
             c["spec_decode_num_accepted_tokens"] += stats.accepted_draft_tokens
+            for i, n in enumerate(stats.accepted_per_position[:len(self.accepted_per_pos)]):
+                self.accepted_per_pos[i] += n
             for out in outputs:
                 for sample in out.outputs:
                     self.success[sample.finish_reason] += 1
@@ -159,6 +171,9 @@ class LlmMetrics:
                                  else Counter(name(key), dict(labels), value) for key, value in self.counts.items()]
             out += [Counter(name("request_success"), {**labels, "finished_reason": reason}, n)
                     for reason, n in self.success.items()]
+            if self.accepted_per_pos:
+                out.append(Vector(name("spec_decode_num_accepted_tokens_per_pos"), dict(labels),
+                                  list(self.accepted_per_pos)))
             out += [self.ttft.metric(name("time_to_first_token_seconds"), dict(labels)),
                     self.e2e.metric(name("e2e_request_latency_seconds"), dict(labels))]
         if manager_stats is not None:
@@ -175,5 +190,5 @@ class LlmMetrics:
 _OWN_COUNTERS = frozenset({"num_suspensions", "engine_steps"})
 
 __all__ = ["FINISH_REASONS", "ITERATION_TOKEN_BUCKETS", "LATENCY_BUCKETS", "METRIC_NAMINGS", "N_BUCKETS",
-           "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram", "LlmMetrics", "Metric", "metric_name",
-           "one_two_five_buckets"]
+           "TPOT_BUCKETS", "TTFT_BUCKETS", "Counter", "Gauge", "Histogram", "LlmMetrics", "Metric", "Vector",
+           "metric_name", "one_two_five_buckets"]

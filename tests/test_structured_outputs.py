@@ -174,6 +174,12 @@ def test_speculative_drafts_keep_the_constrained_tokens(bytes_ckpt, llm):
                                      r'"objectx"$'),
     (dict(grammar="root ::= foo"), r"^generate: structured_outputs\.grammar: xgrammar refused it: .*Rule \"foo\" is "
                                    r"not defined$"),
+    # vLLM's structured outputs examples send this Lark grammar (vLLM hands it to its guidance backend)
+    (dict(grammar='\n?start: select\n?select: "SELECT " column " FROM " table\n// a comment\n?column: /[a-z_]+/\n'
+                  '?table: /[a-z_]+/\n'),
+     r"^generate: structured_outputs\.grammar: xgrammar refused it: EBNF lexer error .*; this reads as a Lark "
+     r"grammar \(rules `name: \.\.\.`, none `name ::= \.\.\.`\), which vLLM passes to its guidance backend: kvload "
+     r"compiles xgrammar's EBNF only"),
     # xgrammar compiles these in a millisecond, then takes seconds to match each token past the 30th (on the loop
     # every request's step waits for)
     (dict(regex=NESTED), r"^generate: structured_outputs\.regex: too costly to match: a repetition of something that "

@@ -1,0 +1,152 @@
+"""vLLM's argparse habits for scripts: ``EngineArgs.add_cli_args(parser)`` and ``FlexibleArgumentParser``.
+
+vLLM's example scripts build their command line as ``parser = FlexibleArgumentParser(); EngineArgs.add_cli_args(
+parser); parser.set_defaults(model=...)`` and then call ``LLM(**vars(parser.parse_args()))``. Here the flags are
+vLLM's spellings of what ``kvload.LLM`` takes as keywords (the same tables as ``kvload run`` / ``serve``:
+:mod:`kvload.cli.flags`, :mod:`pipeline.vllm_compat`), each destined to the keyword ``LLM`` takes, and a flag not given
+is left out of the namespace (argparse's SUPPRESS), so ``LLM(**vars(args))`` passes exactly what the user typed and
+``LLM`` acts on it, reports it ``setting_ignored`` or refuses it in one line, as it does for the keywords.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, VLLM_LIST_FLAGS, VLLM_STORE_TRUE_FLAGS
+from kvload.cli.values import integer, json_object, number, size
+from pipeline.vllm_compat import IGNORED, NO_OP_ONLY, REFUSED, SAME_MEANING, TAKEN_ELSEWHERE, different_meaning
+
+#: ``LlmArgs`` fields vLLM's ``EngineArgs`` has under the same name (``-tp`` too, as vLLM spells it)
+SAME_NAME = ("dtype", "device", "generation_config", "override_generation_config", "scheduling_policy",
+             "tensor_parallel_size")
+
+#: vLLM's flags ``LLM`` takes but refuses (a meaning that differs from kvload's nearest setting), and ``LLM``'s own
+#: vLLM keywords: taken by the parser so ``LLM`` answers for them in its one line, not argparse's "unrecognized"
+OTHER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("gpu_memory_utilization", number, "F"),
+    ("swap_space", number, "GIB"),
+    ("num_gpu_blocks_override", integer, "N"),
+    ("kv_cache_memory_bytes", size, "BYTES"),
+    ("seed", integer, "N"),
+    ("kv_events_config", json_object, "JSON"),
+)
+
+#: ``--help`` of the flags whose kvload flag reads otherwise (kvload's is the switch off) or that have none
+OWN_HELP = {
+    "enable_prefix_caching": "kvload's kv_cache_config.enable_block_reuse: prefix (block) reuse on (the default) or "
+                             "off",
+    "seed": "the engine seed (0 by default): samples without a seed of their own draw from one sequence it starts",
+    "kv_events_config": "vLLM's KV cache event publisher, a JSON object of its KVEventsConfig keys",
+    "trust_remote_code": "accepted, reported setting_ignored: kvload never runs a checkpoint's own code (the families "
+                         "it serves run transformers' built-in classes)",
+    "speculative_config": "speculative decoding: {\"method\": \"ngram\", \"num_speculative_tokens\": N} is "
+                          "kvload's n-gram drafts (max_draft_len); other methods are refused",
+}
+
+#: why ``EngineArgs(...)`` is not an object here
+NOT_CONSTRUCTED = ("EngineArgs: kvload's EngineArgs only adds vLLM's engine flags to a parser (EngineArgs.add_cli_args"
+                   "(parser), then kvload.LLM(**vars(parser.parse_args()))); pass the engine arguments to "
+                   "kvload.LLM(model, ...) as keywords instead")
+
+
+def _flag(name: str) -> str:
+    """``max_model_len`` → ``--max-model-len``: vLLM's spelling (FlexibleArgumentParser takes underscores too)."""
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(path: str) -> tuple[Callable[[str], Any] | None, str | None]:
+    """How ``kvload run`` parses the flag of field ``path``: its type and metavar."""
+    flag = next(f for f in FLAGS if f.path == path and f.const is None)
+    return flag.type, flag.metavar
+
+
+def _help(name: str) -> str:
+    """What ``--help`` says of vLLM's ``name`` here: kvload's field it sets, or why it does nothing or is refused."""
+    path = SAME_MEANING.get(name, name)
+    flag = next((f for f in FLAGS if f.path == path), None)
+    if name in OWN_HELP:
+        text = OWN_HELP[name]
+    elif flag is not None:
+        text = flag.help if path == name else f"kvload's {path}: {flag.help}"
+    elif name in IGNORED:
+        text = f"accepted, reported setting_ignored: {IGNORED[name]}"
+    elif name in NO_OP_ONLY:
+        accepted, why = NO_OP_ONLY[name]
+        text = f"only {' or '.join(map(repr, accepted))}: {why}"
+    elif name in REFUSED:
+        text = f"refused: {REFUSED[name]}"
+    else:
+        text = f"refused: {different_meaning(name, lambda p: p) or TAKEN_ELSEWHERE.get(name, '')}"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _switch(group: Any, name: str, store_true: bool = False) -> None:
+    """vLLM's on/off flag: ``--X`` / ``--no-X`` (``store_true``: ``--X`` alone, as vLLM declares it)."""
+    action = "store_true" if store_true else argparse.BooleanOptionalAction
+    group.add_argument(_flag(name), dest=name, action=action, default=argparse.SUPPRESS, help=_help(name))
+
+
+class EngineArgs:
+    """vLLM's ``EngineArgs`` as its scripts use it: :meth:`add_cli_args` only (no engine object here)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(NOT_CONSTRUCTED)
+
+    @staticmethod
+    def add_cli_args(parser: Any) -> Any:
+        """Add ``--model`` and vLLM's engine flags ``kvload.LLM`` takes to ``parser`` (or an argument group), each
+        destined to ``LLM``'s keyword and absent from the namespace when not given; returns ``parser``."""
+        parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, metavar="MODEL",
+                            help="a preset or packaged model (see `kvload models`), a checkpoint directory, a .gguf "
+                                 "file, or a Hugging Face id in the local cache")
+        for name, path in SAME_MEANING.items():
+            if name == "enable_prefix_caching":
+                _switch(parser, name)
+                continue
+            kind, metavar = _field_type(path)
+            parser.add_argument(_flag(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                                help=_help(name))
+        for name in SAME_NAME:
+            kind, metavar = _field_type(name)
+            short = ("-tp",) if name == "tensor_parallel_size" else ()
+            parser.add_argument(_flag(name), *short, dest=name, type=kind, metavar=metavar,
+                                default=argparse.SUPPRESS, help=_help(name))
+        for name, kind, metavar in OTHER_FLAGS:
+            parser.add_argument(_flag(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                                help=_help(name))
+        for flag, key, kind, metavar in VLLM_KNOB_FLAGS:
+            if kind is None:
+                _switch(parser, key, store_true=flag in VLLM_STORE_TRUE_FLAGS)
+            else:
+                parser.add_argument(flag, *VLLM_KNOB_SHORT.get(flag, ()), dest=key, type=kind, metavar=metavar,
+                                    nargs="+" if flag in VLLM_LIST_FLAGS else None, default=argparse.SUPPRESS,
+                                    help=_help(key))
+        return parser
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vLLM's ``FlexibleArgumentParser``: an ``ArgumentParser`` that also takes ``--max_model_len`` for
+    ``--max-model-len`` (and ``--max_model_len=N``)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        """argparse's, with each underscored option that names a dashed one spelled dashed."""
+        given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args([self._dashed(a) for a in given], namespace)
+
+    def _dashed(self, arg: str) -> str:
+        """``--a_b[=v]`` → ``--a-b[=v]`` where only the dashed spelling is an option (a script's own ``--a_b``
+        stays); anything else as it is."""
+        if not arg.startswith("--") or "_" not in arg:
+            return arg
+        key, eq, value = arg.partition("=")
+        dashed = key.replace("_", "-")
+        options = self._option_string_actions
+        if key in options or dashed not in options:
+            return arg
+        return dashed + eq + value
+
+
+__all__ = ["EngineArgs", "FlexibleArgumentParser"]
