@@ -81,6 +81,7 @@ def test_a_classifier_does_not_generate_and_a_generative_model_does_not_classify
                                                       r"use LLM\.classify"):
                 call()
         assert llm.classify(PROMPTS[1])[0].outputs.num_classes == 3  # the refusals left nothing behind
+        assert llm.embed(PROMPTS[1])[0].outputs.hidden_size == 64  # the last token's hidden state, still
     words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
     with kvload.LLM(str(words), dtype="float32", **llm_kwargs()) as llm, \
             pytest.raises(GenerationError, match=r"^classify: .* is a generative model \(LlamaForCausalLM\), with no "
