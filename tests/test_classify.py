@@ -148,3 +148,50 @@ def test_score_of_a_many_label_classifier_is_refused_in_one_line(three_labels):
                                                  r"\(LlamaForSequenceClassification\), which gives no single score "
                                                  r"per pair; .*use classify"):
         llm.score("w5", "w6")
+
+
+def test_the_heads_activation_follows_vllms_rules_for_the_configs_problem_type_and_sentence_transformers():
+    """vLLM's classify activation: softmax, sigmoid for one label or a multi-label head, none for regression; a
+    cross-encoder's score activation: the sentence-transformers activation the config names (Identity: none)."""
+    from types import SimpleNamespace
+
+    from models.classifier import ClassifierHead
+
+    logits = torch.tensor([0.5, -1.0, 2.0])
+    cfg = SimpleNamespace(architectures=["Qwen3ForSequenceClassification"], id2label={0: "a", 1: "b", 2: "c"})
+    head = ClassifierHead.of(cfg, 3)
+    assert torch.allclose(head.probs(logits), torch.softmax(logits, -1)) and head.label([0.1, 0.2, 0.7]) == "c"
+    multi = ClassifierHead.of(SimpleNamespace(**vars(cfg), problem_type="multi_label_classification"), 3)
+    assert torch.allclose(multi.probs(logits), torch.sigmoid(logits))
+    regression = ClassifierHead.of(SimpleNamespace(**vars(cfg), problem_type="regression"), 3)
+    assert torch.equal(regression.probs(logits), logits)
+    one = torch.tensor([0.7])
+    plain = ClassifierHead.of(SimpleNamespace(architectures=["X"]), 1)
+    assert plain.score(one) == pytest.approx(float(torch.sigmoid(one)[0])) and plain.label([0.3]) is None
+    identity = ClassifierHead.of(SimpleNamespace(architectures=["X"], sentence_transformers={
+        "activation_fn": "torch.nn.modules.linear.Identity"}), 1)
+    assert identity.score(one) == pytest.approx(0.7)
+    assert ClassifierHead.of(SimpleNamespace(architectures=["X"], sbert_ce_default_activation_function=
+                                             "torch.nn.modules.linear.Identity"), 1).score(one) == pytest.approx(0.7)
+
+
+def test_a_pair_joins_by_the_tokenizers_pair_or_as_one_text_when_the_config_says_use_pad_token_false():
+    """vLLM's get_score_prompt: ``tokenizer(text_1, text_2)``; "LLM as reranker" configs (use_pad_token false) join the
+    two texts first (here "w5 w6" + "w7" is the words w5 and "w6w7", unknown: id 0)."""
+    from types import SimpleNamespace
+
+    from models.classifier import pair_ids
+    from tests.llm_support import word_tokenizer
+
+    tok = word_tokenizer(512)
+    assert pair_ids(tok, SimpleNamespace(), "w5 w6", "w7") == [5, 6, 7]
+    assert pair_ids(tok, SimpleNamespace(use_pad_token=False), "w5 w6", "w7") == [5, 0]
+
+
+def test_a_classifier_is_refused_across_tensor_parallel_ranks_in_one_line(three_labels):
+    from models.weights import pretrained_model
+    from pipeline.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"^tensor_parallel_size=2: .* is a sequence-classification checkpoint, "
+                                         r"which kvload runs on one rank; run it with tensor_parallel_size=1$"):
+        pretrained_model(three_labels, device="cpu", dtype="float32", tp_size=2, classifier=True)
