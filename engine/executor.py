@@ -84,6 +84,7 @@ from engine.sampling_params import (
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, GrammarBackend, constrain
+from models.classifier import head_of, not_generative
 from models.deepseek_v4_paged import V4_NO_DRAFTS, V4Snapshot, V4States, prefix_digest, step_states, uses_v4
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
@@ -433,6 +434,8 @@ class GenerationExecutor:
         caller to :meth:`PooledRows.take` from :attr:`pooled` by each output's ``request_id``.
         """
         self._check_open()
+        if not pool:
+            self.check_generates("generate")
         check_salt(salt)
         if isinstance(chat, Mapping):  # LLM.chat's template options, checked here (once, before any work)
             unknown = sorted(set(chat) - CHAT_OPTIONS)
@@ -613,10 +616,18 @@ class GenerationExecutor:
         from engine.beam_search import beam_search
 
         self._check_open()
+        self.check_generates("beam_search")
         refused = self.beam_refusal()
         if refused is not None:
             raise GenerationError(refused)
         return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt)
+
+    def check_generates(self, call: str) -> None:
+        """``GenerationError`` when the model cannot generate: a sequence-classification model (``models.classifier``)
+        has a classifier head where a generative one has its language-model head."""
+        head = head_of(self.model)
+        if head is not None:
+            raise GenerationError(not_generative(call, head))
 
     def beam_refusal(self) -> str | None:
         """Why this model cannot beam search (one line, for ``LLM.beam_search`` and the server), or None."""

@@ -36,24 +36,32 @@ def _check_truncate(_: Any, attribute: attrs.Attribute, value: Any) -> None:
                               f"prompt's last N tokens) or -1 (the model's length), got {short(value)}")
 
 
+def _check_activation(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise GenerationError(f"PoolingParams: {attribute.name}: expected true, false or None, got {short(value)}")
+
+
 @attrs.frozen(kw_only=True, init=False)
 class PoolingParams:
-    """vLLM's ``PoolingParams`` for ``LLM.embed``: ``normalize`` (L2, True by default as vLLM's embed task),
+    """vLLM's ``PoolingParams`` for ``LLM.embed``, ``LLM.classify`` and ``LLM.score``: ``normalize`` (L2, True by
+    default as vLLM's embed task), ``use_activation`` (a classifier's softmax or sigmoid; None: on, vLLM's default),
     ``truncate_prompt_tokens`` (keep the prompt's last N tokens; -1: the model's length) and ``dimensions`` (None
     only: no model kvload serves is a Matryoshka one)."""
 
     normalize: bool = attrs.field(default=True, validator=_check_normalize)
+    use_activation: bool | None = attrs.field(default=None, validator=_check_activation)
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
     dimensions: int | None = attrs.field(default=None, validator=_check_dimensions)
 
-    def __init__(self, *, normalize: bool = True, truncate_prompt_tokens: int | None = None,
-                 dimensions: int | None = None, **unknown: Any) -> None:
+    def __init__(self, *, normalize: bool = True, use_activation: bool | None = None,
+                 truncate_prompt_tokens: int | None = None, dimensions: int | None = None, **unknown: Any) -> None:
         """Keywords only; one that is not a field is named, with the field it is close to (``normalise``)."""
         if unknown:  # Python's TypeError ("unexpected keyword argument 'normalise'") suggested nothing
             name = next(iter(unknown))
             raise GenerationError(f"PoolingParams: unknown field {name[:80]!r}; fields are {', '.join(POOLING_FIELDS)}"
                                   f"{did_you_mean(name, POOLING_FIELDS)}")
-        self.__attrs_init__(normalize=normalize, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
+        self.__attrs_init__(normalize=normalize, use_activation=use_activation,
+                            truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
 
 
 #: :class:`PoolingParams`' fields, as its unknown-field error lists them
@@ -78,6 +86,31 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@attrs.frozen
+class ClassificationOutput:
+    """vLLM's ``ClassificationOutput``: one prompt's class probabilities (the head's logits through softmax, sigmoid
+    for one label), a list of floats."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """How many classes the head has."""
+        return len(self.probs)
+
+
+@attrs.frozen
+class ClassificationRequestOutput:
+    """vLLM's ``ClassificationRequestOutput``: ``outputs.probs`` of one prompt, with its ids and request id."""
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     prompt: str | None = None
     num_cached_tokens: int = 0
@@ -187,5 +220,6 @@ class PooledRows:
             self._rows[req_id] = hidden[row].detach().to("cpu", copy=True)
 
 
-__all__ = ["EmbeddingOutput", "EmbeddingRequestOutput", "PooledRows", "PoolingParams", "ScorePairsError",
+__all__ = ["ClassificationOutput", "ClassificationRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+           "PooledRows", "PoolingParams", "ScorePairsError",
            "ScoringOutput", "ScoringRequestOutput", "cosine", "pooled", "pooled_vector", "score_pairs"]

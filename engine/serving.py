@@ -526,6 +526,8 @@ class ServingEngine:
                notes: list[tuple[str, Any, str]], *, pool: bool = False) -> Request:
         """:meth:`check`, ``notes`` getting the ``setting_ignored`` (field, value, reason) of its cut, if any."""
         executor = self.executor
+        if not pool:
+            executor.check_generates("generate")
         items = executor._prompts([[int(t) for t in prompt_token_ids]], False, checked=False)
         # cut to params.truncate_prompt_tokens first, as generate does (kvload serve cuts before: no field set), then
         # the vocabulary and the length are checked

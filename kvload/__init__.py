@@ -1,7 +1,7 @@
 """kvload: load an LLM the way a serving engine does, with explicit stages and an audit log.
 
-The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream`` / ``.beam_search`` / ``.embed``
-with ``kvload.PoolingParams``),
+The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream`` / ``.beam_search`` / ``.embed`` /
+``.classify`` with ``kvload.PoolingParams``),
 ``kvload.SamplingParams`` (with ``kvload.StructuredOutputsParams``), ``kvload.BeamSearchParams`` and the outputs
 (``RequestOutput``, ``CompletionOutput``,
 ``TokenDelta``, ``BeamSearchOutput``), vLLM's prompt dicts ``TextPrompt`` / ``TokensPrompt``;
@@ -37,6 +37,8 @@ _EXPORTS = {
     "PoolingParams": "engine.pooling",
     "EmbeddingOutput": "engine.pooling",
     "EmbeddingRequestOutput": "engine.pooling",
+    "ClassificationOutput": "engine.pooling",
+    "ClassificationRequestOutput": "engine.pooling",
     "ScoringOutput": "engine.pooling",
     "ScoringRequestOutput": "engine.pooling",
     "TextPrompt": "engine.prompts",

@@ -30,6 +30,8 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.executor import StreamLeft
 from engine.outputs import GenerationStats, RequestOutput, TokenDelta
 from engine.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingParams,
@@ -45,6 +47,7 @@ from engine.sampling_params import SamplingParams, check_keywords, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.llm_ranks import SpawnedRanks, spawn_size
 from kvload.metrics import METRIC_NAMINGS, LlmMetrics, Metric
+from models.classifier import ClassifierHead, head_logits, head_of, no_head, not_one_score, pair_ids
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
@@ -208,10 +211,10 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
     "llm_engine": "the engine object; kvload's load is llm.result (its executor, kv_manager, scheduler, audit), "
                   "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
                   "llm.get_tokenizer()",
-    **dict.fromkeys(("encode", "classify", "reward"),
-                    "kvload generates text and embeds it (LLM.embed: the last token's hidden state; LLM.score: the "
-                    "cosine of two prompts' embeddings); its decoder models have no classification or reward heads "
-                    "to run"),
+    **dict.fromkeys(("encode", "reward"),
+                    "kvload generates text, embeds it (LLM.embed: the last token's hidden state) and classifies it "
+                    "with a *ForSequenceClassification checkpoint (LLM.classify); it runs no per-token pooling or "
+                    "reward heads"),
     **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
     **dict.fromkeys(("collective_rpc", "apply_model"),
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
@@ -466,15 +469,21 @@ class LLM:
     def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None, use_tqdm: Any = None,
               pooling_params: PoolingParams | None = None, lora_request: Any = None,
               salt: str | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` for an embedding model: the cosine similarity of each pair's :meth:`embed` vectors, one
-        :class:`ScoringRequestOutput` per pair, in order (``outputs.score``). ``data_1`` one prompt scored against
-        each of ``data_2`` (one or a list), or a list as long as ``data_2``, scored pairwise; prompts as
-        :meth:`generate` takes them. Every prompt is embedded in one batch."""
+        """vLLM's ``LLM.score``: one :class:`ScoringRequestOutput` per pair, in order (``outputs.score``). ``data_1``
+        one prompt scored against each of ``data_2`` (one or a list), or a list as long as ``data_2``, scored pairwise.
+        An embedding model scores a pair by the cosine similarity of its two :meth:`embed` vectors (prompts as
+        :meth:`generate` takes them, every prompt embedded in one batch); a one-label classifier (a cross-encoder) by
+        its head's logit through sigmoid over the pair as one sequence (texts, joined by the tokenizer as vLLM joins
+        them; ``PoolingParams(use_activation=False)``: the logit), every pair in one batch."""
         firsts, seconds = _one_or_many(data_1), _one_or_many(data_2)
         try:
             pairs = score_pairs(len(firsts), len(seconds))
         except ScorePairsError as e:
             raise GenerationError(f"score: {e}") from None
+        head = head_of(self.result.hf_model)
+        if head is not None:
+            return self._cross_score(head, firsts, seconds, pairs, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                     lora_request, salt)
         outs = self._embed("score", [*firsts, *seconds], pooling_params, truncate_prompt_tokens, use_tqdm,
                            lora_request, salt)
         vectors = [torch.tensor(o.outputs.embedding) for o in outs]
@@ -486,9 +495,52 @@ class LLM:
                                                prompt_token_ids=[*a.prompt_token_ids, *b.prompt_token_ids]))
         return scores
 
+    def _cross_score(self, head: ClassifierHead, firsts: list[Any], seconds: list[Any], pairs: list[tuple[int, int]],
+                     pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any, lora_request: Any,
+                     salt: str | None) -> list[ScoringRequestOutput]:
+        """:meth:`score` of a cross-encoder: each pair tokenized as one sequence, scored by the head."""
+        why = not_one_score("score", head)
+        if why is not None:
+            raise GenerationError(why)
+        if isinstance(pooling_params, Sequence):
+            raise GenerationError("score: pooling_params: expected one kvload.PoolingParams for every pair, got a "
+                                  "list")
+        texts = []
+        for k, prompt in enumerate([*firsts, *seconds]):
+            side, i = ("data_1", k) if k < len(firsts) else ("data_2", k - len(firsts))
+            text = prompt.get("prompt") if isinstance(prompt, Mapping) and set(prompt) == {"prompt"} else prompt
+            if not isinstance(text, str):
+                raise GenerationError(f"score: {side}[{i}]: a cross-encoder scores texts (its tokenizer joins each "
+                                      f"pair as one sequence), got {short(prompt)}")
+            texts.append(text)
+        if self.tokenizer is None:
+            raise GenerationError(f"score: {self.args.model} has no tokenizer to join each pair as one sequence")
+        config = self.result.hf_model.config
+        ids = [pair_ids(self.tokenizer, config, texts[i], texts[j]) for i, j in pairs]
+        outputs, rows, pooling = self._pool("score", ids, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                            lora_request, salt)
+        return [ScoringRequestOutput(request_id=out.request_id, prompt_token_ids=list(out.prompt_token_ids),
+                                     outputs=ScoringOutput(head.score(logits, p.use_activation is not False)))
+                for out, logits, p in zip(outputs, head_logits(self.result.hf_model, rows), pooling, strict=True)]
+
     def _embed(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
                lora_request: Any, salt: str | None) -> list[EmbeddingRequestOutput]:
         """:meth:`embed` as ``call`` (``embed`` or ``score``), which titles its errors."""
+        outputs, rows, pooling = self._pool(call, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                            lora_request, salt)
+        if any(p.use_activation is not None for p in pooling):
+            raise GenerationError(f"{call}: pooling_params' use_activation is a classifier's switch (LLM.classify); "
+                                  "an embedding takes normalize")
+        return [EmbeddingRequestOutput(
+            request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens, outputs=EmbeddingOutput(pooled_vector(row, p.normalize)))
+            for out, row, p in zip(outputs, rows, pooling, strict=True)]
+
+    def _pool(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
+              lora_request: Any, salt: str | None) -> tuple[list[RequestOutput], list[torch.Tensor],
+                                                             list[PoolingParams]]:
+        """Every prompt prefilled in one batch, as ``call`` (which titles its errors): each prompt's output, its last
+        hidden row (the final norm's output at its last token) and its PoolingParams, in order."""
         _no_lora(call, lora_request)
         with _named(call):
             # a text is not a list of PoolingParams (its letters were taken as one each)
@@ -517,15 +569,35 @@ class LLM:
             with self._running(call) as executor:
                 outputs = executor.run(prompts, sampling if per_prompt else sampling[0], salt=salt, pool=True)
                 rows = [executor.pooled.take(o.request_id) for o in outputs]
-        embedded = []
-        for i, (out, row) in enumerate(zip(outputs, rows, strict=True)):
+        for i, row in enumerate(rows):
             if row is None:  # every prompt's last token is computed by some step: a missing row is a bug, said so
                 raise GenerationError(f"{call}: prompt {i}: its last hidden state was not captured")
-            embedded.append(EmbeddingRequestOutput(
-                request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
-                num_cached_tokens=out.num_cached_tokens,
-                outputs=EmbeddingOutput(pooled_vector(row, pooling[i if per_prompt else 0].normalize))))
-        return embedded
+        return outputs, rows, [pooling[i if per_prompt else 0] for i in range(len(outputs))]  # type: ignore[misc]
+
+    def _head(self, call: str) -> ClassifierHead:
+        """The loaded classifier's head; ``GenerationError`` for a generative model, which has none."""
+        head = head_of(self.result.hf_model)
+        if head is None:
+            raise GenerationError(no_head(call, str(self.args.model), self.result.model.architecture))
+        return head
+
+    @_keywords
+    @_followed
+    def classify(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+                 salt: str | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` for a ``*ForSequenceClassification`` checkpoint: one
+        :class:`ClassificationRequestOutput` per prompt, in order, its ``outputs.probs`` the classifier head's logits at
+        the prompt's last token through softmax (sigmoid for one label; ``PoolingParams(use_activation=False)``: the
+        logits as computed). Arguments as :meth:`embed`'s; a generative model has no head (``GenerationError``)."""
+        head = self._head("classify")
+        outputs, rows, pooling = self._pool("classify", prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                            lora_request, salt)
+        return [ClassificationRequestOutput(
+            request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            outputs=ClassificationOutput(head.probs(logits, p.use_activation is not False).tolist()))
+            for out, logits, p in zip(outputs, head_logits(self.result.hf_model, rows), pooling, strict=True)]
 
     @_keywords
     @_followed

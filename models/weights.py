@@ -214,14 +214,21 @@ def save_random_model(hf_config: Any, path: Path, *, dtype: str, seed: int = 0) 
     return path
 
 
-def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -> Any:
+def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1, classifier: bool = False) -> Any:
     """Load a directory's weights with ``from_pretrained`` (never ``trust_remote_code``).
+
+    ``classifier``: a ``*ForSequenceClassification`` checkpoint, loaded with ``AutoModelForSequenceClassification``
+    and returned as its family's causal-LM class over the same weights (``models.classifier.as_causal_shell``).
 
     With ``tp_size > 1`` (every rank calling it under torch.distributed) transformers shards the model by
     its own tensor-parallel plan and places each rank's shard on the rank's device.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    if classifier and tp_size > 1:
+        raise ModelError(f"tensor_parallel_size={tp_size}: {path} is a sequence-classification checkpoint, which "
+                         "kvload runs on one rank; run it with tensor_parallel_size=1")
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
     tdtype = torch_dtype(dtype)
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
@@ -238,7 +245,7 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
         # line, so transformers' progress bar and multi-line LOAD REPORT stay off stderr. Mismatched shapes
         # are reinitialised instead of raised so the report names them; the model is then refused anyway.
         with _quiet_progress(), _quiet_load_report():
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto.from_pretrained(
                 str(path), dtype=tdtype, trust_remote_code=False, local_files_only=True,
                 output_loading_info=True, ignore_mismatched_sizes=True, **placement)
     except Exception as exc:  # loaders raise their own types (SafetensorError, struct.error, ...)
@@ -256,6 +263,10 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1) -
     except BaseException:
         del model
         raise
+    if classifier:
+        from models.classifier import as_causal_shell
+
+        return as_causal_shell(model.eval())
     return model.eval()
 
 
@@ -575,7 +586,10 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
 
             converted = cached_conversion(checkpoint) is None
             path, source = convert_gguf(checkpoint), "gguf"
-        model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size)
+        from models.classifier import is_sequence_classifier
+
+        model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size,
+                                 classifier=is_sequence_classifier(hf_config))
         try:
             tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         except BaseException:

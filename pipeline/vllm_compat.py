@@ -164,10 +164,12 @@ KNOB_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
 #: vLLM knobs whose value is a secret: recorded as hidden, never as given (the log, the audit).
 SECRET_KNOBS = frozenset({"hf_token"})
 
-#: Why vLLM's task/runner/convert need no value: one kvload.LLM generates and embeds.
-EMBEDS_TOO = ("kvload generates and embeds with one model (LLM.embed and kvload serve's /v1/embeddings pool the last "
-              "token's hidden state, as vLLM's runner pooling does for a decoder model), so there is no runner to "
-              "choose; it has no classification, scoring or reward models")
+#: Why vLLM's task/runner/convert need no value: a checkpoint is served as its ``architectures[0]`` says.
+EMBEDS_TOO = ("kvload serves a checkpoint as its architectures[0] says, so there is no runner to choose: a "
+              "*ForCausalLM one generates and embeds (LLM.embed and kvload serve's /v1/embeddings pool the last "
+              "token's hidden state, as vLLM's runner pooling does for a decoder model), a *ForSequenceClassification "
+              "one classifies (LLM.classify, POST /classify) and scores pairs through its head; it runs no reward "
+              "models (vLLM's per-token reward pooling)")
 
 #: vLLM's knobs whose only value kvload can honour is their no-op one → (the accepted values, why others are refused).
 NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -175,9 +177,9 @@ NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "cpu_offload_gb": ((0, 0.0), "kvload keeps every weight on the device"),
     "hf_overrides": ((None, {}), "kvload reads the checkpoint's config.json as it is"),
     # a decoder checkpoint as vLLM's embedding model is kvload's LLM itself: embed() pools as vLLM's does
-    "task": (("auto", "generate", "embed"), EMBEDS_TOO),
+    "task": (("auto", "generate", "embed", "classify", "score"), EMBEDS_TOO),
     "runner": (("auto", "generate", "pooling"), EMBEDS_TOO),
-    "convert": (("auto", "none", "embed"), EMBEDS_TOO),
+    "convert": (("auto", "none", "embed", "classify"), EMBEDS_TOO),
     "data_parallel_size": ((1,), "kvload runs one engine per process (start one kvload serve per replica)"),
     "pipeline_parallel_size": ((1,), "kvload splits a model by tensor parallel only (tensor_parallel_size)"),
     "model_impl": (("auto", "transformers"), "kvload runs transformers' built-in model classes"),

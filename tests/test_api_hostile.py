@@ -136,8 +136,8 @@ def test_every_public_calls_mistyped_keyword_is_one_line_with_the_name_it_is_clo
     before = tokens(llm)
     msgs = [{"role": "user", "content": "w1"}]
     cases = {
-        "PoolingParams: unknown field 'normalise'; fields are dimensions, normalize, truncate_prompt_tokens; did you "
-        "mean 'normalize'\\?": lambda: PoolingParams(normalise=False),
+        "PoolingParams: unknown field 'normalise'; fields are dimensions, normalize, truncate_prompt_tokens, "
+        "use_activation; did you mean 'normalize'\\?": lambda: PoolingParams(normalise=False),
         "embed: unknown argument 'pooling_param'; arguments are prompts, pooling_params, .*; did you mean "
         "'pooling_params'\\?": lambda: llm.embed([IDS], pooling_param=PoolingParams()),
         "score: unknown argument 'truncate_prompt_token'; arguments are .*; did you mean 'truncate_prompt_tokens'\\?":

@@ -75,7 +75,7 @@ def test_vllms_pooling_runner_settings_are_taken_and_embed_bad_settings_are_one_
     with kvload.LLM(str(words), runner="pooling", task="embed", convert="embed", **llm_kwargs("v1")) as llm:
         said = {e["field"]: e["reason"] for e in llm.audit.of("setting_ignored")}
         assert {"runner", "task", "convert"} <= set(said), said
-        assert "generates and embeds with one model" in said["runner"]
+        assert "a *ForCausalLM one generates and embeds" in said["runner"]
         assert llm.embed("w5 w6")[0].outputs.hidden_size == 64
         with pytest.raises(GenerationError, match=r"^PoolingParams: dimensions 8: .*no Matryoshka"):
             llm.embed("w5", pooling_params=kvload.PoolingParams(dimensions=8))
@@ -160,8 +160,9 @@ def test_vllm_serves_launch_line_for_an_embedding_model_is_taken_by_the_cli(caps
     warned = [line for line in r.err.splitlines() if "setting_ignored" in line]
     for key in ("runner", "task", "convert"):
         assert any(f"field={key} " in line and "/v1/embeddings" in line for line in warned), (key, warned)
-    r = run_cli(capsys, "plan", "tiny-llama", "--task", "score")
-    assert r.code == 2 and "--task: vLLM's setting; kvload generates and embeds with one model" in r.err, r.err
+    r = run_cli(capsys, "plan", "tiny-llama", "--task", "reward")
+    assert r.code == 2 and "--task: vLLM's setting; kvload serves a checkpoint as its architectures[0] says" in r.err, \
+        r.err
     assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
 
 

@@ -150,7 +150,8 @@ def test_invocations_answers_a_score_or_a_rerank_body_as_its_own_route_does(serv
     ({"query": "w1", "documents": ["w2"], "top_n": -1}, "top_n", "an integer >= 0"),
     ({"text_1": "w1"}, "text_2", "text_2: required"),  # part of a score: score's
     ({"queries": "w1", "items": ["w2"], "text_1": "w3"}, "text_1", "not with queries and items"),
-    ({"query": "w1", "text_1": "w1", "text_2": "w2"}, "query", "accepted fields: data_1"),  # a score, not half a rerank
+    # a score, not half a rerank
+    ({"query": "w1", "text_1": "w1", "text_2": "w2"}, "query", "accepted fields: activation, data_1"),
 ])
 def test_invocations_refuses_a_score_or_rerank_body_as_its_route_does(served, body, param, said):
     """A body with a rerank's or a score's fields goes to that route even when it is unusable there, so the 400 names
@@ -177,7 +178,7 @@ LONG = text([(7 * i + 3) % VOCAB for i in range(65)])  # one token past max_seq_
     ("/score", {"text_1": "w1", "text_2": "w2", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
      "expected an integer >= 1"),
     ("/v1/score", {"text_1": "w1", "text_2": "w2", "use_activation": True}, "use_activation",
-     "not supported by kvload serve"),
+     "no classifier head for it to act on"),
     ("/v1/score", {"text_1": LONG, "text_2": "w2"}, "text_1", "an embedding takes at most max_seq_len=64"),
     ("/v1/score", {"text_1": "w1", "text_2": "w2", "model": 3}, "model", "a string"),
     ("/v1/score", {"text_1": "w1", "text_2": "w2", "priority": 3}, "priority",

@@ -125,10 +125,12 @@ def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_i
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"quantization": "awq"}, "quantization: vLLM's setting; kvload runs the checkpoint's weights in dtype, "
                               "unquantized; accepted: None, got 'awq'"),
-    ({"task": "classify"}, "task: vLLM's setting; kvload generates and embeds with one model (LLM.embed and kvload "
-                           "serve's /v1/embeddings pool the last token's hidden state, as vLLM's runner pooling does "
-                           "for a decoder model), so there is no runner to choose; it has no classification, scoring "
-                           "or reward models; accepted: 'auto' or 'generate' or 'embed', got 'classify'"),
+    ({"task": "reward"}, "task: vLLM's setting; kvload serves a checkpoint as its architectures[0] says, so there is "
+                         "no runner to choose: a *ForCausalLM one generates and embeds (LLM.embed and kvload serve's "
+                         "/v1/embeddings pool the last token's hidden state, as vLLM's runner pooling does for a "
+                         "decoder model), a *ForSequenceClassification one classifies (LLM.classify, POST /classify) "
+                         "and scores pairs through its head; it runs no reward models (vLLM's per-token reward "
+                         "pooling); accepted: 'auto' or 'generate' or 'embed' or 'classify' or 'score', got 'reward'"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb: vLLM's setting; kvload keeps every weight on the device; accepted: 0 "
                             "or 0.0, got 4"),
     ({"hf_overrides": {"num_hidden_layers": 1}}, "hf_overrides: vLLM's setting; kvload reads the checkpoint's "
@@ -606,10 +608,10 @@ def test_chat_template_content_format_openai_gives_the_parts_and_auto_reads_the_
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
-    with pytest.raises(AttributeError, match=r"^LLM\.classify: vLLM's, not kvload's: kvload generates text and "
-                                             r"embeds it \(LLM\.embed.*LLM\.score: the cosine.*no classification "
-                                             r"or reward heads"):
-        llm.classify("w5")
+    with pytest.raises(AttributeError, match=r"^LLM\.reward: vLLM's, not kvload's: kvload generates text, embeds "
+                                             r"it \(LLM\.embed.*classifies it .*\(LLM\.classify\); it runs no "
+                                             r"per-token pooling or reward heads"):
+        llm.reward("w5")
     with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
                                              r"vLLM's model_config\.max_model_len"):
         _ = llm.model_config.max_model_len

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 from kvload.serve.admission import _Admission
 from kvload.serve.auth import ApiKeyGate, route_path
+from kvload.serve.classify import classify_route
 from kvload.serve.embeddings import embeddings_route
 from kvload.serve.handlers import _serve, _tokenizer_call
 from kvload.serve.messages_input import AnthropicError
@@ -234,6 +235,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/embeddings")  # OpenAI's Embeddings API: the prompt's last hidden state, as vLLM's pooling runner
     async def embeddings(request: Request) -> Response:
         return await embeddings_route(state, request, gate, stopping)
+
+    @app.post("/classify")  # vLLM's classification API: a *ForSequenceClassification checkpoint's head, activated
+    async def classify(request: Request) -> Response:
+        return await classify_route(state, request, gate, stopping)
 
     @app.post("/score")  # vLLM's score API: the cosine of each pair's embeddings (its embedding models' score)
     @app.post("/v1/score")

@@ -14,19 +14,21 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from kvload.serve.classify import classify_answer, classify_job
 from kvload.serve.embeddings import PoolJob, embed_job, embeddings_answer
 from kvload.serve.protocol import BadRequest
 from kvload.serve.request_body import _load
 from kvload.serve.scoring import SCORE_SIDES, rerank_answer, rerank_job, score_answer, score_job
 from kvload.serve.state import ServeState
+from models.classifier import head_of
 
 if TYPE_CHECKING:
     from kvload.serve.request_run import _Run
 
 #: The pooling routes a body may be for: its job from the loaded body, and its answer.
 POOLED: dict[str, tuple[Callable[[ServeState, Any], PoolJob], Callable[..., dict[str, Any]]]] = {
-    "embeddings": (embed_job, embeddings_answer), "rerank": (rerank_job, rerank_answer),
-    "score": (score_job, score_answer)}
+    "embeddings": (embed_job, embeddings_answer), "classify": (classify_job, classify_answer),
+    "rerank": (rerank_job, rerank_answer), "score": (score_job, score_answer)}
 
 
 @attrs.frozen
@@ -37,9 +39,10 @@ class Pooled:
     answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]
 
 
-def invocation_kind(body: Any) -> str:
+def invocation_kind(body: Any, classifies: bool = False) -> str:
     """The route a body goes to, by its fields in vLLM's order: ``messages`` a chat completion, ``prompt`` a
-    completion, ``input`` an embedding, ``query`` with ``documents`` a rerank, a score's pair of sides
+    completion, ``input`` an embedding (a classification when the served model ``classifies``: vLLM picks the
+    pooling request by the model's task), ``query`` with ``documents`` a rerank, a score's pair of sides
     (``text_1``/``text_2``, ``data_1``/``data_2``, ``queries`` with ``documents`` or ``items``) a score; a body with
     part of a rerank's or a score's fields goes to that route, which names what is missing. Else a 400."""
     if isinstance(body, dict):
@@ -48,7 +51,7 @@ def invocation_kind(body: Any) -> str:
         if "prompt" in body:
             return "completion"
         if "input" in body:
-            return "embeddings"
+            return "classify" if classifies else "embeddings"
         if "query" in body and "documents" in body:  # vLLM tries a RerankRequest before a ScoreRequest
             return "rerank"
         if any(first in body and second in body for first, second in SCORE_SIDES):
@@ -58,16 +61,16 @@ def invocation_kind(body: Any) -> str:
         if any(name in body for pair in SCORE_SIDES for name in pair):
             return "score"
     raise BadRequest("/invocations: the body has none of the fields that pick a route: messages (POST "
-                     "/v1/chat/completions), prompt (POST /v1/completions), input (POST /v1/embeddings), query and "
-                     "documents (POST /rerank), or text_1 and text_2, data_1 and data_2, queries and documents or "
-                     "items (POST /score); send the body that route takes")
+                     "/v1/chat/completions), prompt (POST /v1/completions), input (POST /v1/embeddings; POST /classify "
+                     "for a classifier), query and documents (POST /rerank), or text_1 and text_2, data_1 and data_2, "
+                     "queries and documents or items (POST /score); send the body that route takes")
 
 
 def prepare_invocation(state: ServeState, run: _Run, raw: bytes | bytearray) -> Pooled | None:
     """Load an ``/invocations`` body and check it as its route does (on the worker): ``Pooled`` for a pooling
     route's, nothing queued yet; else ``None``, ``run`` prepared as the chat or completion it is."""
     body = _load(raw)
-    kind = invocation_kind(body)
+    kind = invocation_kind(body, head_of(state.engine.executor.model) is not None)
     if kind in POOLED:
         parse, answer = POOLED[kind]
         return Pooled(parse(state, body), functools.partial(answer, state))

@@ -1,9 +1,14 @@
-"""``POST /score`` and ``POST /rerank`` (vLLM's score and Jina/Cohere-style rerank APIs) for an embedding model.
+"""``POST /score`` and ``POST /rerank`` (vLLM's score and Jina/Cohere-style rerank APIs).
 
 vLLM serves both from an embedding model as the cosine similarity of the two texts' embeddings; kvload does the same
 with the embeddings ``/v1/embeddings`` gives (``engine.pooling``): every text of a request is embedded in one batch,
 then :func:`engine.pooling.score_pairs` pairs them (1:1, 1:N or N:N, as ``LLM.score``) and
 :func:`engine.pooling.cosine` scores each pair. ``usage`` counts each pair's two texts' tokens, as vLLM's does.
+
+From a one-label ``*ForSequenceClassification`` checkpoint (a cross-encoder, ``models.classifier``) vLLM scores each
+pair as one sequence through the head instead: the pair tokenized as one (``pair_ids``), every pair pooled in one
+batch, its score the head's logit through sigmoid (``use_activation: false``: the logit); ``usage`` counts each
+pair's sequence.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from fastapi.responses import Response
 
 from engine.pooling import ScorePairsError, cosine, pooled, score_pairs
 from engine.sampling_params import SamplingParams
+from kvload.serve.classify import ACTIVATION_FIELDS, use_activation
 from kvload.serve.embeddings import (
     pool_priority,
     pooling_fields,
@@ -31,16 +37,17 @@ from kvload.serve.embeddings import (
 from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _need
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
+from models.classifier import head_logits, head_of, not_one_score, pair_ids
 
 #: The two sides a score body may name (vLLM's ``ScoreTextRequest``, ``ScoreDataRequest``,
 #: ``ScoreQueriesDocumentsRequest`` and ``ScoreQueriesItemsRequest``): one pair per request.
 SCORE_SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
 #: The fields ``/score`` takes.
-SCORE_FIELDS = frozenset({"model", "truncate_prompt_tokens", "priority",
+SCORE_FIELDS = frozenset({"model", "truncate_prompt_tokens", "priority", *ACTIVATION_FIELDS,
                           *(name for pair in SCORE_SIDES for name in pair)})
 #: The fields ``/rerank`` takes: vLLM's, and Cohere's and Jina's ``return_documents``.
 RERANK_FIELDS = frozenset({"model", "query", "documents", "top_n", "truncate_prompt_tokens", "return_documents",
-                           "priority"})
+                           "priority", *ACTIVATION_FIELDS})
 
 
 @attrs.frozen
@@ -55,6 +62,9 @@ class ScoreJob:
     documents: list[str] = attrs.field(factory=list)
     top_n: int = 0
     return_documents: bool = True
+    #: a cross-encoder's job: ``prompts`` holds each pair's one sequence, in order, and ``pairs`` is empty
+    cross: bool = False
+    use_activation: bool = True
 
 
 def _documents(body: dict[str, Any]) -> list[str]:
@@ -84,17 +94,44 @@ def _sides(body: dict[str, Any]) -> tuple[str, str]:
     return first, second
 
 
-def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list[Any], list[str]]]) -> ScoreJob:
-    """Both sides tokenized and paired: a ``ScoreJob`` with no rerank settings."""
+def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list[Any], list[str]]],
+            route: str = "/score") -> ScoreJob:
+    """Both sides tokenized and paired: a ``ScoreJob`` with no rerank settings (a cross-encoder's: each pair one
+    sequence)."""
     params = prefill_params(body)
     priority = pool_priority(state, body)
-    (name_1, texts_1, _), (name_2, texts_2, _) = sides
+    (name_1, texts_1, wheres_1), (name_2, texts_2, wheres_2) = sides
     try:  # before tokenizing: lists that cannot pair are refused whatever their texts
         pairs = score_pairs(len(texts_1), len(texts_2), name_1, name_2, "texts")
     except ScorePairsError as exc:
         raise BadRequest(str(exc), param=exc.field) from None
-    prompts = [ids for name, texts, wheres in sides for ids in tokenized(state, texts, wheres, params, name)]
-    return ScoreJob(prompts, params, pairs, priority)
+    head = head_of(state.engine.executor.model)
+    if head is None:
+        given = next((name for name in ACTIVATION_FIELDS if body.get(name) is not None), None)
+        if given is not None:
+            raise BadRequest(f"{given}: the model {state.model_name} is an embedding model, scored by the cosine of "
+                             "two embeddings; there is no classifier head for it to act on", param=given)
+        prompts = [ids for name, texts, wheres in sides for ids in tokenized(state, texts, wheres, params, name)]
+        return ScoreJob(prompts, params, pairs, priority)
+    why = not_one_score(route, head)
+    if why is not None:
+        raise BadRequest(why, param="model")
+    activate = use_activation(body)
+    for name, texts, wheres in sides:
+        for item, where in zip(texts, wheres, strict=True):
+            if not isinstance(item, str):
+                raise BadRequest(f"{where}: a cross-encoder scores texts (its tokenizer joins each pair as one "
+                                 "sequence); give text, not token ids", param=name)
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise BadRequest(f"{name_1}: the model {state.model_name} has no tokenizer to join each pair as one sequence",
+                         param=name_1)
+    config = state.engine.executor.model.config
+    texts = [*texts_1, *texts_2]
+    wheres = [*wheres_1, *wheres_2]
+    joined = [pair_ids(tokenizer, config, texts[i], texts[j]) for i, j in pairs]
+    prompts = tokenized(state, joined, [f"{wheres[i]} with {wheres[j]}" for i, j in pairs], params, name_2)
+    return ScoreJob(prompts, params, [], priority, cross=True, use_activation=activate)
 
 
 def parse_score(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
@@ -130,12 +167,18 @@ def rerank_job(state: ServeState, body: Any) -> ScoreJob:
                          "none); /rerank takes text (it answers each document's text); POST /score takes token ids",
                          param="query")
     wheres = [f"documents[{i}]" for i in range(len(documents))]
-    job = _scored(state, body, [("query", [query], ["query"]), ("documents", documents, wheres)])
+    job = _scored(state, body, [("query", [query], ["query"]), ("documents", documents, wheres)], "/rerank")
     return attrs.evolve(job, documents=documents, top_n=top_n or 0, return_documents=keep is not False)
 
 
-def _scores(job: ScoreJob, rows: list[torch.Tensor]) -> tuple[list[float], int]:
-    """Each pair's cosine, and the tokens ``usage`` counts (each pair's two texts', vLLM's count)."""
+def _scores(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> tuple[list[float], int]:
+    """Each pair's score and the tokens ``usage`` counts, as vLLM counts them: the cosine and each pair's two texts'
+    tokens; a cross-encoder's head score and each pair's sequence's tokens."""
+    if job.cross:
+        model = state.engine.executor.model
+        head = head_of(model)
+        return [head.score(logits, job.use_activation) for logits in head_logits(model, rows)], \
+            sum(map(len, job.prompts))
     vectors = [pooled(row, True) for row in rows]
     scores = [cosine(vectors[i], vectors[j]) for i, j in job.pairs]
     return scores, sum(len(job.prompts[i]) + len(job.prompts[j]) for i, j in job.pairs)
@@ -143,7 +186,7 @@ def _scores(job: ScoreJob, rows: list[torch.Tensor]) -> tuple[list[float], int]:
 
 def score_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> dict[str, Any]:
     """vLLM's ``ScoreResponse``: one score per pair, in order."""
-    scores, tokens = _scores(job, rows)
+    scores, tokens = _scores(state, job, rows)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": state.model_name,
             "data": [{"index": k, "object": "score", "score": score} for k, score in enumerate(scores)],
@@ -152,7 +195,7 @@ def score_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> 
 
 def rerank_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> dict[str, Any]:
     """vLLM's ``RerankResponse``: the documents best first (ties in the order given), the best ``top_n`` if set."""
-    scores, tokens = _scores(job, rows)
+    scores, tokens = _scores(state, job, rows)
     order = sorted(range(len(scores)), key=lambda k: -scores[k])  # stable: equal scores keep the documents' order
     results = []
     for k in order[:job.top_n or None]:

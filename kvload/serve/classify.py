@@ -1,0 +1,106 @@
+"""``POST /classify`` (vLLM's classification API) for a ``*ForSequenceClassification`` checkpoint.
+
+Each input is pooled as ``/v1/embeddings`` pools it (its prompt's last hidden state, every input in one batch:
+:func:`kvload.serve.embeddings.pooling_route`), then the classifier head is applied to it and activated as vLLM does
+(``models.classifier``: softmax, sigmoid for one label). The answer is vLLM's ``ClassificationResponse``: per input its
+``probs``, ``num_classes`` and ``label`` (``id2label`` of the most probable class), and ``usage`` counting the inputs'
+prompt tokens. A generative model has no head: a 400 saying so, as vLLM's "does not support Classification API".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import attrs
+import torch
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.sampling_params import SamplingParams
+from kvload.serve.embeddings import pool_priority, pooling_fields, pooling_route, prefill_params, prompt_list, tokenized
+from kvload.serve.protocol import BadRequest, _need
+from kvload.serve.request_body import _load
+from kvload.serve.state import ServeState
+from models.classifier import ClassifierHead, head_logits, head_of, no_head
+
+#: vLLM's switches of the classifier's activation, the first one given deciding (``get_use_activation``: the older
+#: ``softmax`` and ``activation`` are its deprecated spellings)
+ACTIVATION_FIELDS = ("use_activation", "softmax", "activation")
+#: The fields ``/classify`` takes: vLLM's ``ClassificationCompletionRequest``'s.
+FIELDS = frozenset({"input", "model", "user", "truncate_prompt_tokens", "add_special_tokens", "priority",
+                    *ACTIVATION_FIELDS})
+
+
+@attrs.frozen
+class ClassifyJob:
+    """One parsed ``/classify`` body: each input's token ids, and whether to activate the logits."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    use_activation: bool = True
+    priority: int = 0
+
+
+def served_head(state: ServeState, route: str) -> ClassifierHead:
+    """The served classifier's head; a 400 for a generative model, which has none."""
+    head = head_of(state.engine.executor.model)
+    if head is None:
+        architecture = getattr(state.engine.executor.model.config, "architectures", None) or ["a causal LM"]
+        raise BadRequest(no_head(route, state.model_name, architecture[0]), param="model")
+    return head
+
+
+def use_activation(body: dict[str, Any]) -> bool:
+    """vLLM's ``use_activation`` of a body (or its older ``softmax`` / ``activation``): true unless one says false."""
+    for name in ACTIVATION_FIELDS:
+        value = body.get(name)
+        _need(value is None or isinstance(value, bool), name, "true or false", value)
+    return next((body[name] for name in ACTIVATION_FIELDS if body.get(name) is not None), True)
+
+
+def parse_classify(state: ServeState, raw: bytes | bytearray) -> ClassifyJob:
+    """Check a ``/classify`` body and tokenize its inputs (on a worker thread); ``BadRequest`` naming the field."""
+    return classify_job(state, _load(raw))
+
+
+def classify_job(state: ServeState, body: Any) -> ClassifyJob:
+    """:func:`parse_classify` of a body already loaded."""
+    body = pooling_fields(state, body, FIELDS)
+    served_head(state, "/classify")
+    _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
+    special = body.get("add_special_tokens")
+    _need(special is None or isinstance(special, bool), "add_special_tokens", "true or false", special)
+    activate = use_activation(body)
+    params = prefill_params(body)
+    inputs, wheres = prompt_list(body, "input")
+    prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False)
+    return ClassifyJob(prompts, params, activate, pool_priority(state, body))
+
+
+def classify_answer(state: ServeState, job: ClassifyJob, rows: list[torch.Tensor]) -> dict[str, Any]:
+    """vLLM's ``ClassificationResponse``: each input's probabilities, their count and the best one's label."""
+    model = state.engine.executor.model
+    head = served_head(state, "/classify")
+    data = []
+    for i, logits in enumerate(head_logits(model, rows)):
+        probs = head.probs(logits, job.use_activation).tolist()
+        data.append({"index": i, "label": head.label(probs), "probs": probs, "num_classes": len(probs)})
+    tokens = sum(len(ids) for ids in job.prompts)
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": state.model_name, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None}}
+
+
+async def classify_route(state: ServeState, request: Request, gate: asyncio.Lock,
+                         stopping: asyncio.Event) -> Response:
+    """``POST /classify``: every input classified in one batch, the answer once all are."""
+    return await pooling_route(state, request, gate, stopping, parse_classify,
+                               lambda job, rows: classify_answer(state, job, rows))
+
+
+__all__ = ["ACTIVATION_FIELDS", "FIELDS", "ClassifyJob", "classify_answer", "classify_job", "classify_route",
+           "parse_classify", "served_head", "use_activation"]

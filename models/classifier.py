@@ -1,0 +1,162 @@
+"""Sequence-classification checkpoints (``*ForSequenceClassification``), as vLLM serves them.
+
+vLLM runs a decoder checkpoint with a classifier head (reward models, rerankers, text classifiers) by pooling the
+final norm's output at the prompt's last token (LAST pooling) and applying the head (the ``score`` Linear) to it:
+``LLM.classify`` and ``/classify`` give the head's logits through softmax (sigmoid for one label), ``LLM.score``,
+``/score`` and ``/rerank`` score a pair as one sequence through the head (a cross-encoder, one label).
+
+kvload loads the checkpoint with transformers' ``AutoModelForSequenceClassification`` (every check of a causal-LM
+load applies), then hands the executor its family's causal-LM class over the same decoder, the ``score`` Linear in
+place of ``lm_head`` (:func:`as_causal_shell`): the paged forward, prefix reuse and the pooled hidden row
+(``engine.pooling.PooledRows``) work unchanged, and the head is applied to that row (:class:`ClassifierHead`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+#: The ``architectures[0]`` names served as classifiers: the decoder families kvload generates with.
+SEQUENCE_CLASSIFIERS = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                        "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+
+#: The attribute of the loaded model that holds its :class:`ClassifierHead` (absent on a generative model).
+HEAD_ATTRIBUTE = "kvload_classifier"
+
+
+def architecture_of(hf_config: Any) -> str:
+    """``architectures[0]`` of a config, or ``""``."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return str(archs[0]) if archs else ""
+
+
+def is_sequence_classifier(hf_config: Any) -> bool:
+    """Whether the checkpoint is one of :data:`SEQUENCE_CLASSIFIERS`."""
+    return architecture_of(hf_config) in SEQUENCE_CLASSIFIERS
+
+
+def _score_activation(hf_config: Any) -> str:
+    """How vLLM activates a cross-encoder's score (``get_cross_encoder_act_fn``): the sentence-transformers
+    activation the config names (``torch.nn.modules...Identity``: none), else the classify activation."""
+    named = None
+    st = getattr(hf_config, "sentence_transformers", None)
+    if isinstance(st, Mapping) and st.get("activation_fn"):
+        named = st["activation_fn"]
+    elif getattr(hf_config, "sbert_ce_default_activation_function", None):
+        named = hf_config.sbert_ce_default_activation_function
+    return "identity" if isinstance(named, str) and named.endswith(".Identity") else "classify"
+
+
+@attrs.frozen
+class ClassifierHead:
+    """What a classifier's outputs need beyond its logits: its labels and how vLLM activates them."""
+
+    architecture: str
+    num_labels: int
+    id2label: dict[int, str] = attrs.field(factory=dict)
+    #: transformers' ``problem_type``: ``regression`` is not activated, ``multi_label_classification`` is sigmoid
+    problem_type: str | None = None
+    #: ``identity`` or ``classify``: the cross-encoder score's activation (:func:`_score_activation`)
+    score_activation: str = "classify"
+
+    @classmethod
+    def of(cls, hf_config: Any, num_labels: int) -> ClassifierHead:
+        """The head of a loaded classifier's config (``num_labels`` from its ``score`` Linear)."""
+        labels = getattr(hf_config, "id2label", None) or {}
+        return cls(architecture=architecture_of(hf_config), num_labels=num_labels,
+                   id2label={int(k): str(v) for k, v in labels.items()},
+                   problem_type=getattr(hf_config, "problem_type", None) or None,
+                   score_activation=_score_activation(hf_config))
+
+    def probs(self, logits: Any, use_activation: bool = True) -> Any:
+        """vLLM's classify activation of one row of logits (float32): softmax, sigmoid for one label or a
+        multi-label head, none for a regression head or ``use_activation=False``."""
+        import torch
+
+        row = logits.float()
+        if not use_activation or self.problem_type == "regression":
+            return row
+        if self.num_labels < 2 or self.problem_type == "multi_label_classification":
+            return torch.sigmoid(row)
+        return torch.softmax(row, dim=-1)
+
+    def score(self, logits: Any, use_activation: bool = True) -> float:
+        """A cross-encoder's score of one pair (one label): its logit through the score activation."""
+        if self.score_activation == "identity":
+            use_activation = False
+        return float(self.probs(logits, use_activation)[0])
+
+    def label(self, probs: list[float]) -> str | None:
+        """The label of the most probable class (``id2label``; None when the config names none), vLLM's ``label``."""
+        best = max(range(len(probs)), key=lambda i: probs[i])
+        return self.id2label.get(best)
+
+
+def as_causal_shell(classifier: Any) -> Any:
+    """The family's causal-LM class over a loaded ``*ForSequenceClassification``'s decoder, its ``score`` Linear as the
+    output projection, the :class:`ClassifierHead` attached: what the executor runs (its logits rows are the head's
+    logits; the pooled row is the final norm's output at the last token, the head's input)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # nothing allocated: both parts are the loaded model's
+        shell = AutoModelForCausalLM.from_config(classifier.config)
+    shell.model = classifier.model
+    shell.lm_head = classifier.score
+    shell.config = classifier.config
+    setattr(shell, HEAD_ATTRIBUTE, ClassifierHead.of(classifier.config, int(classifier.score.out_features)))
+    return shell.eval()
+
+
+def head_of(model: Any) -> ClassifierHead | None:
+    """The loaded model's :class:`ClassifierHead`, or None for a generative model."""
+    return getattr(model, HEAD_ATTRIBUTE, None) if model is not None else None
+
+
+def pair_ids(tokenizer: Any, hf_config: Any, text_1: str, text_2: str) -> list[int]:
+    """A cross-encoder's pair as one sequence, tokenized as vLLM's ``get_score_prompt`` does: ``tokenizer(text_1,
+    text_2)`` (the tokenizer's own pair template), or the two texts joined as one when the config says
+    ``use_pad_token: false`` (vLLM's "LLM as reranker" models)."""
+    if getattr(hf_config, "use_pad_token", True) is False:
+        return list(tokenizer(text=text_1 + text_2)["input_ids"])
+    return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
+
+
+def not_one_score(call: str, head: ClassifierHead) -> str | None:
+    """Why the head cannot score a pair (vLLM's cross-encoder score needs one label), or None when it can."""
+    if head.num_labels == 1:
+        return None
+    return (f"{call}: the model is a classifier over {head.num_labels} labels ({head.architecture}), which gives no "
+            "single score per pair; a cross-encoder's score needs one label (num_labels 1); use classify for its "
+            "class probabilities")
+
+
+def head_logits(model: Any, rows: list[Any]) -> list[Any]:
+    """The classifier head (the loaded model's output projection, its ``score`` Linear) applied to each pooled row
+    (``engine.pooling.PooledRows``), as float32 on the CPU."""
+    import torch
+
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        return [head(row.to(device=head.weight.device, dtype=head.weight.dtype)).float().cpu() for row in rows]
+
+
+def no_head(call: str, model: str, architecture: str) -> str:
+    """The line a classifying call on a generative model raises: it has no classifier head."""
+    return (f"{call}: {model} is a generative model ({architecture}), with no classifier head; load a "
+            f"*ForSequenceClassification checkpoint ({', '.join(SEQUENCE_CLASSIFIERS)}) to classify, or use "
+            "embeddings")
+
+
+def not_generative(call: str, head: ClassifierHead) -> str:
+    """The line a generating call on a classifier raises (vLLM: only generative models generate)."""
+    return (f"{call}: the model is a sequence-classification model ({head.architecture}: a classifier head over "
+            f"{head.num_labels} label{'s' if head.num_labels != 1 else ''}, no language-model head), so it does not "
+            "generate; use LLM.classify or POST /classify (LLM.score, /score and /rerank for a one-label "
+            "cross-encoder)")
+
+
+__all__ = ["HEAD_ATTRIBUTE", "SEQUENCE_CLASSIFIERS", "ClassifierHead", "architecture_of", "as_causal_shell",
+           "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative", "not_one_score", "pair_ids"]

@@ -1,0 +1,62 @@
+"""Tiny ``*ForSequenceClassification`` checkpoints (random weights, a word-level tokenizer) and transformers' own
+reading of them, for the classifier tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from models.config_view import transformers_config
+from tests.llm_support import word_tokenizer
+from tests.paged_support import tiny_config
+
+VOCAB = 512  # the tiny presets'
+
+
+def classifier_checkpoint(dest: Path, family: str, architecture: str, num_labels: int, **extra: Any) -> Path:
+    """A saved random classifier of ``family``'s tiny preset: ``num_labels`` labels (named ``L<i>``), seeded."""
+    cfg = transformers_config(tiny_config(family))
+    cfg.architectures = [architecture]
+    cfg.num_labels = num_labels
+    cfg.id2label = {i: f"L{i}" for i in range(num_labels)}
+    cfg.label2id = {f"L{i}": i for i in range(num_labels)}
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(cfg)
+    with torch.no_grad():  # a head whose logits differ enough between prompts to tell them apart
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(dest)
+    word_tokenizer(VOCAB).save_pretrained(dest)
+    return dest
+
+
+def reference_logits(path: Path) -> Any:
+    """transformers' ``AutoModelForSequenceClassification`` of the checkpoint: a prompt's logits (its last token)."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32,
+                                                                            attn_implementation="eager").eval()
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+    return logits
+
+
+def qwen2_classifier(dest: Path, num_labels: int) -> Path:
+    """A saved random ``Qwen2ForSequenceClassification`` (no preset of its family) with tied word embeddings, as the
+    small Qwen2.5 checkpoints rerankers start from."""
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   architectures=["Qwen2ForSequenceClassification"], tie_word_embeddings=True,
+                                   num_labels=num_labels)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(cfg)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(dest)
+    word_tokenizer(VOCAB).save_pretrained(dest)
+    return dest
