@@ -688,16 +688,66 @@ def test_under_pressure_one_whole_prompt_is_admitted_per_step_and_cached_hits_jo
     assert s.step(waiting, running).admitted == [others[0]]
 
 
-def test_requests_that_waited_lpm_age_steps_go_in_arrival_order(monkeypatch):
+def test_a_request_that_waited_lpm_age_steps_is_overtaken_by_no_younger_hit(monkeypatch):
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_AGE", 4)
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    m = make_manager(FULL, 16)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    fresh, follow = _cached_and_two_waiting(m)
+    s._steps, fresh.queued_at = 10, 2  # the fresh prompt has waited 9 steps at the next one; the follow-up joins now
+    out = s.step(deque([fresh, follow]), [])
+    assert out.admitted == [fresh]  # no overtaking: the request that waited long first
+
+
+def test_requests_that_waited_lpm_age_steps_go_by_cached_prefix_then_arrival(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "LPM_AGE", 0)  # every request counts as waited long enough at once
     monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
     m = make_manager(FULL, 16)
-    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    s = KVCacheV2Scheduler(m, max_batch_size=2, max_num_tokens=64, init_ratio=0.0)
     fresh, follow = _cached_and_two_waiting(m)
-    out = s.step(deque([fresh, follow]), [])
-    assert out.admitted == [fresh]  # no overtaking: the earlier arrival first
+    later = Request("later", [90 + i for i in range(8)], 1, arrival=3)
+    out = s.step(deque([fresh, later, follow]), [])
+    # among requests that all waited long, the hit first (the conversations starved together keep their histories),
+    # then the rest in arrival order
+    assert out.admitted == [follow, fresh]
+
+
+@pytest.mark.parametrize(("waited", "first"), [(5, "late-1"), (1, "early-1")])
+def test_a_conversation_s_next_turn_carries_the_wait_of_its_previous_turn(monkeypatch, waited, first):
+    # A conversation whose turn waited LPM_CARRY steps or more before admission: its next turn (a prompt extending
+    # that turn's prompt) joins the queue with that wait on its clock, so with LPM_AGE reached it goes ahead of a
+    # longer cached history of a conversation that never waited (tiny-llama multi-turn at a quarter of the budget:
+    # the late conversations' turns waited behind the others' and their last ran alone, 1.08x V1's steps). A turn
+    # that waited less carries nothing: longest prefix first, as before.
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    monkeypatch.setattr(scheduler, "LPM_CARRY", 2, raising=False)  # raising: the test runs on trees without it
+    monkeypatch.setattr(scheduler, "LPM_AGE", 4)
+    m = make_manager(FULL, 32)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    early = Request("early-0", [200 + i for i in range(24)], 0)  # another conversation's history: 24 tokens
+    prefill(m, early)
+    m.free(early)
+    late = Request("late-0", list(range(1, 17)), 1, arrival=1)
+    s._steps, late.queued_at = 10, 10 - waited + 1  # it joined `waited` steps before the step that admits it
+    running: list[Request] = []
+    assert s.step(deque([late]), running).admitted == [late]
+    write_kv(m, late, 0, 16)  # its prompt computed, then it finished
+    m.commit(late, 16)
+    m.free(late)
+    running.clear()
+    turns = {"early-1": Request("early-1", [*range(200, 224), 7, 7, 7, 7], 1, arrival=2),
+             "late-1": Request("late-1", [*range(1, 17), 9, 9, 9, 9], 1, arrival=3)}
+    waiting = deque(turns.values())
+    out = s.step(waiting, running)
+    assert out.admitted == [turns[first]]
+    carried = waited if waited >= 2 else 0
+    assert turns["late-1"].queued_at == s._steps - carried  # its clock started when its conversation's wait began
 
 
 def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list[Request]:
@@ -723,12 +773,10 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list
             rank = hit if hit >= scheduler.LPM_MIN_HIT else 1
         else:
             rank = 0
-        if now - r.queued_at >= scheduler.LPM_AGE:
-            aged.append(r)
-        else:
-            young.append((rank, r))
+        (aged if now - r.queued_at >= scheduler.LPM_AGE else young).append((rank, r))
+    aged.sort(key=lambda e: e[0], reverse=True)
     young.sort(key=lambda e: e[0], reverse=True)
-    return aged + [r for _, r in young] + list(itertools.islice(waiting, scheduler.LPM_WINDOW, None))
+    return [r for _, r in aged + young] + list(itertools.islice(waiting, scheduler.LPM_WINDOW, None))
 
 
 _STATES = [RequestState.WAITING] * 6 + [RequestState.SUSPENDED]

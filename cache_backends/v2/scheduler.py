@@ -18,23 +18,30 @@ One :meth:`~KVCacheV2Scheduler.step`:
    next token, ``max_util_for_resume``); then, once none is left suspended, **admit** waiting
    requests first come first served while the batch has room and their first chunk fits.
    Under ``scheduling_policy="fcfs"`` (the default) priority orders suspensions only; admission never displaces a
-   running request and is first come first served but **cache-aware**: of the first ``LPM_WINDOW`` waiting
-   requests, those with the longest cached prefix of at least ``LPM_MIN_HIT`` tokens go first, ties in arrival
-   order (SGLang's default longest-prefix-match policy), and a request that has waited ``LPM_AGE`` scheduler steps
-   is overtaken no more. Why: under pressure, strict arrival order admits a conversation's next turn only after
-   everyone queued before it, whose prompts evict the turn's cached history first: on ``multi-turn`` at a quarter
-   of the budget V1 and V2 reused 0% of prompt tokens (BENCHMARKS.md, "Cache-aware admission"). A request is
-   looked up when it joins the queue, and one that found a hit is looked up again every step: its hit may have
-   gone stale. Why: under pressure the running requests use nearly every page, so a history waits in the eviction
-   queue beside one or two others, and the next allocation evicts its last blocks; with sliding windows that
-   loses the whole hit (the shorter prefix needs window blocks let go long before). Ranked by the hit it had found,
-   such a turn went ahead of the turns whose history was still cached, recomputed its whole prompt and evicted
-   the next finished conversation's history, whose turn then did the same: on tiny-gemma3 ``multi-turn`` at a
-   quarter of the budget 47 of 192 follow-up turns lost their history, in chains of up to 18, for 56.5% of prompt
-   tokens reused (73% of the ideal); ranked by the hit now, 8 did, 71.8% (92%) in 0.90x the steps (tiny-llama
-   42.2% -> 64.9%; BENCHMARKS.md, "Stale hits"). A stale hit still goes ahead of requests that never had one:
-   a system prompt others share comes back cached with the first of them admitted (ranked among them, tiny-mistral
-   ``mixed`` at a quarter of the budget took 893 steps instead of 857).
+   running request and is first come first served but **cache-aware**: of the first ``LPM_WINDOW`` waiting requests,
+   those with the longest cached prefix of at least ``LPM_MIN_HIT`` tokens go first, ties in arrival order (SGLang's
+   default longest-prefix-match policy), and a request that has waited ``LPM_AGE`` scheduler steps is overtaken no more
+   (those go first, by their cached prefix too). Why: under pressure, strict arrival order admits a conversation's next
+   turn only after everyone queued before it, whose prompts evict the turn's cached history first: on ``multi-turn`` at
+   a quarter of the budget V1 and V2 reused 0% of prompt tokens (BENCHMARKS.md, "Cache-aware admission"). A request is
+   looked up when it joins the queue, and one that found a hit is looked up again every step: its hit may have gone
+   stale. Why: under pressure the running requests use nearly every page, so a history waits in the eviction queue
+   beside one or two others, and the next allocation evicts its last blocks; with sliding windows that loses the whole
+   hit (the shorter prefix needs window blocks let go long before). Ranked by the hit it had found, such a turn went
+   ahead of the turns whose history was still cached, recomputed its whole prompt and evicted the next finished
+   conversation's history, whose turn then did the same: on tiny-gemma3 ``multi-turn`` at a quarter of the budget 47 of
+   192 follow-up turns lost their history, in chains of up to 18, for 56.5% of prompt tokens reused (73% of the ideal);
+   ranked by the hit now, 8 did, 71.8% (92%) in 0.90x the steps (tiny-llama 42.2% -> 64.9%; BENCHMARKS.md, "Stale
+   hits"). A stale hit still goes ahead of requests that never had one: a system prompt others share comes back cached
+   with the first of them admitted (ranked among them, tiny-mistral ``mixed`` at a quarter of the budget took 893 steps
+   instead of 857).
+   A conversation's wait counts across its turns: a request whose prompt extends the prompt of one admitted after
+   waiting ``LPM_CARRY`` steps or more (its previous turn) joins the queue with that wait already on its clock, so a
+   conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late are
+   the run's critical path (the next is sent when one finishes); ranked as fresh requests, their histories shorter than
+   the earlier conversations', they waited behind those turns and the last ran alone at the end (tiny-llama
+   ``multi-turn`` at a quarter of the budget: 1.08x V1's steps; carried, 1.001x; BENCHMARKS.md, "A conversation's wait
+   carries").
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
    request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
@@ -106,7 +113,7 @@ at the front of ``waiting`` in state ``SUSPENDED`` / ``WAITING``, so a driver th
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from operator import attrgetter, gt, is_, itemgetter, le, lt, not_
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
@@ -126,6 +133,10 @@ _STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrge
 #: modeled time (Llama 3.1 8B, Gemma 2 9B) for 39% reuse; a 512-token prefill of an 8B model is about two and a half
 #: decode steps' weight read on an H200 (BENCHMARKS.md, "Cache-aware admission").
 LPM_WINDOW, LPM_AGE, LPM_MIN_HIT = 128, 1024, 512
+#: The shortest wait (scheduler steps) a request's next turn carries (module docstring): shorter waits are dropped so
+#: that few prompts are kept; 1, 256, 512 and 768 gave the same grid and variant figures (BENCHMARKS.md, "A
+#: conversation's wait carries"). At most ``LPM_WINDOW`` prompts are kept, the oldest dropped first.
+LPM_CARRY = 256
 
 
 def _sort_by_rank(requests: list[Request]) -> None:
@@ -168,6 +179,10 @@ class KVCacheV2Scheduler(SchedulerBase):
         self._refused: Request | None = None  # the request the headroom estimate last refused (admission's head)
         self._longest = 0  # the longest running sequence this step, in tokens, admissions included (held_back)
         self._steps = 0  # steps so far: the clock of cache-aware admission's aging
+        # prompts of requests admitted after waiting LPM_CARRY steps or more -> the wait their next turn carries, and
+        # the prompt lengths among them (a joining request's prompt is cut at each to look it up)
+        self._carried: dict[tuple[int, ...], int] = {}
+        self._carried_lengths: Counter[int] = Counter()
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -388,9 +403,9 @@ class KVCacheV2Scheduler(SchedulerBase):
         if not n:
             return tail
         queued = list(map(_QUEUED_AT, window))
-        if min(queued) < 0:  # joined the window: its clock of waiting starts now
+        if min(queued) < 0:  # joined the window: its clock of waiting starts now, or earlier by the wait it carries
             for i in itertools.compress(range(n), map(lt, queued, itertools.repeat(0))):
-                window[i].queued_at = queued[i] = now
+                window[i].queued_at = queued[i] = now - (self._carry_of(window[i]) if self._carried else 0)
         ranks = [0] * n  # 0: never had a hit (or its first lookup found none)
         for i in itertools.compress(range(n), list(map(_HINT, window))):  # a hint to look up, in window order
             r = window[i]
@@ -403,15 +418,48 @@ class KVCacheV2Scheduler(SchedulerBase):
                 ranks[i] = hit if hit >= LPM_MIN_HIT else 1
         aged: list[Request] = []
         old = now - LPM_AGE
-        if min(queued) <= old:  # waited LPM_AGE steps or longer: first, in arrival order
+        if min(queued) <= old:  # waited LPM_AGE steps or longer: first, by their cached prefix, then in arrival order
             mask = list(map(le, queued, itertools.repeat(old)))
-            aged = list(itertools.compress(window, mask))
+            ranked = sorted(((ranks[i], window[i]) for i in itertools.compress(range(n), mask)), key=itemgetter(0),
+                            reverse=True)  # stable: equal ranks stay in arrival order
+            aged = [r for _, r in ranked]
             for i in itertools.compress(range(n), mask):
                 ranks[i] = -1
         hits = [(ranks[i], window[i]) for i in itertools.compress(range(n), map(gt, ranks, itertools.repeat(0)))]
         hits.sort(key=itemgetter(0), reverse=True)  # stable: equal ranks stay in arrival order
         return (aged + [r for _, r in hits] + list(itertools.compress(window, map(not_, ranks)))  # rank 0 in order
                 + tail)
+
+    def _carry_of(self, request: Request) -> int:
+        """The wait ``request`` carries as the next turn of a request admitted after a long wait (one whose prompt its
+        own extends; that record is dropped), else 0."""
+        prompt = request.prompt_token_ids
+        for length in self._carried_lengths:
+            if length < len(prompt):
+                wait = self._carried.pop(key := tuple(prompt[:length]), None)
+                if wait is not None:
+                    self._forget(key)
+                    return wait
+        return 0
+
+    def _forget(self, key: tuple[int, ...]) -> None:
+        self._carried_lengths[len(key)] -= 1
+        if not self._carried_lengths[len(key)]:
+            del self._carried_lengths[len(key)]
+
+    def _carry(self, request: Request) -> None:
+        """Keep the wait of ``request``, admitted now under cache-aware admission, for its next turn if it is long."""
+        wait = self._steps - request.queued_at
+        if request.queued_at < 0 or wait < LPM_CARRY:
+            return
+        key = tuple(request.prompt_token_ids)
+        if key not in self._carried:
+            self._carried_lengths[len(key)] += 1
+        self._carried[key] = wait
+        if len(self._carried) > LPM_WINDOW:  # the oldest record goes
+            old = next(iter(self._carried))
+            del self._carried[old]
+            self._forget(old)
 
     def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
         """Under "priority": the worst-ranked running request when it ranks below ``request``, else None."""
@@ -554,5 +602,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             running.append(r)
             self._longest = max(self._longest, r.num_tokens)  # running now: the next admission's hold counts it
             out.admitted.append(r)
+            if not self.by_priority:
+                self._carry(r)
             cold = cold or new
         return budget, True
