@@ -220,6 +220,18 @@ def missing_template(tokenizer: Any, template: Mapping[str, Any], name: str) -> 
     return None
 
 
+def templated(tokenizer: Any, name: str, where: str, messages: list[dict[str, Any]],
+              template: Mapping[str, Any]) -> tuple[str, list[int]]:
+    """A conversation through the chat template (the tokenizer's, or ``template["chat_template"]``) of model ``name``:
+    (the templated text, its token ids); ``GenerationError`` naming ``where`` when it cannot be templated."""
+    missing = missing_template(tokenizer, template, name)
+    if missing is not None:
+        raise GenerationError(f"generate: {where}: {missing}")
+    text = apply_template(tokenizer, where, messages, tokenize=False, **template)
+    # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
+    return text, [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
 @functools.lru_cache(maxsize=32)
 def _template_names(source: str) -> frozenset[str] | None:
     """The variables a Jinja chat template reads (None: it does not parse here, e.g. transformers' own tags)."""
