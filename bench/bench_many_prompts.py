@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_big_prompt import REPO, _post, start
+from bench.bench_big_prompt import REPO, _post, interleaved
 from bench.common import Table, machine, median, ratio
 
 
@@ -47,16 +47,7 @@ def main() -> None:
     text = ("hello world " * (args.chars // 12 + 1))[: args.chars]
     prompts = [f"{i} {text}" for i in range(args.prompts - 1)] + ["hello world " * 200_000]  # the last: too long
     trees = {"this checkout": REPO, **({"baseline": args.baseline} if args.baseline else {})}
-    servers = {name: start(tree, args.model) for name, tree in trees.items()}
-    got: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
-    try:
-        for _ in range(args.repeats):
-            for name, (_, url) in servers.items():
-                got[name].append(one_round(url, prompts))
-    finally:
-        for p, _ in servers.values():
-            p.terminate()
-            p.wait()
+    got = interleaved(trees, args.model, args.repeats, lambda url: one_round(url, prompts))
     command = (f"python -m bench.bench_many_prompts --model {args.model} --prompts {args.prompts} --chars {args.chars} "
                f"--repeats {args.repeats}")
     table = Table(f"{args.prompts} prompts of {args.chars:,} characters in one request on kvload serve {args.model}",
