@@ -21,6 +21,7 @@ storage choice, so ``dtype: auto`` resolves the same with or without the cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -121,6 +122,18 @@ def cached_conversion(checkpoint: Checkpoint) -> Path | None:
     except OSError:
         return None
     return target if (target / MARKER).is_file() else None
+
+
+def ready_conversion(checkpoint: Checkpoint) -> Path | None:
+    """A complete conversion of a GGUF checkpoint, kvload's or an older kvload's that :func:`convert_gguf` would
+    share, else None (it must be converted)."""
+    done = cached_conversion(checkpoint)
+    if done is None:
+        with contextlib.suppress(OSError):
+            legacy = _legacy_dir(checkpoint)
+            if legacy is not None and (legacy / MARKER).is_file():
+                return legacy
+    return done
 
 
 def _say(line: str) -> None:

@@ -109,9 +109,9 @@ def count_text_prompts(ctx: Context) -> Any:
         return None
     path: Path | None = checkpoint.path
     if checkpoint.gguf_file:
-        from models.gguf_cache import cached_conversion, gguf_tokenizer
+        from models.gguf_cache import gguf_tokenizer, ready_conversion
 
-        path = cached_conversion(checkpoint)
+        path = ready_conversion(checkpoint)
     # a GGUF not converted yet: its tokenizer read from the file (seconds; its conversion, a minute, saves this one)
     tokenizer = load_tokenizer(path) if path is not None else gguf_tokenizer(checkpoint)
     if tokenizer is None:
