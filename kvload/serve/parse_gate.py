@@ -48,7 +48,7 @@ class ParseGate:
                 ready = None
             else:
                 ready = loop.create_future()
-                me.wake = lambda: loop.call_soon_threadsafe(_settle, ready)
+                me.wake = lambda: _call_soon(loop, _settle, ready)
                 self._queue.append(me)
         if ready is not None:
             try:
@@ -98,6 +98,11 @@ class ParseGate:
         if self._holder is not None:
             self._holder.state = "held"
             self._holder.wake()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, call: Any, *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the server stopped): no one waits
+        loop.call_soon_threadsafe(call, *args)
 
 
 def _settle(future: asyncio.Future[None]) -> None:
