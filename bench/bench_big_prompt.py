@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,23 @@ def one_round(url: str, prompt: str) -> tuple[float, float, float]:
     return big[0][1], small, health
 
 
+def interleaved(trees: dict[str, Path], model: str, repeats: int,
+                one: Callable[[str], tuple[float, ...]]) -> dict[str, list[tuple[float, ...]]]:
+    """A server per checkout in ``trees``, all up at once; ``repeats`` rounds of ``one(url)``, one server after the
+    other each round; each checkout's results. The servers are stopped however it ends."""
+    servers = {name: start(tree, model) for name, tree in trees.items()}
+    got: dict[str, list[tuple[float, ...]]] = {name: [] for name in trees}
+    try:
+        for _ in range(repeats):
+            for name, (_, url) in servers.items():
+                got[name].append(one(url))
+    finally:
+        for p, _ in servers.values():
+            p.terminate()
+            p.wait()
+    return got
+
+
 def main() -> None:
     """Start a server per checkout, run ``--repeats`` interleaved rounds, print a markdown table of medians."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,16 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     prompt = ("hello world " * int(args.mb * 1e6 / 12 + 1))[: int(args.mb * 1e6)]
     trees = {"this checkout": REPO, **({"baseline": args.baseline} if args.baseline else {})}
-    servers = {name: start(tree, args.model) for name, tree in trees.items()}
-    got: dict[str, list[tuple[float, float, float]]] = {name: [] for name in trees}
-    try:
-        for _ in range(args.repeats):
-            for name, (_, url) in servers.items():
-                got[name].append(one_round(url, prompt))
-    finally:
-        for p, _ in servers.values():
-            p.terminate()
-            p.wait()
+    got = interleaved(trees, args.model, args.repeats, lambda url: one_round(url, prompt))
     command = f"python -m bench.bench_big_prompt --model {args.model} --mb {args.mb:g} --repeats {args.repeats}"
     table = Table(f"A {args.mb:g} MB prompt on kvload serve {args.model}", command + (" --baseline DIR" if
                   args.baseline else ""), ["checkout", "big prompt refused, s", "small request meanwhile, s",

@@ -62,13 +62,12 @@ from engine.pooling import PooledRows
 from engine.prompts import (
     CHAT_OPTIONS,
     PromptOptions,
-    apply_template,
     array_ints,
     check_text,
     is_conversation,
-    missing_template,
     normalize,
     template_options,
+    templated,
 )
 from engine.sampling import Logprob, eos_token_ids, sample_rows, top_logprobs
 from engine.sampling_params import (
@@ -1286,14 +1285,7 @@ class GenerationExecutor:
     def _converse(self, i: int, messages: Any, template: Mapping[str, Any]) -> tuple[str, list[int]]:
         """A conversation through the chat template (the tokenizer's, or ``template["chat_template"]``): (the
         templated text, its token ids)."""
-        messages = check_messages(f"prompt {i}", messages)
-        tok = self.tokenizer
-        missing = missing_template(tok, template, self.name)
-        if missing is not None:
-            raise GenerationError(f"generate: prompt {i}: {missing}")
-        text = apply_template(tok, f"prompt {i}", messages, tokenize=False, **template)
-        # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
-        return text, [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+        return templated(self.tokenizer, self.name, f"prompt {i}", check_messages(f"prompt {i}", messages), template)
 
     @staticmethod
     def _arrivals(arrival_steps: Sequence[int] | None, n: int) -> list[int]:

@@ -192,20 +192,30 @@ def check_tree(where: str, value: Any) -> None:
 
 def surrogate_in(value: Any, where: str) -> tuple[str, str] | None:
     """The first string in a JSON-like ``value`` (keys included) holding a lone surrogate, as (its path from
-    ``where``, the string), or None. A walk with a stack: a document's depth is bounded elsewhere, not here."""
+    ``where``, the string), or None."""
+    return _first_leaf(value, where, lambda node: isinstance(node, str) and lone_surrogate(node) is not None)
+
+
+def non_json_in(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first value in ``value`` (keys included) that JSON cannot hold (bytes, an object, a key that is not a
+    string), as (its path from ``where``, the value), or None."""
+    return _first_leaf(value, where, lambda node: not (node is None or isinstance(node, (str, int, float))))
+
+
+def _first_leaf(value: Any, where: str, bad: Callable[[Any], bool]) -> tuple[str, Any] | None:
+    """The first leaf of ``value`` (a mapping's keys are leaves too) for which ``bad`` holds, with its path from
+    ``where`` (``where.key``, ``where[2]``). A walk with a stack: a document's depth is bounded elsewhere, not here."""
     stack: list[tuple[Any, str]] = [(value, where)]
     while stack:
         node, at = stack.pop()
-        if isinstance(node, str):
-            if lone_surrogate(node) is not None:
-                return at, node
-        elif isinstance(node, Mapping):
+        if isinstance(node, Mapping):
             for key, item in reversed(list(node.items())):  # reversed: the first key is looked at first
-                ok = not isinstance(key, str) or lone_surrogate(key) is None
-                stack.append((item, f"{at}.{key}" if ok else at))
+                stack.append((item, at if bad(key) else f"{at}.{key}"))
                 stack.append((key, at))
         elif isinstance(node, (list, tuple)):
             stack.extend((item, f"{at}[{j}]") for j, item in reversed(list(enumerate(node))))
+        elif bad(node):
+            return at, node
     return None
 
 
@@ -226,6 +236,18 @@ def missing_template(tokenizer: Any, template: Mapping[str, Any], name: str) -> 
     if not getattr(tokenizer, "chat_template", None) and "chat_template" not in template:
         return f"chat needs a chat template, and the tokenizer of {name} has none"
     return None
+
+
+def templated(tokenizer: Any, name: str, where: str, messages: list[dict[str, Any]],
+              template: Mapping[str, Any]) -> tuple[str, list[int]]:
+    """A conversation through the chat template (the tokenizer's, or ``template["chat_template"]``) of model ``name``:
+    (the templated text, its token ids); ``GenerationError`` naming ``where`` when it cannot be templated."""
+    missing = missing_template(tokenizer, template, name)
+    if missing is not None:
+        raise GenerationError(f"generate: {where}: {missing}")
+    text = apply_template(tokenizer, where, messages, tokenize=False, **template)
+    # what apply_chat_template(tokenize=True) does: the template already holds the special tokens
+    return text, [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 @functools.lru_cache(maxsize=32)

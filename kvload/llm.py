@@ -42,7 +42,7 @@ from engine.pooling import (
     pooled_vector,
     score_pairs,
 )
-from engine.prompts import check_tree, is_conversation, is_token_id
+from engine.prompts import check_tree, is_conversation, is_token_id, non_json_in
 from engine.sampling_params import SamplingParams, check_keywords, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.llm_ranks import SpawnedRanks, spawn_size
@@ -651,6 +651,13 @@ class LLM:
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])
+            # OpenAI's tool definitions are JSON, and a template reads them as such (tojson): bytes or an object in
+            # one failed there, or passed unread by a template that ignores tools
+            found = non_json_in(tools, "tools")
+            if found is not None:
+                raise GenerationError(f"chat: {found[0]}: expected JSON values (a tool definition is an object such "
+                                      "as {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}), "
+                                      f"got {short(found[1])}")
             with _named("chat"):  # named as given, before they join the template's variables
                 check_tree("tools", tools)
             if isinstance(chat_template_kwargs, dict) and "tools" in chat_template_kwargs:

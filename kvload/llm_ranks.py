@@ -187,17 +187,34 @@ class SpawnedRanks:
             self._end(polite=False)
             raise
 
-    def rank_zero(self) -> contextlib.AbstractContextManager[None]:
-        """The block in which this process loads as rank 0 (torchrun's variables set, then restored)."""
+    @contextlib.contextmanager
+    def rank_zero(self) -> Iterator[None]:
+        """The block in which this process loads as rank 0 (torchrun's variables set, then restored); a rank
+        that ends before it joins the process group is named then (:meth:`_joining`)."""
+        from pipeline.ranks import before_rendezvous
+
         self._owns_group = True  # the load starts the process group: close destroys it, so another LLM can start one
         env = rank_env(0, self.world, self.addr, self.port)
-        return _environ({k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                            "MASTER_ADDR", "MASTER_PORT", LAUNCHER_ENV)})
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 LAUNCHER_ENV)
+        with _environ({k: env[k] for k in names}), before_rendezvous(self._joining):
+            yield
+
+    def _joining(self) -> None:
+        """Wait (bounded) until every other rank says it is about to join the process group; ``RankError`` naming
+        the first that died or failed to load first. Rank 0 joins only then: in torch's rendezvous it waited for a
+        dead rank until the collective timeout."""
+        for r in self.ranks:
+            reply = self._reply(r, "LLM")
+            if reply[0] != "joining":
+                self._fail("LLM", f"rank {r.rank} (pid {r.proc.pid}) failed to load: {reply[2]}")
 
     def loaded(self) -> None:
         """Rank 0 loaded: wait (bounded) until every other rank says it did too."""
         for r in self.ranks:
             reply = self._reply(r, "LLM")
+            if reply[0] == "joining":  # a load that formed no process group (rank 0's hook never read it)
+                reply = self._reply(r, "LLM")
             if reply[0] != "ready":
                 self._fail("LLM", f"rank {r.rank} (pid {r.proc.pid}) failed to load: {reply[2]}")
         self._loading = False
@@ -467,8 +484,10 @@ def main() -> int:
     conn.send(("received",))
     try:
         from kvload.llm import LLM
+        from pipeline.ranks import before_rendezvous
 
-        llm = LLM(given.pop("model"), **given)
+        with before_rendezvous(lambda: conn.send(("joining",))):  # rank 0 joins once every rank is about to
+            llm = LLM(given.pop("model"), **given)
     except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(("error", type(exc).__name__, str(exc)))

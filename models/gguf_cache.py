@@ -21,6 +21,7 @@ storage choice, so ``dtype: auto`` resolves the same with or without the cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from models.user_paths import expand_user
 from pipeline.errors import ModelError, first_line
@@ -123,16 +124,30 @@ def cached_conversion(checkpoint: Checkpoint) -> Path | None:
     return target if (target / MARKER).is_file() else None
 
 
+def ready_conversion(checkpoint: Checkpoint) -> Path | None:
+    """A complete conversion of a GGUF checkpoint, kvload's or an older kvload's that :func:`convert_gguf` would
+    share, else None (it must be converted)."""
+    done = cached_conversion(checkpoint)
+    if done is None:
+        with contextlib.suppress(OSError):
+            legacy = _legacy_dir(checkpoint)
+            if legacy is not None and (legacy / MARKER).is_file():
+                return legacy
+    return done
+
+
 def _say(line: str) -> None:
     """A progress line on stderr: the conversion takes long enough that silence looks like a hang."""
     print(f"kvload: {line}", file=sys.stderr, flush=True)
 
 
-def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None = _say) -> Path:
+def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None = _say,
+                 tokenizer: Any = None) -> Path:
     """Dequantize a GGUF checkpoint to float32 safetensors (plus config and tokenizer), once; return the directory.
 
     ``progress`` receives a line when a conversion starts, when this process waits for another
-    one's, and when it is done (None: silent).
+    one's, and when it is done (None: silent). ``tokenizer``: the file's, read already (:func:`gguf_tokenizer`),
+    saved rather than read again.
     """
     say = progress or (lambda _line: None)
     done = cached_conversion(checkpoint)
@@ -163,7 +178,7 @@ def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None 
         legacy = _legacy_dir(checkpoint)
         if legacy is not None and (legacy / MARKER).is_file() and _adopt(legacy, target):
             return target
-        return _convert_locked(checkpoint, target, say)
+        return _convert_locked(checkpoint, target, say, tokenizer)
     finally:
         lock.release()
 
@@ -184,7 +199,7 @@ def _adopt(legacy: Path, target: Path) -> bool:
         return False
 
 
-def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], None]) -> Path:
+def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], None], tokenizer: Any) -> Path:
     root = target.parent
     gguf = checkpoint.gguf_path
     try:
@@ -197,7 +212,7 @@ def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], N
     say(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to float32 safetensors in {target} "
         "(once per file; later loads read the converted copy)")
     try:
-        tokenizer_saved = _write_conversion(checkpoint, tmp)
+        tokenizer_saved = _write_conversion(checkpoint, tmp, tokenizer)
         (tmp / MARKER).write_text(json.dumps({
             "source": str(gguf),
             "sha256": content_key(gguf),
@@ -218,9 +233,21 @@ def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], N
     return target
 
 
-def _write_conversion(checkpoint: Checkpoint, out: Path) -> bool:
+def gguf_tokenizer(checkpoint: Checkpoint) -> Any:
+    """The tokenizer a GGUF file holds (transformers reads its metadata, not its tensors), or None when it has no
+    usable one (such a file still serves token ids)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(checkpoint.path), gguf_file=checkpoint.gguf_file,
+                                             local_files_only=True)
+    except Exception:  # the GGUF reader raises whatever its parser hits
+        return None
+
+
+def _write_conversion(checkpoint: Checkpoint, out: Path, tokenizer: Any = None) -> bool:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from models.checkpoint import name_architecture
 
@@ -246,9 +273,8 @@ def _write_conversion(checkpoint: Checkpoint, out: Path) -> bool:
     for key in ("dtype", "torch_dtype", "quantization_config", "transformers_version"):
         config.pop(key, None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf, local_files_only=True)
-    except Exception:  # a GGUF without a usable tokenizer still serves token ids (the marker records it)
+    tokenizer = gguf_tokenizer(checkpoint) if tokenizer is None else tokenizer
+    if tokenizer is None:  # a GGUF without a usable tokenizer still serves token ids (the marker records it)
         return False
     tokenizer.save_pretrained(out)
     return True

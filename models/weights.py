@@ -585,7 +585,7 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
             from models.gguf_cache import cached_conversion, convert_gguf
 
             converted = cached_conversion(checkpoint) is None
-            path, source = convert_gguf(checkpoint), "gguf"
+            path, source = convert_gguf(checkpoint, tokenizer=tokenizer), "gguf"
         from models.classifier import is_sequence_classifier
 
         model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size,

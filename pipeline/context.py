@@ -86,6 +86,9 @@ class LoadRequest:
     #: (--prompt)`` -> the text): with a max_seq_len they may not fit, the checkpoint's tokenizer is loaded first
     #: (a fraction of a second) and their token counts checked as ``prompt_lengths`` are, before the weights load.
     prompt_texts: dict[str, str] = attrs.Factory(dict)
+    #: Whether each of ``prompt_texts`` is sent as a user message through the chat template (``kvload generate
+    #: --chat``): counted so, and a tokenizer without a template refused, before the weights load.
+    prompt_chat: bool = False
     #: Whether the caller never reads or writes the KV pools (``kvload simulate`` replays decisions, not attention):
     #: they are then built on torch's ``meta`` device, shapes without memory, and no host-memory check applies, so a
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on

@@ -10,11 +10,12 @@ over a gloo group. Importing this module imports no torch.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -93,6 +94,23 @@ def lost_rank_message(exc: BaseException) -> str | None:
 
 
 _jobs: queue.SimpleQueue[Callable[[], None]] | None = None
+#: Called once just before this process joins the process group's rendezvous (see :func:`before_rendezvous`).
+_before_rendezvous: Callable[[], None] | None = None
+
+
+@contextlib.contextmanager
+def before_rendezvous(call: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, ``call()`` runs just before this process joins the process group's rendezvous, and what
+    it raises ends the load there. ``kvload.LLM``'s rank 0 waits in it until every rank it started is about to join
+    (each says so), noticing one that died first: once in torch's rendezvous it could only wait for the rank until
+    the collective timeout (``KVLOAD_DIST_TIMEOUT_S``), and a rendezvous given up on leaves torch unable to start
+    another group in the process."""
+    global _before_rendezvous
+    before, _before_rendezvous = _before_rendezvous, call
+    try:
+        yield
+    finally:
+        _before_rendezvous = before
 
 
 def _worker() -> queue.SimpleQueue[Callable[[], None]]:
@@ -245,6 +263,8 @@ def object_group() -> Any:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if cuda else "gloo", timeout=_timedelta())
 
+        if _before_rendezvous is not None:
+            _before_rendezvous()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         try:  # the rendezvous waits for every rank: interruptible, so kill acts while one never comes

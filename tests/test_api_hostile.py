@@ -217,3 +217,21 @@ def test_chat_checks_its_sampling_settings_before_the_chat_template(llm):
         llm.chat([msgs, msgs], [SamplingParams(max_tokens=2)], chat_template=template)
     outs = llm.chat([msgs, msgs], [SamplingParams(max_tokens=2, ignore_eos=True)] * 2, chat_template=template)
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+@pytest.mark.parametrize("tools, where, got", [
+    ([{"a": [None, b"x"]}], "tools[0].a[1]", "b'x'"),
+    ([{"type": "function", "function": {"name": "f", "parameters": object}}], "tools[0].function.parameters",
+     "<class 'object'>"),
+])
+def test_chat_refuses_tools_json_cannot_hold_naming_where(llm, tools, where, got):
+    """A tool definition holding bytes or an object was accepted by a template that does not read ``tools`` (and
+    failed inside one that renders them with ``tojson``): refused before any work, naming where it lies."""
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # reads no tools
+    msgs = [{"role": "user", "content": "w1"}]
+    with pytest.raises(ValueError) as info:
+        llm.chat(msgs, tools=tools, chat_template=template, max_tokens=2)
+    assert str(info.value) == (f"chat: {where}: expected JSON values (a tool definition is an object such as "
+                               "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}), got " + got)
+    fine = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": 1.5, "y": None}}}]
+    assert len(llm.chat(msgs, tools=fine, chat_template=template, max_tokens=2)[0].outputs[0].token_ids) >= 1

@@ -116,7 +116,7 @@ def fake_gguf(tmp_path, monkeypatch):
     (src / "m.gguf").write_bytes(b"weights")
     calls = []
 
-    def write(ckpt, out):
+    def write(ckpt, out, tokenizer=None):
         calls.append(out)
         (out / "config.json").write_text("{}")
         return False
@@ -144,7 +144,7 @@ def test_conversion_happens_once_into_a_keyed_directory(fake_gguf, tmp_path):
 def test_a_failed_conversion_leaves_no_directory(fake_gguf, monkeypatch, tmp_path):
     ckpt, _ = fake_gguf
 
-    def boom(ckpt, out):
+    def boom(ckpt, out, tokenizer=None):
         (out / "model.safetensors").write_bytes(b"half")
         raise ModelError("conversion failed")
 

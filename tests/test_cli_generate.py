@@ -10,6 +10,7 @@ import pipeline
 from kvload.explain import verify_log
 from pipeline.audit import AuditLog
 from tests.cli_support import kvload, read_events, run_cli
+from tests.conftest import needs_smollm2
 
 TINY = ("generate", "tiny-llama", "--device", "cpu")
 
@@ -361,8 +362,8 @@ def test_chat_with_a_checkpoints_template_that_never_ends_exits_2_with_one_line(
     out.mkdir()
     r = kvload("generate", ckpt, "--chat", "--prompt", "w5 w6", "--audit-log", out / "a.jsonl")
     assert r.code == 2 and r.one_error_line, r.err[-2000:]
-    assert r.err == ("error: generate: prompt 0: the model's chat template ran more than 1,000,000 steps without "
-                     "finishing (a loop inside a loop?); it was stopped\n")
+    assert r.err == ("error: generate: prompt 0 (--prompt): the model's chat template ran more than 1,000,000 steps "
+                     "without finishing (a loop inside a loop?); it was stopped\n")
     assert r.out == "" and list(out.iterdir()) == []
 
 
@@ -438,3 +439,85 @@ def test_a_text_prompt_that_fits_generates_from_the_tokenizer_loaded_once(capsys
                 "--max_seq_len", "64", "--prompt", "Hello world", "--ignore_eos")
     assert r.code == 0, r.err
     assert len(loaded) == 1
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tiny_checkpoints, tmp_path_factory):
+    """tiny-llama's weights with a byte-level tokenizer and a chat template: a checkpoint that takes --chat."""
+    from tests.text_support import bytelevel_checkpoint
+
+    return bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("chatgen") / "ckpt", CHAT_TEMPLATE)
+
+
+def _no_weights(monkeypatch):
+    import stages.load_weights
+
+    def loads(*_args, **_kw):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(stages.load_weights, "load_weights", loads)
+
+
+def test_a_chat_prompt_that_leaves_no_room_is_counted_through_the_template_and_refused_before_the_weights_load(
+        capsys, monkeypatch, chat_checkpoint):
+    """``--chat`` prompts were not counted before the weights load (their template ran in the executor): one that left
+    no room under --max_seq_len was refused after them. Now its templated tokens are counted first."""
+    from models.weights import load_tokenizer
+
+    tok = load_tokenizer(chat_checkpoint)
+    text = "Hello world"
+    count = len(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"])
+    assert count > len(tok(text)["input_ids"])  # the template's tokens are counted too
+    _no_weights(monkeypatch)
+    r = run_cli(capsys, "generate", str(chat_checkpoint), "--chat", "--max_tokens", "256", "--max_new_tokens", "1",
+                "--max_seq_len", str(count), "--prompt", text)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(f"error: --max_seq_len: {count} leaves no room to generate after prompt 0 (--prompt) "
+                            f"({count} tokens; "), r.err
+
+
+def test_chat_on_a_tokenizer_without_a_template_is_refused_before_the_weights_load(capsys, monkeypatch,
+                                                                                    text_checkpoint):
+    _no_weights(monkeypatch)
+    r = run_cli(capsys, "generate", str(text_checkpoint), "--chat", "--max_tokens", "256", "--prompt", "Hello")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err == (f"error: --chat: chat needs a chat template, and the tokenizer of {text_checkpoint} has "
+                     "none; leave out --chat to send each --prompt as it is\n"), r.err
+
+
+def test_a_chat_prompt_that_fits_is_counted_as_the_executor_templates_it(capsys, chat_checkpoint):
+    """The count before the weights and the executor's agree: a --max_seq_len one past the templated prompt runs."""
+    from models.weights import load_tokenizer
+
+    count = len(load_tokenizer(chat_checkpoint).apply_chat_template(
+        [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"])
+    r = run_cli(capsys, "generate", str(chat_checkpoint), "--chat", "--max_tokens", "256", "--max_new_tokens", "1",
+                "--max_seq_len", str(count + 1), "--prompt", "Hello", "--ignore_eos", "--json")
+    assert r.code == 0, r.err
+    (output,) = json.loads(r.out)["outputs"]
+    assert len(output["prompt_token_ids"]) == count
+
+
+@needs_smollm2
+def test_a_prompt_too_long_for_a_gguf_not_yet_converted_is_refused_before_its_conversion(capsys, monkeypatch,
+                                                                                         tmp_path):
+    """A GGUF's tokenizer was on disk only once its conversion (half a minute for SmolLM2's 98 MB, the weights
+    dequantized) had written it, so a prompt past --max_seq_len was refused after that. Its tokenizer is now read
+    from the file itself first: the refusal comes before the conversion, and none is left half done."""
+    monkeypatch.setenv("KVLOAD_CACHE", str(tmp_path / "cache"))
+    _no_weights(monkeypatch)
+    r = run_cli(capsys, "generate", "smollm2-135m", "--max_tokens", "256", "--max_seq_len", "4",
+                "--prompt", "hello there how are you doing today my friend")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith("error: --max_seq_len: 4 leaves no room to generate after prompt 0 (--prompt) (9 tokens; "
+                            "a sequence never grows past max_seq_len); expected at least 10"), r.err
+    from models import gguf_cache
+
+    cache = tmp_path / "cache"  # at most kvload's bookkeeping (the file's content key): no conversion, not a part
+    assert not cache.exists() or [p.name for p in cache.iterdir()] == [gguf_cache.STATE]

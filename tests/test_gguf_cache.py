@@ -25,7 +25,7 @@ def gguf_dir(root, name="m.gguf", content=b"weights"):
 def recorder(monkeypatch):
     calls = []
 
-    def write(ckpt, out):
+    def write(ckpt, out, tokenizer=None):
         calls.append(str(ckpt.gguf_path))
         (out / "config.json").write_text("{}")
         return False
@@ -73,7 +73,7 @@ import sys, time, pathlib
 from models import gguf_cache
 from models.checkpoint import resolve_checkpoint
 
-def write(ckpt, out):  # stands in for the minute-long dequantization; counts conversions
+def write(ckpt, out, tokenizer=None):  # stands in for the minute-long dequantization; counts conversions
     with open(sys.argv[2], "a") as f:
         f.write("converted\\n")
     time.sleep(1.5)

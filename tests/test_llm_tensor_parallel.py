@@ -306,3 +306,52 @@ def test_a_plain_script_names_a_killed_rank_and_leaves_no_process(tmp_path):
     while _alive(report["workers"][0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(report["workers"][0]), "rank 1 outlived the script"
+
+
+EARLY_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import kvload
+    import kvload.llm_ranks as llm_ranks
+    from pipeline.errors import RankError
+
+    def kids():
+        out = set()
+        for t in os.listdir(f"/proc/{os.getpid()}/task"):
+            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
+        return out
+
+    kw = dict(tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
+    report = {}
+    start = llm_ranks.SpawnedRanks.start
+
+    def started(self):  # rank 1 took the LLM's arguments and is loading: killed long before it joins the group
+        start(self)
+        report["victim"] = self.ranks[0].proc.pid
+        os.kill(report["victim"], signal.SIGKILL)
+
+    llm_ranks.SpawnedRanks.start = started
+    began = time.monotonic()
+    try:
+        kvload.LLM("tiny-llama", **kw)
+    except RankError as exc:
+        report["error"] = str(exc)
+    report["took"], report["left"] = time.monotonic() - began, sorted(kids())
+    llm_ranks.SpawnedRanks.start = start
+    with kvload.LLM("tiny-llama", **kw) as llm:  # the same process starts a group again
+        report["after"] = llm.generate([[1, 2, 3]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
+    report["workers"] = sorted(kids())
+    print(json.dumps(report), flush=True)
+""")
+
+
+def test_a_rank_that_dies_before_the_process_group_forms_is_named_at_once_and_leaves_no_process(tmp_path):
+    """Rank 0 waited at the rendezvous for a rank that had died while loading until the collective timeout
+    (``KVLOAD_DIST_TIMEOUT_S``, 600 s by default). It now joins once every rank says it is about to, and sees the
+    rank's process end while it waits: one ``RankError`` naming the rank, its pid and how it ended; nothing left
+    running; a new LLM starts in the same process afterwards (a rendezvous given up on would have stopped it)."""
+    report = _script_report(tmp_path, EARLY_SCRIPT)
+    assert report["error"].startswith(f"LLM: tensor_parallel_size=2: rank 1 (pid {report['victim']}) was killed by "
+                                      "SIGKILL"), report
+    assert report["took"] < DIST_TIMEOUT_S  # a bound, not a speed: no wait for the collective timeout
+    assert report["left"] == [] and report["workers"] == []
+    assert len(report["after"]) == 3

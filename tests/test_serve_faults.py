@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import threading
 
 import httpx
 import pytest
@@ -454,4 +455,48 @@ def test_a_request_whose_client_left_while_it_waited_to_be_parsed_is_never_parse
     assert r.status_code == 200
     wait_for(lambda: served.metrics()["kvload_http_requests_in_flight"] == 0, what="B's handler ended")
     assert len(encoded) == 1  # A's prompt alone
+    _served_normally(served)
+
+
+BIG = [[11 + i, 12 + i, 13 + i] for i in range(0, 80, 10)]  # eight prompts, each told apart by its first id
+SMALL = [7, 8, 9]
+
+
+@pytest.mark.parametrize("path, method, field, body", [
+    ("/v1/completions", "encode", "prompt", {"max_tokens": 1}),
+    ("/v1/embeddings", "check", "input", {}),
+])
+def test_a_small_request_is_parsed_between_two_prompts_of_a_many_prompt_one(served, monkeypatch, path, method, field,
+                                                                           body):
+    """The parse gate took one request whole: a small request sent while one of 1,024 prompts was being tokenized
+    waited for all of them. Now the big one, held in its first prompt until the small one waits at the gate, lets
+    it be parsed before its second prompt; both are answered."""
+    engine = served.state.engine
+    gate = served.server.server.config.app.state.parse_gate
+    seen: list[int] = []
+    real = getattr(engine, method)
+
+    def spy(ids, *args, **kwargs):
+        seen.append(ids[0])
+        if ids[0] == BIG[0][0]:  # the big request's first prompt: wait till the small one queues behind it
+            wait_for(lambda: gate.waiting() == 1, what="the small request waits at the parse gate")
+        return real(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, method, spy)
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str, prompt: object) -> None:
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            answers[name] = http.post(path, json={field: prompt, **body})
+
+    big = threading.Thread(target=send, args=("big", BIG))
+    big.start()
+    try:
+        wait_for(lambda: BIG[0][0] in seen, what="the big request's first prompt is being parsed")
+        send("small", [SMALL])
+    finally:
+        big.join(TIMEOUT)
+    assert answers["big"].status_code == answers["small"].status_code == 200, answers
+    assert seen.index(SMALL[0]) < seen.index(BIG[1][0])  # parsed before the big one's second prompt
+    assert [s for s in seen if s != SMALL[0]][:len(BIG)] == [p[0] for p in BIG]  # the big one's in order, each once
     _served_normally(served)

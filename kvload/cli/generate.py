@@ -46,8 +46,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     request.token_ids |= {"--stop_token_ids": ns.stop_token_ids}  # both checked against the config's vocab_size
     if any(isinstance(p, str) for p in prompts):  # a model without a tokenizer is refused before its weights load
         request.text_prompts = "--prompt"
-    if not ns.chat:  # counted by the tokenizer alone before the weights load (a chat prompt's template runs later)
-        request.prompt_texts = {f"prompt {i} (--prompt)": p for i, p in enumerate(prompts) if isinstance(p, str)}
+    # counted by the tokenizer alone (a chat prompt through its template) before the weights load
+    request.prompt_texts = {f"prompt {i} (--prompt)": p for i, p in enumerate(prompts) if isinstance(p, str)}
+    request.prompt_chat = ns.chat
     if ns.config is not None and request.config is None:  # read once: its max_seq_len sizes the pools below, and
         # parse_args takes the same tree (read already when the tensor-parallel check needed it)
         from pipeline.sources import read_yaml

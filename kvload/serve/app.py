@@ -35,6 +35,7 @@ from kvload.serve.classify import classify_route
 from kvload.serve.embeddings import embeddings_route
 from kvload.serve.handlers import _serve, _tokenizer_call
 from kvload.serve.messages_input import AnthropicError
+from kvload.serve.parse_gate import ParseGate
 from kvload.serve.protocol import BadRequest
 from kvload.serve.request_id import _RequestIdHeader
 from kvload.serve.request_input import _not_served
@@ -186,7 +187,7 @@ def create_app(state: ServeState) -> FastAPI:
                              "(N > 0; in Python, kv_cache_config.event_buffer_max_size)",
                              param="event_buffer_max_size") from None
 
-    gate = asyncio.Lock()  # one request's body parsed and tokenized at a time (see _serve)
+    app.state.parse_gate = gate = ParseGate()  # one request's body parsed and tokenized at a time (see _serve)
     # set on the event loop once the server stops (server._Server.shutdown): a body still arriving is not waited for
     app.state.stopping = stopping = asyncio.Event()
 

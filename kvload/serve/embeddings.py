@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
+from kvload.serve.parse_gate import ParseGate, pass_turn
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
     BadRequest,
@@ -101,7 +102,9 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
     ``BadRequest`` with ``param`` whose message names the item (``wheres[i]``) otherwise."""
     engine = state.engine
     prompts = []
-    for item, where in zip(items, wheres, strict=True):
+    for i, (item, where) in enumerate(zip(items, wheres, strict=True)):
+        if i and not pass_turn():  # the requests waiting to be parsed go first, as in _encode; gone: the server stops
+            raise _shutting_down()
         try:
             if isinstance(item, str) and params.truncate_prompt_tokens is None:  # past max_seq_len by its characters
                 engine.check_embedding_chars(where, item)  # alone: refused untokenized
@@ -151,7 +154,7 @@ class PoolJob(Protocol):
     priority: int
 
 
-async def pooling_route(state: ServeState, request: Request, gate: asyncio.Lock, stopping: asyncio.Event,
+async def pooling_route(state: ServeState, request: Request, gate: ParseGate, stopping: asyncio.Event,
                         parse: Callable[[ServeState, bytes | bytearray], PoolJob],
                         answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]) -> Response:
     """A pooling route (``/v1/embeddings``, ``/score``, ``/rerank``): the body read and parsed as the completions'
@@ -161,7 +164,7 @@ async def pooling_route(state: ServeState, request: Request, gate: asyncio.Lock,
         raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
-    async with gate:
+    async with gate.turn():
         if state.engine.stopping:
             raise _shutting_down()
         if await request.is_disconnected():
@@ -223,7 +226,7 @@ def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def embeddings_route(state: ServeState, request: Request, gate: asyncio.Lock,
+async def embeddings_route(state: ServeState, request: Request, gate: ParseGate,
                            stopping: asyncio.Event) -> Response:
     """``POST /v1/embeddings``: every input embedded in one batch, the answer once all are."""
     return await pooling_route(state, request, gate, stopping, parse_embeddings,

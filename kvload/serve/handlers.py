@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect
 from kvload.serve.embeddings import pooling_run
 from kvload.serve.invocations import Pooled, prepare_invocation
 from kvload.serve.messages_output import message_document, message_events
+from kvload.serve.parse_gate import ParseGate
 from kvload.serve.request_body import CLIENT_CLOSED, _read_body, _shutting_down
 from kvload.serve.request_run import _Run
 from kvload.serve.responses_output import response_document, response_events
@@ -19,7 +20,7 @@ from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_worker
 
 
-async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.Lock,
+async def _serve(state: ServeState, request: Request, kind: str, gate: ParseGate,
                  stopping: asyncio.Event) -> Response:
     try:
         raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
@@ -29,8 +30,9 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: asyncio.L
     # Parsing, tokenizing and checking a body of up to --max-request-bytes takes seconds of CPU: done on a worker
     # thread, so other streams and /health go on meanwhile (a fast tokenizer releases the GIL while it encodes).
     # One request at a time (vLLM's API server tokenizes on a single worker thread too): no two encodes share
-    # the tokenizer at once, and a flood of big bodies uses one core, not all of them.
-    async with gate:
+    # the tokenizer at once, and a flood of big bodies uses one core, not all of them. A request of many prompts
+    # lets those waiting go first between two of its prompts (parse_gate.pass_turn).
+    async with gate.turn():
         if state.engine.stopping:  # queued here when a stop was asked for: refused at once, not parsed first
             raise _shutting_down()
         if await request.is_disconnected():  # left while it queued here: its parse (seconds for a big body) is
@@ -64,7 +66,7 @@ def _prepare(state: ServeState, run: _Run, raw: bytes | bytearray, kind: str) ->
     return None
 
 
-async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: asyncio.Lock,
+async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: ParseGate,
                           stopping: asyncio.Event) -> Response:
     """vLLM's /tokenize or /detokenize: the body read under the completions' limits, then ``work(state, body)``
     on a worker thread under the same gate as their parsing and tokenizing (a big body's encode would stall the
@@ -73,7 +75,7 @@ async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: 
         raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
-    async with gate:
+    async with gate.turn():
         if await request.is_disconnected():  # as _serve: no one to answer
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(await _on_worker(stopping, lambda: None, work, state, raw))

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import Request
 
 from engine.serving import ServingEngine
+from kvload.serve.parse_gate import pass_turn
 from kvload.serve.protocol import MAX_REQUEST_ID_CHARS, BadRequest, Job, parse, request_id
 from kvload.serve.request_body import _load, _shutting_down
 from kvload.serve.state import ServeState
@@ -130,7 +131,9 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
     out, cut = [], []
     for i, prompt in enumerate(job.prompts):
         field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
-        if engine.stopping:  # a stop asked for mid-request: end now, not after encoding up to 1,024 prompts
+        # a stop asked for mid-request ends it now, not after encoding up to 1,024 prompts; between two prompts the
+        # requests waiting to be parsed go first (a small one is not parsed after a thousand prompts of this one)
+        if engine.stopping or (i and not pass_turn()):
             raise _shutting_down()
         try:
             if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's

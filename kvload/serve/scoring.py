@@ -34,6 +34,7 @@ from kvload.serve.embeddings import (
     prompt_list,
     tokenized,
 )
+from kvload.serve.parse_gate import ParseGate
 from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _need
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
@@ -208,13 +209,13 @@ def rerank_answer(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) ->
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
 
 
-async def score_route(state: ServeState, request: Request, gate: asyncio.Lock, stopping: asyncio.Event) -> Response:
+async def score_route(state: ServeState, request: Request, gate: ParseGate, stopping: asyncio.Event) -> Response:
     """``POST /score``, ``/v1/score``: the cosine of each pair's embeddings, every text embedded in one batch."""
     return await pooling_route(state, request, gate, stopping, parse_score,
                                lambda job, rows: score_answer(state, job, rows))
 
 
-async def rerank_route(state: ServeState, request: Request, gate: asyncio.Lock, stopping: asyncio.Event) -> Response:
+async def rerank_route(state: ServeState, request: Request, gate: ParseGate, stopping: asyncio.Event) -> Response:
     """``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``: the documents ordered by their cosine with the query."""
     return await pooling_route(state, request, gate, stopping, parse_rerank,
                                lambda job, rows: rerank_answer(state, job, rows))
