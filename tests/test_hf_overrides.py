@@ -1,0 +1,130 @@
+"""vLLM's ``hf_overrides`` (``LLM(hf_overrides={...})``, ``--hf-overrides JSON``): laid over the checkpoint's config
+before the spec, the KV geometry, the model defaults and the weights read it; each key set is one
+``hf_config_overridden`` event; what cannot be set is one line naming ``hf_overrides.<key>``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import kvload
+from pipeline.errors import ConfigError, ModelError
+from tests.llm_support import llm_kwargs
+
+PROMPT = [5, 17, 300, 42, 9, 88, 123, 7, 61, 250, 3, 77, 19, 140]
+
+
+def overridden(result) -> list[dict]:
+    keys = ("key", "old", "new", "added", "source")
+    return [{k: e[k] for k in keys} for e in result.audit.of("hf_config_overridden")]
+
+
+def test_a_preset_plans_with_the_overridden_geometry_and_max_seq_len_follows_the_positions():
+    base = kvload.plan("tiny-mistral", log=False)
+    result = kvload.plan("tiny-mistral", log=False, hf_overrides={
+        "sliding_window": 64, "max_position_embeddings": 1024, "num_hidden_layers": 2})
+    assert base.args.max_seq_len == 8192 and {layer.window for layer in base.kv.layout.layers} == {256}
+    assert result.args.max_seq_len == 1024  # the default read from the overridden max_position_embeddings
+    assert [layer.window for layer in result.kv.layout.layers] == [64, 64]  # two layers, the window given
+    assert overridden(result) == [
+        {"key": "sliding_window", "old": 256, "new": 64, "added": False, "source": "api"},
+        {"key": "max_position_embeddings", "old": 8192, "new": 1024, "added": False, "source": "api"},
+        {"key": "num_hidden_layers", "old": 4, "new": 2, "added": False, "source": "api"},
+    ]
+    # kvload explain says where the default came from: the config as the overrides left it
+    from kvload.explain import explain
+
+    chain = explain(result.audit, ["max_seq_len"])[0]["chain"]
+    assert any("the checkpoint's config as hf_overrides left it: " in step["reason"] and
+               "max_position_embeddings 8192 → 1024 (api)" in step["reason"] for step in chain)
+    # the events come before the spec and defaults read the config
+    names = [e["event"] for e in result.audit.events]
+    assert names.index("hf_config_overridden") < names.index("model_resolved")
+
+
+def test_a_user_max_seq_len_still_wins_over_the_overridden_positions():
+    result = kvload.plan("tiny-llama", log=False, max_model_len=300, hf_overrides={"max_position_embeddings": 512})
+    assert result.args.max_seq_len == 300
+    assert overridden(result)[0]["new"] == 512
+
+
+def greedy(model, ids: list[int], steps: int) -> list[int]:
+    import torch
+
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            out.append(int(model(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def test_a_local_checkpoints_weights_are_built_from_the_overridden_config(tiny_checkpoints):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints("mistral")  # sliding_window 8
+    reference = {window: greedy(AutoModelForCausalLM.from_pretrained(
+        str(path), sliding_window=window, dtype=torch.float32, attn_implementation="eager").eval(), PROMPT, 4)
+        for window in (3, 8)}
+    assert reference[3] != reference[8]  # the prompt is longer than both windows: the window shows
+    with kvload.LLM(str(path), hf_overrides={"sliding_window": 3, "num_hidden_layers": 4}, **llm_kwargs()) as llm:
+        got = llm.generate([PROMPT], max_tokens=4, temperature=0.0, ignore_eos=True)[0].outputs[0].token_ids
+        assert llm.result.hf_model.config.sliding_window == 3
+        assert {layer.window for layer in llm.result.kv.layout.layers} == {3}
+        assert overridden(llm)[0] == {"key": "sliding_window", "old": 8, "new": 3, "added": False, "source": "api"}
+    assert list(got) == reference[3]
+
+
+def test_an_override_the_checkpoints_tensors_do_not_fit_is_refused_before_loading(tiny_checkpoints):
+    with pytest.raises(ModelError) as info:
+        kvload.LLM(str(tiny_checkpoints("llama")), hf_overrides={"intermediate_size": 100}, **llm_kwargs())
+    assert "mlp" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_new_key_and_a_nested_value_are_set_as_given():
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    result = kvload.plan("tiny-llama", log=False, hf_overrides={"rope_scaling": scaling, "my_flag": [1, "x"]})
+    events = {e["key"]: e for e in overridden(result)}
+    assert events["my_flag"] == {"key": "my_flag", "old": None, "new": [1, "x"], "added": True, "source": "api"}
+    assert events["rope_scaling"]["new"]["factor"] == 2.0 and events["rope_scaling"]["source"] == "api"
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (lambda config: config, "hf_overrides: a callable is not accepted (kvload records each key it changes in the "
+                            "config as an event); give a dict of config.json keys such as "
+                            "{\"max_position_embeddings\": 4096}, each value JSON data (null, true/false, a number, a "
+                            "string, a list or an object of those)"),
+    ([1], "hf_overrides: expected a dict of config.json keys"),
+    ({"sliding_window": object()}, "hf_overrides.sliding_window: expected JSON data (null, true/false, a number, a "
+                                   "string, a list or an object), got object "),
+    ({"rope_scaling": {"factor": float("nan")}}, "hf_overrides.rope_scaling.factor: nan is not a JSON number"),
+    ({"to_dict": 1}, "hf_overrides.to_dict: names a method of transformers' LlamaConfig, not a config key"),
+    ({"_private": 1}, "hf_overrides: key '_private' is not a config key"),
+])
+def test_what_cannot_be_set_is_one_line_naming_the_key(value, message):
+    with pytest.raises(ConfigError) as info:
+        kvload.plan("tiny-llama", log=False, hf_overrides=value)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert info.value.source == "api"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvload", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_cli_flag_acts_and_its_refusal_is_one_line_exit_2(tmp_path):
+    audit = tmp_path / "audit.jsonl"
+    done = run_cli("plan", "tiny-llama", "--hf-overrides", '{"max_position_embeddings": 640}', "--audit-log",
+                   str(audit), "--json")
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    event = next(r for r in records if r["event"] == "hf_config_overridden")
+    assert (event["key"], event["old"], event["new"], event["source"]) == ("max_position_embeddings", 8192, 640, "cli")
+    assert json.loads(done.stdout)["args"]["max_seq_len"] == 640
+    bad = run_cli("plan", "tiny-llama", "--hf-overrides", '{"num_hidden_layers": 1, "to_dict": 2}')
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: hf_overrides.to_dict: names a method of transformers' LlamaConfig, not a config key"]
