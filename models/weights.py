@@ -598,13 +598,22 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
 
             converted = cached_conversion(checkpoint) is None
             path, source = convert_gguf(checkpoint), "gguf"
-        from models.classifier import is_sequence_classifier
+        from models.classifier import is_sequence_classifier, token_head_tokens, with_token_head
 
+        tokens = token_head_tokens(hf_config)  # vLLM's classifier from the causal LM's own head (Qwen3-Reranker)
+        if tokens is not None and tp_size > 1:
+            raise ModelError(f"tensor_parallel_size={tp_size}: {path} is served as a classifier built from its "
+                             "lm_head (classifier_from_token), which kvload runs on one rank; run it with "
+                             "tensor_parallel_size=1")
+        if tokens is not None:
+            tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size,
-                                 classifier=is_sequence_classifier(hf_config),
-                                 config=hf_config if overridden else None)
+                                 classifier=is_sequence_classifier(hf_config) and tokens is None,
+                                 config=hf_config if overridden or tokens is not None else None)
         try:
             tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
+            if tokens is not None:
+                model = with_token_head(model, tokenizer, tokens, path)
         except BaseException:
             del model
             raise

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from models import GenericDecoderSpec, load_hf_config, resolve_checkpoint, spec_class_for
+from models.classifier import token_head_tokens
 from pipeline.bus import Emit
 from pipeline.config import AUTO, LlmArgs, framework_defaults, freeze, set_field
 from pipeline.context import Context, ModelInfo
@@ -91,6 +92,9 @@ class ApplyModelDefaults:
                 if spec_cls is GenericDecoderSpec else ""
             given = f" (with hf_overrides {', '.join(ctx.hf_overrides)} applied)" if ctx.hf_overrides else ""
             raise ModelError(f"{checkpoint.path / 'config.json'}{given}: {exc}{generic}") from None
+        if token_head_tokens(hf_config) is not None and checkpoint.kind == "preset":  # checked before any load
+            raise ModelError(f"classifier_from_token: {checkpoint.name} is a preset, with random weights and no "
+                             "tokenizer to look the tokens up in; give a checkpoint directory")
         ctx.checkpoint, ctx.hf_config, ctx.spec = checkpoint, hf_config, spec
         ctx.model = ModelInfo(
             name=checkpoint.name, kind=checkpoint.kind, path=str(checkpoint.path), architecture=spec.architecture,

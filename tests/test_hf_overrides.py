@@ -128,3 +128,90 @@ def test_the_cli_flag_acts_and_its_refusal_is_one_line_exit_2(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "error: hf_overrides.to_dict: names a method of transformers' LlamaConfig, not a config key"]
+
+
+# --- the Qwen3-Reranker recipe: a causal LM served as a classifier built from its own head ---------------------------
+
+RECIPE = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w3", "w7"],
+          "is_original_qwen3_reranker": True}
+
+
+@pytest.fixture(scope="module")
+def qwen3_causal(tiny_checkpoints, tmp_path_factory):
+    """The tiny Qwen3ForCausalLM checkpoint with a word-level tokenizer (token i is "w<i>")."""
+    from tests.llm_support import with_tokenizer
+
+    return with_tokenizer(tiny_checkpoints("qwen3"), tmp_path_factory.mktemp("reranker") / "ckpt", 512)
+
+
+def test_the_qwen3_reranker_recipe_scores_as_the_softmax_of_the_two_tokens_logits(qwen3_causal):
+    """vLLM's from_2_way_softmax: one label, lm_head["yes"] - lm_head["no"]; a pair's score is
+    sigmoid(logit_yes - logit_no) of its last token, the texts joined as they are (use_pad_token false)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    causal = AutoModelForCausalLM.from_pretrained(str(qwen3_causal), dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+
+    def expected(ids: list[int]) -> float:
+        with torch.no_grad():
+            last = causal(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        return float(torch.softmax(last[[3, 7]], -1)[1])  # = sigmoid(logit_w7 - logit_w3)
+
+    query, docs = [5, 17, 300], [[88, 123, 7], [301, 64]]
+    with kvload.LLM(str(qwen3_causal), dtype="float32", hf_overrides=RECIPE, **llm_kwargs()) as llm:
+        outs = llm.score("w5 w17 w300 ", ["w88 w123 w7", "w301 w64"])
+        assert [o.prompt_token_ids for o in outs] == [query + d for d in docs]
+        for out, doc in zip(outs, docs, strict=True):
+            assert out.outputs.score == pytest.approx(expected(query + doc), abs=1e-5)
+        probs = llm.classify([[9, 42, 11]])[0].outputs.probs
+        assert probs == pytest.approx([expected([9, 42, 11])], abs=1e-5)
+        assert {e["key"] for e in llm.audit.of("hf_config_overridden")} == set(RECIPE)
+        with pytest.raises(kvload.GenerationError, match=r"^generate: the model is a sequence-classification"):
+            llm.generate([[1, 2]], max_tokens=2)
+
+
+def test_score_and_rerank_served_for_the_recipe_are_the_two_tokens_softmax(qwen3_causal):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.serve_support import serving
+
+    causal = AutoModelForCausalLM.from_pretrained(str(qwen3_causal), dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+
+    def expected(ids: list[int]) -> float:
+        with torch.no_grad():
+            last = causal(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        return float(torch.sigmoid(last[7] - last[3]))
+
+    docs = [[88, 123, 7], [301, 64], [9, 42]]
+    scores = [expected([5, 17, *d]) for d in docs]
+    with serving(str(qwen3_causal), dtype="float32", max_seq_len=64, hf_overrides=RECIPE,
+                 kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as s:
+        r = s.http.post("/score", json={"text_1": "w5 w17 ", "text_2": ["w88 w123 w7", "w301 w64", "w9 w42"]})
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(scores, abs=1e-5)
+        r = s.http.post("/rerank", json={"query": "w5 w17 ", "documents": ["w88 w123 w7", "w301 w64", "w9 w42"]})
+        assert r.status_code == 200, r.text
+        ranked = r.json()["results"]
+        assert [x["index"] for x in ranked] == sorted(range(3), key=lambda k: -scores[k])
+        assert [x["relevance_score"] for x in ranked] == pytest.approx(sorted(scores, reverse=True), abs=1e-5)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"classifier_from_token": ["w3", "nope"]}, "classifier_from_token: 'nope' is not a token of "),
+    ({"classifier_from_token": ["w3"]}, "classifier_from_token: expected two tokens [false, true]"),
+    ({"method": "no_post_processing"}, "method: 'no_post_processing': kvload builds a classifier from a causal LM's "
+                                       "head by vLLM's 'from_2_way_softmax' only"),
+])
+def test_a_recipe_kvload_cannot_build_is_one_line(qwen3_causal, extra, message):
+    with pytest.raises(ModelError) as info:
+        kvload.LLM(str(qwen3_causal), hf_overrides={**RECIPE, **extra}, **llm_kwargs())
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_the_recipe_on_a_preset_is_refused_before_anything_loads():
+    with pytest.raises(ModelError, match=r"^classifier_from_token: tiny-qwen3 is a preset, with random weights and "
+                                         r"no tokenizer"):
+        kvload.plan("tiny-qwen3", log=False, hf_overrides=RECIPE)
