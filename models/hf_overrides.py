@@ -28,6 +28,25 @@ class Override(NamedTuple):
 
 _MISSING = object()
 
+#: Keys transformers 5 reads from ``rope_parameters`` once a config is built (``standardize_rope_params`` moved them
+#: there): set alone, the model would not see them
+_INTO_ROPE_PARAMETERS = ("rope_theta", "partial_rotary_factor")
+
+
+def _into_rope_parameters(config: Any, key: str, value: Any, where: str, source: str | None, current: Any) -> Any:
+    """Carry ``key`` into the config's ``rope_parameters``, where the rotary embedding reads it; the value it had
+    there (``current`` where it had none). ``ConfigError`` when they are kept per layer type (Gemma 3's local and
+    global thetas), where one value is ambiguous."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):  # an older config reads the key itself
+        return current
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ConfigError(f"{where}: transformers' {type(config).__name__} keeps {key} per layer type in "
+                          f"rope_parameters ({', '.join(params)}); override rope_parameters instead", path=where,
+                          detail="per layer type", source=source)
+    config.rope_parameters = {**params, key: copy.deepcopy(value)}
+    return params.get(key, current)
+
 
 def _is_config(value: Any) -> bool:
     """Whether ``value`` is a nested transformers config (``text_config``), which an object recurses into."""
@@ -63,6 +82,8 @@ def apply_overrides(config: Any, overrides: Mapping[str, Any], sources: Mapping[
             raise ConfigError(f"{where}: transformers' {type(config).__name__} does not take {short(value)}: "
                               f"{first_line(exc)}", path=where, detail="cannot be set",
                               source=source) from None
+        if key in _INTO_ROPE_PARAMETERS:
+            current = _into_rope_parameters(config, key, value, where, source, current)
         added = current is _MISSING
         done.append(Override(dotted, None if added else _plain(current), _plain(getattr(config, key)), added))
     return done

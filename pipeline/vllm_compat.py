@@ -183,8 +183,10 @@ NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "data_parallel_size": ((1,), "kvload runs one engine per process (start one kvload serve per replica)"),
     "pipeline_parallel_size": ((1,), "kvload splits a model by tensor parallel only (tensor_parallel_size)"),
     "model_impl": (("auto", "transformers"), "kvload runs transformers' built-in model classes"),
-    "rope_scaling": ((None, {}), "kvload reads the checkpoint's config.json as it is (its rope_scaling)"),
-    "rope_theta": ((None,), "kvload reads the checkpoint's config.json as it is (its rope_theta)"),
+    "rope_scaling": ((None, {}), "kvload reads the checkpoint's config.json as it is (its rope_scaling); "
+                                 "hf_overrides={'rope_scaling': {...}} changes it, as in vLLM today"),
+    "rope_theta": ((None,), "kvload reads the checkpoint's config.json as it is (its rope_theta); "
+                            "hf_overrides={'rope_theta': N} changes it, as in vLLM today"),
     "kv_transfer_config": ((None, {}), "disaggregated prefill (KV transfer between instances) is not served: one "
                                        "kvload serve runs prefill and decode; its KV cache events go out by "
                                        "--kv-events-config"),

@@ -51,6 +51,18 @@ def test_a_user_max_seq_len_still_wins_over_the_overridden_positions():
     assert overridden(result)[0]["new"] == 512
 
 
+def test_rope_theta_reaches_the_rotary_embedding_where_transformers_reads_it():
+    # transformers 5 reads rope_theta from rope_parameters: set as an attribute alone it changed nothing that runs
+    with kvload.LLM("tiny-llama", hf_overrides={"rope_theta": 1000.0}, **llm_kwargs()) as llm:
+        inv_freq = llm.result.hf_model.model.rotary_emb.inv_freq
+        assert float(inv_freq[1]) == pytest.approx(1000.0 ** (-2 / 16), rel=1e-5)  # head_dim 16
+        assert overridden(llm) == [{"key": "rope_theta", "old": 10000.0, "new": 1000.0, "added": False,
+                                    "source": "api"}]
+    with pytest.raises(ConfigError, match=r"^hf_overrides.rope_theta: transformers' \w+ keeps rope_theta per layer "
+                                          r"type in rope_parameters \(.*\); override rope_parameters instead$"):
+        kvload.plan("tiny-gemma3", log=False, hf_overrides={"rope_theta": 1000.0})
+
+
 def greedy(model, ids: list[int], steps: int) -> list[int]:
     import torch
 
