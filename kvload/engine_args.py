@@ -42,6 +42,8 @@ OWN_HELP = {
     "kv_events_config": "vLLM's KV cache event publisher, a JSON object of its KVEventsConfig keys",
     "trust_remote_code": "accepted, reported setting_ignored: kvload never runs a checkpoint's own code (the families "
                          "it serves run transformers' built-in classes)",
+    "hf_overrides": "a JSON object of config.json keys set on the checkpoint's config before the model is built "
+                    "(each reported as hf_config_overridden)",
     "speculative_config": "speculative decoding: {\"method\": \"ngram\", \"num_speculative_tokens\": N} is "
                           "kvload's n-gram drafts (max_draft_len); other methods are refused",
 }

@@ -79,6 +79,7 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
     """
     defaults = flatten(framework_defaults())
     conflicts = {(e["field"], e["kept_source"]): e for e in audit.of("source_conflict") if e.get("field") == path}
+    overrides = overrides_text(audit)
     steps: list[dict[str, Any]] = [{
         "event": "framework_default", "stage": None, "seq": None, "source": "default", "old": None,
         "new": defaults.get(path), "changed": False, "reason": "the framework default",
@@ -130,7 +131,19 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
             steps.append(_step(e, old=e.get("max_seq_len"), new=e.get("max_seq_len"), changed=False))
         elif is_value_event(e):
             steps.append(_step(e))
+    if overrides:
+        for step in steps:  # a value read from the checkpoint's config read it as hf_overrides left it
+            if step["event"] in ("model_default_applied", "auto_resolved") or step["source"] == "checkpoint":
+                step["reason"] = "; ".join(part for part in (step["reason"], overrides) if part)
     return {"field": path, "final": _final_args(audit).get(path, defaults.get(path)), "chain": steps}
+
+
+def overrides_text(audit: AuditLog) -> str:
+    """The ``hf_config_overridden`` records of a run in one line (empty without any): the config keys vLLM's
+    ``hf_overrides`` set before the model's defaults and geometry were read."""
+    changes = ", ".join(f"{e.get('key')} {literal(e.get('old')) if not e.get('added') else '(none)'} → "
+                        f"{literal(e.get('new'))} ({e.get('source')})" for e in audit.of("hf_config_overridden"))
+    return f"the checkpoint's config as hf_overrides left it: {changes}" if changes else ""
 
 
 def sampling_text(record: dict[str, Any], reason: bool = True) -> str:
@@ -336,7 +349,8 @@ READ_EVENTS = frozenset({
     "model_resolved", "executor_routed", "user_fields_snapshotted", "pipeline_finished", "stage_failed",
     "stage_finished", "sampling_defaults_resolved", "auto_captured", "auto_resolved", "route_fallback",
     "model_default_applied", "model_default_skipped", "field_derived", "source_conflict", "setting_ignored",
-    "max_seq_len_beyond_positions", "kv_host_tier_chosen", "kv_budget_computed", "kv_manager_built", "args_parsed",
+    "max_seq_len_beyond_positions", "hf_config_overridden", "kv_host_tier_chosen", "kv_budget_computed",
+    "kv_manager_built", "args_parsed",
 })
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 
+from pipeline.errors import ModelError
+
 #: The ``architectures[0]`` names served as classifiers: the decoder families kvload generates with.
 SEQUENCE_CLASSIFIERS = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
                         "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
@@ -94,6 +96,67 @@ class ClassifierHead:
         return self.id2label.get(best)
 
 
+#: vLLM's rule (``vllm/model_executor/models/adapters.py``) for a classifier made from a causal LM's own head: two
+#: tokens ``classifier_from_token = [false, true]`` give one label whose weight is ``lm_head[true] - lm_head[false]``,
+#: so its sigmoid is the softmax of the two tokens' logits (Qwen3-Reranker, mxbai-rerank-v2)
+FROM_TWO_TOKENS = "from_2_way_softmax"
+
+
+def token_head_tokens(hf_config: Any) -> list[str] | None:
+    """The ``[false, true]`` tokens of a classifier vLLM builds from the causal LM's ``lm_head`` (its ``method``
+    ``from_2_way_softmax``, which ``is_original_qwen3_reranker`` implies for Qwen3), or None for a config that asks
+    for none. ``ModelError`` naming the key for another method or tokens that are not two strings."""
+    if not is_sequence_classifier(hf_config):
+        return None
+    method = getattr(hf_config, "method", None)
+    if method is None and getattr(hf_config, "is_original_qwen3_reranker", False) is True \
+            and architecture_of(hf_config) == "Qwen3ForSequenceClassification":
+        method = FROM_TWO_TOKENS  # vLLM's Qwen3ForSequenceClassificationConfig
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if method is None:
+        if tokens is not None:
+            raise ModelError(f"classifier_from_token: {tokens!r} needs method {FROM_TWO_TOKENS!r} (or "
+                             "is_original_qwen3_reranker true for a Qwen3 checkpoint) in the config to say how the "
+                             "head is built from the tokens")
+        return None
+    if method != FROM_TWO_TOKENS:
+        raise ModelError(f"method: {method!r}: kvload builds a classifier from a causal LM's head by vLLM's "
+                         f"{FROM_TWO_TOKENS!r} only (classifier_from_token: [false token, true token])")
+    if not (isinstance(tokens, (list, tuple)) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
+        raise ModelError(f"classifier_from_token: expected two tokens [false, true] for method {FROM_TWO_TOKENS!r} "
+                         f"(such as [\"no\", \"yes\"]), got {tokens!r}")
+    return list(tokens)
+
+
+def with_token_head(model: Any, tokenizer: Any, tokens: list[str], where: Any) -> Any:
+    """A causal LM as vLLM's ``from_2_way_softmax`` classifier: its output projection a one-label Linear whose
+    weight is ``lm_head[true] - lm_head[false]`` (``tokens``: ``[false, true]``, looked up in ``tokenizer``), the
+    :class:`ClassifierHead` attached; ``use_pad_token`` false unless the config says (vLLM: an LLM as a reranker
+    joins a pair's texts as they are). ``ModelError`` naming a token the vocabulary does not have."""
+    import torch
+
+    if tokenizer is None:
+        raise ModelError(f"classifier_from_token: {where} has no tokenizer to look the tokens {tokens!r} up in")
+    ids = []
+    for token in tokens:
+        found = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(found, int) or (found == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ModelError(f"classifier_from_token: {token!r} is not a token of {where}'s tokenizer")
+        ids.append(found)
+    lm_head = model.get_output_embeddings()
+    weight = lm_head.weight.detach()
+    score = torch.nn.Linear(weight.shape[1], 1, bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        score.weight.copy_(weight[[ids[1]]] - weight[[ids[0]]])
+    model.lm_head = score  # the tied embedding, if any, stays the input's
+    config = model.config
+    config.num_labels = 1
+    if getattr(config, "use_pad_token", None) is None:
+        config.use_pad_token = False
+    setattr(model, HEAD_ATTRIBUTE, ClassifierHead.of(config, 1))
+    return model.eval()
+
+
 def as_causal_shell(classifier: Any) -> Any:
     """The family's causal-LM class over a loaded ``*ForSequenceClassification``'s decoder, its ``score`` Linear as the
     output projection, the :class:`ClassifierHead` attached: what the executor runs (its logits rows are the head's
@@ -158,5 +221,6 @@ def not_generative(call: str, head: ClassifierHead) -> str:
             "cross-encoder)")
 
 
-__all__ = ["HEAD_ATTRIBUTE", "SEQUENCE_CLASSIFIERS", "ClassifierHead", "architecture_of", "as_causal_shell",
-           "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative", "not_one_score", "pair_ids"]
+__all__ = ["FROM_TWO_TOKENS", "HEAD_ATTRIBUTE", "SEQUENCE_CLASSIFIERS", "ClassifierHead", "architecture_of",
+           "as_causal_shell", "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative",
+           "not_one_score", "pair_ids", "token_head_tokens", "with_token_head"]

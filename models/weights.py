@@ -214,8 +214,12 @@ def save_random_model(hf_config: Any, path: Path, *, dtype: str, seed: int = 0) 
     return path
 
 
-def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1, classifier: bool = False) -> Any:
+def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1, classifier: bool = False,
+                     config: Any = None) -> Any:
     """Load a directory's weights with ``from_pretrained`` (never ``trust_remote_code``).
+
+    ``config``: the transformers config to build the model from in place of the directory's ``config.json`` (one
+    vLLM's ``hf_overrides`` changed: ``models.hf_overrides``).
 
     ``classifier``: a ``*ForSequenceClassification`` checkpoint, loaded with ``AutoModelForSequenceClassification``
     and returned as its family's causal-LM class over the same weights (``models.classifier.as_causal_shell``).
@@ -235,11 +239,14 @@ def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1, c
     check_weight_files(path)  # before anything opens them: a FIFO blocks the open
     check_shard_index(path)
     check_quantization(path)
-    check_shapes_unloaded(path)
+    check_shapes_unloaded(path, config)
     placement: dict[str, Any] = {"device_map": device}
     if tp_size > 1:
-        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+        cfg = config if config is not None else AutoConfig.from_pretrained(str(path), trust_remote_code=False,
+                                                                           local_files_only=True)
         placement = tensor_parallel_options(cfg, tp_size)
+    if config is not None:  # from_pretrained writes attention settings into the config it gets, hence the copy
+        placement["config"] = copy.deepcopy(config)
     try:
         # the weights_loaded event reports the load and check_loading_info below refuses what is wrong in one
         # line, so transformers' progress bar and multi-line LOAD REPORT stay off stderr. Mismatched shapes
@@ -298,9 +305,10 @@ def check_finite(path: Path, model: Any, dtype: str) -> None:
 _FLOAT_STORAGE = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 
 
-def check_shapes_unloaded(path: Path) -> None:
+def check_shapes_unloaded(path: Path, config: Any = None) -> None:
     """Refuse, before a byte is allocated, safetensors whose tensors hold another number of values than the model
-    ``config.json`` describes (the same one line :func:`check_loading_info` gives after a load).
+    ``config.json`` (or ``config``, the transformers config it is built from) describes (the same one line
+    :func:`check_loading_info` gives after a load).
 
     ``from_pretrained`` builds the model at the config's sizes and only then compares them with the checkpoint's:
     an ``intermediate_size`` of 10**9 over a 64-wide checkpoint asked for 128 GB (a MemoryError where the
@@ -319,7 +327,8 @@ def check_shapes_unloaded(path: Path) -> None:
         # quiet: from_pretrained reads the config again and says what it has to say (transformers' warnings) once
         with _quiet_load_report(), torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's "zero-element tensors" for a size 0: the one line below says it
-            cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+            cfg = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(
+                str(path), trust_remote_code=False, local_files_only=True)
             if getattr(cfg, "quantization_config", None):  # packed weights under the same names (bitsandbytes'):
                 return  # how they unpack is transformers' to say
             state = AutoModelForCausalLM.from_config(cfg).state_dict()
@@ -560,12 +569,15 @@ def check_fp32_kept(hf_config: Any, dtype: str) -> None:
 
 
 def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: str, seed: int = 0,
-                 tp_size: int = 1, random_dir: Path | None = None, tokenizer: Any = None) -> LoadedWeights:
+                 tp_size: int = 1, random_dir: Path | None = None, tokenizer: Any = None,
+                 overridden: bool = False) -> LoadedWeights:
     """Weights and tokenizer of a checkpoint on ``device`` in ``dtype`` (see the module docstring).
 
     ``tp_size > 1``: this rank's shard (every rank calls it); a preset's random weights are read from
     ``random_dir``, where one rank saved them (:func:`save_random_model`), since ``from_config`` cannot shard.
     ``tokenizer``: the checkpoint's, loaded already (:func:`load_tokenizer`), used rather than loaded again.
+    ``overridden``: ``hf_config`` is not the directory's config.json as it is (vLLM's ``hf_overrides``): the model
+    is built from it.
     """
     start = time.perf_counter()
     converted = False
@@ -586,12 +598,22 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
 
             converted = cached_conversion(checkpoint) is None
             path, source = convert_gguf(checkpoint, tokenizer=tokenizer), "gguf"
-        from models.classifier import is_sequence_classifier
+        from models.classifier import is_sequence_classifier, token_head_tokens, with_token_head
 
+        tokens = token_head_tokens(hf_config)  # vLLM's classifier from the causal LM's own head (Qwen3-Reranker)
+        if tokens is not None and tp_size > 1:
+            raise ModelError(f"tensor_parallel_size={tp_size}: {path} is served as a classifier built from its "
+                             "lm_head (classifier_from_token), which kvload runs on one rank; run it with "
+                             "tensor_parallel_size=1")
+        if tokens is not None:
+            tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size,
-                                 classifier=is_sequence_classifier(hf_config))
+                                 classifier=is_sequence_classifier(hf_config) and tokens is None,
+                                 config=hf_config if overridden or tokens is not None else None)
         try:
             tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
+            if tokens is not None:
+                model = with_token_head(model, tokenizer, tokens, path)
         except BaseException:
             del model
             raise

@@ -144,6 +144,8 @@ class Context:
     args: LlmArgs | None = None
     user_values: dict[str, UserValue] = attrs.Factory(dict)  # parse_args: winning source per leaf
     user_fields: Mapping[str, UserValue] = MappingProxyType({})  # snapshot_user_fields: read-only copy
+    #: parse_args: vLLM's hf_overrides, per config key (the source that gave it); apply_model_defaults applies them
+    hf_overrides: dict[str, UserValue] = attrs.Factory(dict)
     auto_originals: dict[str, AutoOrigin] = attrs.Factory(dict)  # snapshot_user_fields
     checkpoint: Any = None  # apply_model_defaults: models.Checkpoint
     hf_config: Any = None  # apply_model_defaults: transformers config

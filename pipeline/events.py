@@ -162,6 +162,19 @@ class ModelSpecFallback(Event):
     reason: str
 
 
+@event("hf_config_overridden")
+class HfConfigOverridden(Event):
+    """vLLM's ``hf_overrides`` set one key of the checkpoint's config, before its spec, geometry and model defaults
+    were read and the weights were built from it (``models.hf_overrides``)."""
+
+    key: str  # the config key, dotted under a nested config (text_config.sliding_window)
+    old: Any  # the config's value before; None where it had none (``added``)
+    new: Any
+    added: bool
+    source: str  # where hf_overrides was given: cli, config_file or api
+    model: str
+
+
 @event("model_default_applied", changes_value=True)
 class ModelDefaultApplied(Event):
     """A model default written to a field the user did not set."""

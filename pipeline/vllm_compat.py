@@ -11,7 +11,8 @@ share of the whole GPU, a size in GiB) is never taken as kvload's nearest one: i
 every source.
 vLLM's engine knobs kvload has no counterpart for (CUDA graphs, stats logging, sleep mode) are accepted and reported as
 ``setting_ignored``, as TensorRT-LLM's are (``pipeline.trtllm_compat``); those whose value would change the model or
-the task (``quantization``, ``hf_overrides``, ``cpu_offload_gb``, ``task``) are accepted only at their no-op value.
+the task (``quantization``, ``cpu_offload_gb``, ``task``) are accepted only at their no-op value. ``hf_overrides`` acts:
+:func:`hf_overrides` checks it here, ``models.hf_overrides`` lays it over the checkpoint's config.
 
 Checked against vLLM's engine arguments (``vllm/engine/arg_utils.py``, ``vllm/config/cache.py``).
 """
@@ -175,7 +176,6 @@ EMBEDS_TOO = ("kvload serves a checkpoint as its architectures[0] says, so there
 NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "quantization": ((None,), "kvload runs the checkpoint's weights in dtype, unquantized"),
     "cpu_offload_gb": ((0, 0.0), "kvload keeps every weight on the device"),
-    "hf_overrides": ((None, {}), "kvload reads the checkpoint's config.json as it is"),
     # a decoder checkpoint as vLLM's embedding model is kvload's LLM itself: embed() pools as vLLM's does
     "task": (("auto", "generate", "embed", "classify", "score"), EMBEDS_TOO),
     "runner": (("auto", "generate", "pooling"), EMBEDS_TOO),
@@ -183,8 +183,10 @@ NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "data_parallel_size": ((1,), "kvload runs one engine per process (start one kvload serve per replica)"),
     "pipeline_parallel_size": ((1,), "kvload splits a model by tensor parallel only (tensor_parallel_size)"),
     "model_impl": (("auto", "transformers"), "kvload runs transformers' built-in model classes"),
-    "rope_scaling": ((None, {}), "kvload reads the checkpoint's config.json as it is (its rope_scaling)"),
-    "rope_theta": ((None,), "kvload reads the checkpoint's config.json as it is (its rope_theta)"),
+    "rope_scaling": ((None, {}), "kvload reads the checkpoint's config.json as it is (its rope_scaling); "
+                                 "hf_overrides={'rope_scaling': {...}} changes it, as in vLLM today"),
+    "rope_theta": ((None,), "kvload reads the checkpoint's config.json as it is (its rope_theta); "
+                            "hf_overrides={'rope_theta': N} changes it, as in vLLM today"),
     "kv_transfer_config": ((None, {}), "disaggregated prefill (KV transfer between instances) is not served: one "
                                        "kvload serve runs prefill and decode; its KV cache events go out by "
                                        "--kv-events-config"),
@@ -269,6 +271,61 @@ def vllm_knob(name: str, value: Any) -> str | None:
         raise ConfigError(f"{name}: vLLM's setting; {why}; accepted: {shown}, got {short(value)}", path=name,
                           detail=why)
     return f"{why} ({short(value)} asks for nothing else)"
+
+
+#: The deepest nesting an ``hf_overrides`` value may have (a config's values are a few levels deep at most).
+HF_OVERRIDES_DEPTH = 16
+#: What ``hf_overrides`` takes, as its refusals say.
+HF_OVERRIDES_ACCEPTED = ("a dict of config.json keys such as {\"max_position_embeddings\": 4096}, each value JSON data "
+                         "(null, true/false, a number, a string, a list or an object of those)")
+
+
+def hf_overrides(value: Any) -> dict[str, Any]:
+    """vLLM's ``hf_overrides`` checked (``{}`` for None): a mapping of config keys to JSON data. ``ConfigError``
+    naming ``hf_overrides`` (a callable, which vLLM allows and kvload cannot record as events, or no mapping) or
+    ``hf_overrides.<key>`` (a key that is no attribute name, a value that is not JSON data)."""
+    if value is None:
+        return {}
+    if callable(value) and not isinstance(value, Mapping):
+        raise ConfigError("hf_overrides: a callable is not accepted (kvload records each key it changes in the "
+                          f"config as an event); give {HF_OVERRIDES_ACCEPTED}", path="hf_overrides",
+                          detail="a callable")
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"hf_overrides: expected {HF_OVERRIDES_ACCEPTED}, got {short(value)}", path="hf_overrides",
+                          detail="not a dict")
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ConfigError(f"hf_overrides: key {short(key)} is not a config key (a name such as "
+                              "max_position_embeddings, not starting with _)", path="hf_overrides",
+                              detail="not a config key")
+        _json_data(item, f"hf_overrides.{key}", 0)
+    return dict(value)
+
+
+def _json_data(value: Any, where: str, depth: int) -> None:
+    """``ConfigError`` naming ``where`` unless ``value`` is JSON data a config.json could hold."""
+    if depth > HF_OVERRIDES_DEPTH:
+        raise ConfigError(f"{where}: nested more than {HF_OVERRIDES_DEPTH} levels deep", path=where,
+                          detail="nested too deeply")
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{where}: {short(value)} is not a JSON number", path=where, detail="not JSON data")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _json_data(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}: key {short(key)} is not a string (config.json keys are)", path=where,
+                                  detail="not JSON data")
+            _json_data(item, f"{where}.{key}", depth + 1)
+        return
+    raise ConfigError(f"{where}: expected JSON data (null, true/false, a number, a string, a list or an object), got "
+                      f"{type(value).__name__} {short(value)}", path=where, detail="not JSON data")
 
 
 def different_meaning(name: str, spell: Callable[[str], str]) -> str | None:

@@ -7,12 +7,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from models import GenericDecoderSpec, load_hf_config, resolve_checkpoint, spec_class_for
+from models.classifier import token_head_tokens
 from pipeline.bus import Emit
 from pipeline.config import AUTO, LlmArgs, framework_defaults, freeze, set_field
 from pipeline.context import Context, ModelInfo
 from pipeline.converter import structure
 from pipeline.errors import ConfigError, ModelError, did_you_mean
-from pipeline.events import ModelDefaultApplied, ModelDefaultSkipped, ModelResolved, ModelSpecFallback
+from pipeline.events import (
+    HfConfigOverridden,
+    ModelDefaultApplied,
+    ModelDefaultSkipped,
+    ModelResolved,
+    ModelSpecFallback,
+)
 from pipeline.generation_config import resolve_sampling_defaults
 from pipeline.paths import flatten, get_in, unflatten
 
@@ -66,6 +73,8 @@ class ApplyModelDefaults:
         """Resolve the checkpoint and spec, then apply each proposed leaf unless the user set it."""
         checkpoint = resolve_checkpoint(ctx.args.model)
         hf_config = load_hf_config(checkpoint)
+        if ctx.hf_overrides:  # vLLM's hf_overrides: before anything reads the config, as vLLM applies them
+            hf_config = self._override(ctx, checkpoint, hf_config, emit)
         archs = getattr(hf_config, "architectures", None) or []
         arch = archs[0] if archs else None
         spec_cls = spec_class_for(arch) if arch else None
@@ -81,7 +90,11 @@ class ApplyModelDefaults:
         except ModelError as exc:
             generic = " (no registered spec; the generic decoder spec read the config)" \
                 if spec_cls is GenericDecoderSpec else ""
-            raise ModelError(f"{checkpoint.path / 'config.json'}: {exc}{generic}") from None
+            given = f" (with hf_overrides {', '.join(ctx.hf_overrides)} applied)" if ctx.hf_overrides else ""
+            raise ModelError(f"{checkpoint.path / 'config.json'}{given}: {exc}{generic}") from None
+        if token_head_tokens(hf_config) is not None and checkpoint.kind == "preset":  # checked before any load
+            raise ModelError(f"classifier_from_token: {checkpoint.name} is a preset, with random weights and no "
+                             "tokenizer to look the tokens up in; give a checkpoint directory")
         ctx.checkpoint, ctx.hf_config, ctx.spec = checkpoint, hf_config, spec
         ctx.model = ModelInfo(
             name=checkpoint.name, kind=checkpoint.kind, path=str(checkpoint.path), architecture=spec.architecture,
@@ -107,6 +120,20 @@ class ApplyModelDefaults:
             emit(ModelDefaultApplied(field=path, old=current, new=get_in(ctx.args, path), source="model_default",
                                      spec=spec.name))
         self._sampling_defaults(ctx, emit)
+
+    @staticmethod
+    def _override(ctx: Context, checkpoint: Any, hf_config: Any, emit: Emit) -> Any:
+        """The checkpoint's config with ``ctx.hf_overrides`` set on it; one ``hf_config_overridden`` per key set."""
+        from models.config_view import transformers_config
+        from models.hf_overrides import apply_overrides
+
+        # a preset's light view becomes the transformers config: nested configs and the weights must see the keys
+        config = transformers_config(hf_config)
+        sources = {key: given.source for key, given in ctx.hf_overrides.items()}
+        for done in apply_overrides(config, {key: given.value for key, given in ctx.hf_overrides.items()}, sources):
+            emit(HfConfigOverridden(key=done.key, old=done.old, new=done.new, added=done.added,
+                                    source=sources[done.key.split(".", 1)[0]], model=checkpoint.name))
+        return config
 
     @staticmethod
     def _sampling_defaults(ctx: Context, emit: Emit) -> None:

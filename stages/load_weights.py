@@ -59,7 +59,7 @@ class LoadWeights:
             check_plan_matches_pools(ctx)
         with _shared_weights(ctx, dtype, seed) as random_dir:
             loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed, tp_size=tp,
-                                  random_dir=random_dir, tokenizer=tokenizer)
+                                  random_dir=random_dir, tokenizer=tokenizer, overridden=bool(ctx.hf_overrides))
         ctx.hf_model, ctx.tokenizer = loaded.model, loaded.tokenizer
         ctx.on_close(lambda: _release(ctx))
         user_seed = ctx.user_fields.get("weights_seed")

@@ -14,7 +14,7 @@ from pipeline.events import ArgsParsed, FieldDerived, SettingIgnored, SourceConf
 from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
-from pipeline.vllm_compat import take_same_meaning
+from pipeline.vllm_compat import hf_overrides, take_same_meaning
 
 _PLACEHOLDER_MODEL = "<model>"
 
@@ -41,6 +41,7 @@ class ParseArgs:
             except ConfigError as exc:
                 raise ConfigError(str(exc), path=exc.path, detail=exc.detail, source=req.source) from None
         sources.append((req.source, tree))
+        sources = [(label, self._take_hf_overrides(ctx, label, tree, req.config_file)) for label, tree in sources]
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
@@ -75,6 +76,21 @@ class ParseArgs:
                 continue
             set_field(ctx.args, path, derived.value)
             emit(FieldDerived(field=path, old=old, new=derived.value, source=derived.source, reason=derived.reason))
+
+    @staticmethod
+    def _take_hf_overrides(ctx: Context, label: str, tree: Any, config_file: str | None) -> Any:
+        """Take vLLM's ``hf_overrides`` out of a source's tree into ``ctx.hf_overrides`` (a later source's key wins);
+        ``apply_model_defaults`` lays them over the checkpoint's config."""
+        if not isinstance(tree, dict) or "hf_overrides" not in tree:
+            return tree
+        rest = dict(tree)
+        try:
+            given = hf_overrides(rest.pop("hf_overrides"))
+        except ConfigError as exc:
+            where = f"config file {config_file}: " if label == "config_file" else ""
+            raise ConfigError(f"{where}{exc}", path=exc.path, detail=exc.detail, source=label) from None
+        ctx.hf_overrides.update({key: UserValue(value, label) for key, value in given.items()})
+        return rest
 
     @staticmethod
     def _drop_ignored(label: str, tree: dict[str, Any], config_file: str | None, emit: Emit) -> dict[str, Any]:

@@ -113,12 +113,15 @@ def test_a_bad_llm_seed_is_one_line_before_anything_loads(seed):
 def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_ignored():
     knobs = {"enforce_eager": True, "disable_log_stats": True, "max_seq_len_to_capture": 8192,
              "distributed_executor_backend": "mp", "enable_sleep_mode": False, "quantization": None,
-             "cpu_offload_gb": 0, "task": "generate", "hf_overrides": {}}
+             "cpu_offload_gb": 0, "task": "generate"}
     with kvload.LLM("tiny-llama", log=False, **knobs) as llm:
         said = ignored(llm)
         assert set(knobs) <= set(said)
         assert said["enforce_eager"].startswith("a vLLM option kvload does not act on: CUDA graphs")
         assert "unquantized" in said["quantization"]
+    # an empty hf_overrides asks for nothing: no key set, nothing reported
+    with kvload.LLM("tiny-llama", log=False, hf_overrides={}) as llm:
+        assert "hf_overrides" not in ignored(llm) and llm.audit.of("hf_config_overridden") == []
         assert llm.generate([[1, 2, 3]], max_tokens=2)[0].outputs[0].finish_reason == "length"
 
 
@@ -133,10 +136,11 @@ def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_i
                          "pooling); accepted: 'auto' or 'generate' or 'embed' or 'classify' or 'score', got 'reward'"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb: vLLM's setting; kvload keeps every weight on the device; accepted: 0 "
                             "or 0.0, got 4"),
-    ({"hf_overrides": {"num_hidden_layers": 1}}, "hf_overrides: vLLM's setting; kvload reads the checkpoint's "
-                                                 "config.json as it is; accepted: None or {}, got a mapping of 1 keys"),
+    ({"hf_overrides": {"to_dict": 1}}, "hf_overrides.to_dict: names a method of transformers' LlamaConfig, not a "
+                                       "config key"),
 ])
 def test_a_vllm_knob_kvload_cannot_honour_is_refused_naming_what_it_accepts(kwargs, message):
+    # hf_overrides acts (tests/test_hf_overrides.py): only a key the config cannot take is refused
     with pytest.raises(ConfigError) as info:
         kvload.LLM("tiny-llama", log=False, **kwargs)
     assert str(info.value) == message and info.value.source == "api"

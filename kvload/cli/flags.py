@@ -117,7 +117,8 @@ FLAGS: tuple[Flag, ...] = (
 #: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the
 #: command line's tree under vLLM's key, where ``pipeline.trtllm_compat.split_ignored`` reports it as
 #: ``setting_ignored`` with the reason (``pipeline.vllm_compat``), or refuses a value kvload cannot honour
-#: (``--quantization awq``, ``--trust-remote-code``). (flag, key, type, metavar; a None type is a switch.)
+#: (``--quantization awq``, ``--trust-remote-code``); ``--hf-overrides`` acts (``stages.parse_args`` takes it out of the
+#: tree first, ``models.hf_overrides`` applies it). (flag, key, type, metavar; a None type is a switch.)
 VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None], ...] = (
     ("--enforce-eager", "enforce_eager", None, None),
     ("--max-seq-len-to-capture", "max_seq_len_to_capture", integer, "N"),
