@@ -82,13 +82,12 @@ class LoadRequest:
     #: ``text_prompts`` too (at least one token each), a max_seq_len that leaves one of them no room to generate is
     #: refused before the weights load (the executor refused ``--max_seq_len 1`` after them).
     prompt_lengths: dict[str, int] = attrs.Factory(dict)
-    #: Text prompts the caller will tokenize as they are (no chat template), by what names them (``prompt 0
-    #: (--prompt)`` -> the text): with a max_seq_len they may not fit, the checkpoint's tokenizer is loaded first
-    #: (a fraction of a second) and their token counts checked as ``prompt_lengths`` are, before the weights load.
-    prompt_texts: dict[str, str] = attrs.Factory(dict)
-    #: Whether each of ``prompt_texts`` is sent as a user message through the chat template (``kvload generate
-    #: --chat``): counted so, and a tokenizer without a template refused, before the weights load.
-    prompt_chat: bool = False
+    #: Counts the caller's text prompts with the checkpoint's tokenizer, ``(tokenizer, model name) -> {what names a
+    #: prompt: its length in tokens}`` (``kvload generate --prompt TEXT``, through the chat template with ``--chat``),
+    #: raising where a prompt cannot be sent: with a max_seq_len they may not fit, the tokenizer is loaded first (a
+    #: fraction of a second) and the counts checked as ``prompt_lengths`` are, before the weights load. The caller's
+    #: callable, so this layer needs none of the engine's prompt code.
+    prompt_counter: Callable[[Any, str], dict[str, int]] | None = None
     #: Whether the caller never reads or writes the KV pools (``kvload simulate`` replays decisions, not attention):
     #: they are then built on torch's ``meta`` device, shapes without memory, and no host-memory check applies, so a
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on

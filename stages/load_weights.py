@@ -98,13 +98,13 @@ def check_token_ids(ctx: Context) -> None:
 
 
 def count_text_prompts(ctx: Context) -> Any:
-    """The checkpoint's tokenizer, loaded ahead of its weights when the caller gives text prompts
-    (``request.prompt_texts``), their token counts put in ``request.prompt_lengths`` for :func:`check_prompt_room`:
+    """The checkpoint's tokenizer, loaded ahead of its weights when the caller counts text prompts
+    (``request.prompt_counter``), their token counts put in ``request.prompt_lengths`` for :func:`check_prompt_room`:
     ``--prompt TEXT --max_seq_len 8`` was refused by the executor after the weights (seconds) had loaded, and so were
     a ``--chat`` prompt and any prompt of a GGUF not converted yet (its tokenizer is then read from the file). None
     when there are none, or the checkpoint has no tokenizer."""
     request, checkpoint = ctx.request, ctx.checkpoint
-    if not request.prompt_texts or checkpoint is None or checkpoint.kind == "preset" or not isinstance(
+    if request.prompt_counter is None or checkpoint is None or checkpoint.kind == "preset" or not isinstance(
             ctx.args.max_seq_len, int):
         return None
     path: Path | None = checkpoint.path
@@ -116,18 +116,7 @@ def count_text_prompts(ctx: Context) -> Any:
     tokenizer = load_tokenizer(path) if path is not None else gguf_tokenizer(checkpoint)
     if tokenizer is None:
         return None
-    from engine.prompts import check_text, missing_template, templated
-
-    missing = missing_template(tokenizer, {}, checkpoint.name) if request.prompt_chat else None
-    if missing is not None:  # the executor's refusal, after the weights had loaded
-        raise GenerationError(f"--chat: {missing}; leave out --chat to send each --prompt as it is")
-    for what, text in request.prompt_texts.items():
-        if request.prompt_chat:  # as the executor templates a --chat prompt: a user message
-            check_text(what, text)
-            _, ids = templated(tokenizer, checkpoint.name, what, [{"role": "user", "content": text}], {})
-        else:  # as the executor tokenizes a text prompt: the tokenizer's special tokens added
-            ids = tokenizer(text)["input_ids"]
-        request.prompt_lengths[what] = len(ids)
+    request.prompt_lengths |= request.prompt_counter(tokenizer, checkpoint.name)
     return tokenizer
 
 

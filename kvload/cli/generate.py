@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 from typing import Any
 
@@ -14,7 +15,7 @@ from kvload.cli.parser import HelpFormatter
 from kvload.cli.sampling_defaults import default_length_origin, peek_sampling_defaults
 from kvload.cli.token_printer import _TokenPrinter
 from kvload.cli.values import _bounded, at_least, integer, number, token_ids
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, GenerationError
 from pipeline.limits import MAX_INT, MAX_LOGPROBS, MAX_N
 
 #: Prompt tokens per request that ``kvload generate`` budgets for on CPU when no KV bound is given.
@@ -47,8 +48,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if any(isinstance(p, str) for p in prompts):  # a model without a tokenizer is refused before its weights load
         request.text_prompts = "--prompt"
     # counted by the tokenizer alone (a chat prompt through its template) before the weights load
-    request.prompt_texts = {f"prompt {i} (--prompt)": p for i, p in enumerate(prompts) if isinstance(p, str)}
-    request.prompt_chat = ns.chat
+    texts = {f"prompt {i} (--prompt)": p for i, p in enumerate(prompts) if isinstance(p, str)}
+    if texts:
+        request.prompt_counter = functools.partial(_count_prompts, texts, ns.chat)
     if ns.config is not None and request.config is None:  # read once: its max_seq_len sizes the pools below, and
         # parse_args takes the same tree (read already when the tensor-parallel check needed it)
         from pipeline.sources import read_yaml
@@ -109,6 +111,26 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         else:
             print_result(stats.line())
     return 0
+
+
+def _count_prompts(texts: dict[str, str], chat: bool, tokenizer: Any, name: str) -> dict[str, int]:
+    """Each ``--prompt`` text's length in tokens as the executor will send it (through the chat template with
+    ``--chat``, as a user message), counted before the weights load; a tokenizer without a template is refused
+    for ``--chat`` there, not after the weights."""
+    from engine.prompts import check_text, missing_template, templated
+
+    missing = missing_template(tokenizer, {}, name) if chat else None
+    if missing is not None:  # the executor's refusal, after the weights had loaded
+        raise GenerationError(f"--chat: {missing}; leave out --chat to send each --prompt as it is")
+    lengths = {}
+    for what, text in texts.items():
+        if chat:  # as the executor templates a --chat prompt: a user message
+            check_text(what, text)
+            _, ids = templated(tokenizer, name, what, [{"role": "user", "content": text}], {})
+        else:  # as the executor tokenizes a text prompt: the tokenizer's special tokens added
+            ids = tokenizer(text)["input_ids"]
+        lengths[what] = len(ids)
+    return lengths
 
 
 def _output_document(output: Any, reasoning_parser: str | None) -> dict[str, Any]:
