@@ -115,13 +115,22 @@ def head_of(model: Any) -> ClassifierHead | None:
     return getattr(model, HEAD_ATTRIBUTE, None) if model is not None else None
 
 
-def pair_ids(tokenizer: Any, hf_config: Any, text_1: str, text_2: str) -> list[int]:
+def pair_ids(tokenizer: Any, hf_config: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
     """A cross-encoder's pair as one sequence, tokenized as vLLM's ``get_score_prompt`` does: ``tokenizer(text_1,
     text_2)`` (the tokenizer's own pair template), or the two texts joined as one when the config says
-    ``use_pad_token: false`` (vLLM's "LLM as reranker" models)."""
+    ``use_pad_token: false`` (vLLM's "LLM as reranker" models). ``max_length`` (a ``truncate_prompt_tokens``, as
+    :func:`pair_length` resolves it): vLLM's ``truncation=True, max_length=N``, which cuts the longer text (the
+    document, not the query), never the last N tokens of the joined pair."""
+    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
     if getattr(hf_config, "use_pad_token", True) is False:
-        return list(tokenizer(text=text_1 + text_2)["input_ids"])
-    return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
+        return list(tokenizer(text=text_1 + text_2, **cut)["input_ids"])
+    return list(tokenizer(text=text_1, text_pair=text_2, **cut)["input_ids"])
+
+
+def pair_length(truncate_prompt_tokens: int | None, max_seq_len: int) -> int | None:
+    """The ``max_length`` a pair is tokenized to for a ``truncate_prompt_tokens`` (vLLM's
+    ``_validate_truncation_size``: -1 is the model's length), None for no cut."""
+    return max_seq_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def not_one_score(call: str, head: ClassifierHead) -> str | None:
@@ -159,4 +168,5 @@ def not_generative(call: str, head: ClassifierHead) -> str:
 
 
 __all__ = ["HEAD_ATTRIBUTE", "SEQUENCE_CLASSIFIERS", "ClassifierHead", "architecture_of", "as_causal_shell",
-           "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative", "not_one_score", "pair_ids"]
+           "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative", "not_one_score", "pair_ids",
+           "pair_length"]

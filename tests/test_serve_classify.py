@@ -184,3 +184,21 @@ def test_score_of_a_many_label_classifier_and_activation_on_an_embedding_model_a
         r = s.http.post("/score", json={"text_1": "w5", "text_2": "w6", "use_activation": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "use_activation", r.text
         assert "no classifier head for it to act on" in r.json()["error"]["message"]
+
+
+def test_score_and_rerank_of_a_cross_encoder_truncate_the_document_and_keep_the_query(cross_encoder):
+    """truncate_prompt_tokens as vLLM tokenizes a pair (``truncation=True, max_length=N``): the document is cut, the
+    query kept; the score is transformers' of that pair and usage counts N tokens."""
+    from transformers import AutoTokenizer
+
+    logits = reference_logits(cross_encoder)
+    query, doc = [5, 17, 300], list(range(40, 60))
+    kept = AutoTokenizer.from_pretrained(str(cross_encoder))(text(query), text(doc), truncation=True,
+                                                              max_length=8)["input_ids"]
+    assert kept == query + doc[:5]
+    want = float(torch.sigmoid(logits(kept))[0])
+    with serving(str(cross_encoder), dtype="float32", max_seq_len=64, kv_cache_config=KV) as s:
+        scored = _ok(s, "/score", {"text_1": text(query), "text_2": text(doc), "truncate_prompt_tokens": 8})
+        assert scored["data"][0]["score"] == pytest.approx(want, abs=1e-5) and scored["usage"]["prompt_tokens"] == 8
+        ranked = _ok(s, "/rerank", {"query": text(query), "documents": [text(doc)], "truncate_prompt_tokens": 8})
+        assert ranked["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-5)

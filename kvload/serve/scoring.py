@@ -37,7 +37,7 @@ from kvload.serve.embeddings import (
 from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _need
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
-from models.classifier import head_logits, head_of, not_one_score, pair_ids
+from models.classifier import head_logits, head_of, not_one_score, pair_ids, pair_length
 
 #: The two sides a score body may name (vLLM's ``ScoreTextRequest``, ``ScoreDataRequest``,
 #: ``ScoreQueriesDocumentsRequest`` and ``ScoreQueriesItemsRequest``): one pair per request.
@@ -129,7 +129,8 @@ def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list
     config = state.engine.executor.model.config
     texts = [*texts_1, *texts_2]
     wheres = [*wheres_1, *wheres_2]
-    joined = [pair_ids(tokenizer, config, texts[i], texts[j]) for i, j in pairs]
+    length = pair_length(params.truncate_prompt_tokens, state.engine.executor.max_seq_len)  # the query is kept
+    joined = [pair_ids(tokenizer, config, texts[i], texts[j], length) for i, j in pairs]
     prompts = tokenized(state, joined, [f"{wheres[i]} with {wheres[j]}" for i, j in pairs], params, name_2)
     return ScoreJob(prompts, params, [], priority, cross=True, use_activation=activate)
 
