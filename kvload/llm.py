@@ -532,9 +532,10 @@ class LLM:
         ids = [pair_ids(self.tokenizer, config, texts[i], texts[j], length) for i, j in pairs]
         outputs, rows, pooling = self._pool("score", ids, pooling_params, truncate_prompt_tokens, use_tqdm,
                                             lora_request, salt)
+        logits = head_logits(self.result.hf_model, rows)
         return [ScoringRequestOutput(request_id=out.request_id, prompt_token_ids=list(out.prompt_token_ids),
-                                     outputs=ScoringOutput(head.score(logits, p.use_activation is not False)))
-                for out, logits, p in zip(outputs, head_logits(self.result.hf_model, rows), pooling, strict=True)]
+                                     outputs=ScoringOutput(head.scores(row[None], p.use_activation is not False)[0]))
+                for out, row, p in zip(outputs, logits, pooling, strict=True)]
 
     def _embed(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
                lora_request: Any, salt: str | None) -> list[EmbeddingRequestOutput]:

@@ -178,6 +178,40 @@ def test_the_heads_activation_follows_vllms_rules_for_the_configs_problem_type_a
                                              "torch.nn.modules.linear.Identity"), 1).score(one) == pytest.approx(0.7)
 
 
+@pytest.mark.parametrize(("named", "activate"), [
+    ("torch.nn.modules.activation.Tanh", torch.tanh),
+    ("torch.nn.modules.activation.Sigmoid", torch.sigmoid),
+    ("torch.nn.modules.activation.Softmax", lambda t: torch.softmax(t, -1)),
+])
+def test_a_cross_encoders_sentence_transformers_activation_is_applied(named, activate):
+    """vLLM instantiates the torch.nn.modules activation the config names; use_activation=False leaves the logit."""
+    from types import SimpleNamespace
+
+    from models.classifier import ClassifierHead
+
+    logits = torch.tensor([[0.7], [-2.5]])
+    head = ClassifierHead.of(SimpleNamespace(architectures=["X"], sentence_transformers={"activation_fn": named}), 1)
+    assert head.score(logits[1]) == pytest.approx(float(activate(logits[1:])[0, 0]))
+    assert head.scores(logits) == pytest.approx(activate(logits)[:, 0].tolist())
+    assert head.scores(logits, use_activation=False) == pytest.approx([0.7, -2.5])
+
+
+def test_an_activation_kvload_does_not_apply_is_refused_naming_the_config_key():
+    from types import SimpleNamespace
+
+    from models.classifier import ClassifierHead
+    from pipeline.errors import ModelError
+
+    for config, key in (({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.GELU"}},
+                         r"sentence_transformers\.activation_fn: 'torch\.nn\.modules\.activation\.GELU'"),
+                        ({"sbert_ce_default_activation_function": "os.system"},
+                         r"sbert_ce_default_activation_function: 'os\.system'")):
+        with pytest.raises(ModelError, match=rf"^config\.json: {key} is not an activation kvload applies to a "
+                                             r"cross-encoder's score; accepted: torch\.nn\.modules classes Identity, "
+                                             r"Sigmoid, Tanh, Softmax"):
+            ClassifierHead.of(SimpleNamespace(architectures=["X"], **config), 1)
+
+
 def test_a_pair_joins_by_the_tokenizers_pair_or_as_one_text_when_the_config_says_use_pad_token_false():
     """vLLM's get_score_prompt: ``tokenizer(text_1, text_2)``; "LLM as reranker" configs (use_pad_token false) join the
     two texts first (here "w5 w6" + "w7" is the words w5 and "w6w7", unknown: id 0)."""

@@ -202,3 +202,31 @@ def test_score_and_rerank_of_a_cross_encoder_truncate_the_document_and_keep_the_
         assert scored["data"][0]["score"] == pytest.approx(want, abs=1e-5) and scored["usage"]["prompt_tokens"] == 8
         ranked = _ok(s, "/rerank", {"query": text(query), "documents": [text(doc)], "truncate_prompt_tokens": 8})
         assert ranked["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-5)
+
+
+def test_the_head_runs_once_over_the_stacked_rows_off_the_event_loop(served, monkeypatch):
+    """A classification's model work is not done on the server's event loop (which serves every other request
+    meanwhile): the head is applied once, to every input's row stacked, on a worker thread; the answer is the same."""
+    import asyncio
+
+    import kvload.serve.classify as classify
+    from models.classifier import head_logits
+
+    before = _ok(served, "/classify", {"input": [text(i) for i in INPUTS]})
+    calls = []
+
+    def spy(model, rows):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:  # no loop runs on this thread
+            on_loop = False
+        logits = head_logits(model, rows)
+        calls.append((on_loop, tuple(logits.shape) if hasattr(logits, "shape") else len(logits)))
+        return logits
+
+    monkeypatch.setattr(classify, "head_logits", spy)
+    after = _ok(served, "/classify", {"input": [text(i) for i in INPUTS]})
+    assert calls == [(False, (3, 3))]
+    for a, b in zip(after["data"], before["data"], strict=True):
+        assert a["probs"] == pytest.approx(b["probs"], abs=1e-6) and a["label"] == b["label"]

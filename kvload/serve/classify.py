@@ -85,8 +85,7 @@ def classify_answer(state: ServeState, job: ClassifyJob, rows: list[torch.Tensor
     model = state.engine.executor.model
     head = served_head(state, "/classify")
     data = []
-    for i, logits in enumerate(head_logits(model, rows)):
-        probs = head.probs(logits, job.use_activation).tolist()
+    for i, probs in enumerate(head.probs(head_logits(model, rows), job.use_activation).tolist()):  # all at once
         data.append({"index": i, "label": head.label(probs), "probs": probs, "num_classes": len(probs)})
     tokens = sum(len(ids) for ids in job.prompts)
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),

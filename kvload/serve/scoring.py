@@ -178,8 +178,7 @@ def _scores(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> tuple
     if job.cross:
         model = state.engine.executor.model
         head = head_of(model)
-        return [head.score(logits, job.use_activation) for logits in head_logits(model, rows)], \
-            sum(map(len, job.prompts))
+        return head.scores(head_logits(model, rows), job.use_activation), sum(map(len, job.prompts))
     vectors = [pooled(row, True) for row in rows]
     scores = [cosine(vectors[i], vectors[j]) for i, j in job.pairs]
     return scores, sum(len(job.prompts[i]) + len(job.prompts[j]) for i, j in job.pairs)
