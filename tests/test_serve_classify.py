@@ -70,6 +70,8 @@ def test_classify_answers_vllms_classification_response_as_transformers_computes
     ({"input": "w1", "use_activation": "no"}, "use_activation", "use_activation: expected true or false"),
     ({"input": "w1", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens: expected"),
     ({"input": "w1", "encoding_format": "float"}, "encoding_format", "encoding_format"),
+    ({"input": "w1", "normalize": False}, "normalize", "normalize: an embedding's switch (POST /v1/embeddings); a "
+                                                       "classifier takes use_activation"),
     ({"input": [[1, 2], "w1 w2", 99999]}, "input[2]", "input[2]: expected"),
     ({"input": [[1, 2], [3, 99999]]}, "input", "input[1]"),
     ({"input": " ".join(["w1"] * 65)}, "input", "max_seq_len"),
