@@ -20,8 +20,8 @@ from pipeline.limits import short
 
 
 def _check_normalize(_: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise GenerationError(f"PoolingParams: {attribute.name}: expected true or false, got {short(value)}")
+    if value is not None and not isinstance(value, bool):
+        raise GenerationError(f"PoolingParams: {attribute.name}: expected true, false or None, got {short(value)}")
 
 
 def _check_dimensions(_: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -43,17 +43,18 @@ def _check_activation(_: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 @attrs.frozen(kw_only=True, init=False)
 class PoolingParams:
-    """vLLM's ``PoolingParams`` for ``LLM.embed``, ``LLM.classify`` and ``LLM.score``: ``normalize`` (L2, True by
-    default as vLLM's embed task), ``use_activation`` (a classifier's softmax or sigmoid; None: on, vLLM's default),
-    ``truncate_prompt_tokens`` (keep the prompt's last N tokens; -1: the model's length) and ``dimensions`` (None
-    only: no model kvload serves is a Matryoshka one)."""
+    """vLLM's ``PoolingParams`` for ``LLM.embed``, ``LLM.classify`` and ``LLM.score``: ``normalize`` (an embedding's
+    L2; None: on, vLLM's embed task's default; a classifier refuses it, as vLLM does), ``use_activation`` (a
+    classifier's softmax or sigmoid; None: on, vLLM's default; an embedding refuses it), ``truncate_prompt_tokens``
+    (keep the prompt's last N tokens; -1: the model's length) and ``dimensions`` (None only: no model kvload serves
+    is a Matryoshka one)."""
 
-    normalize: bool = attrs.field(default=True, validator=_check_normalize)
+    normalize: bool | None = attrs.field(default=None, validator=_check_normalize)
     use_activation: bool | None = attrs.field(default=None, validator=_check_activation)
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
     dimensions: int | None = attrs.field(default=None, validator=_check_dimensions)
 
-    def __init__(self, *, normalize: bool = True, use_activation: bool | None = None,
+    def __init__(self, *, normalize: bool | None = None, use_activation: bool | None = None,
                  truncate_prompt_tokens: int | None = None, dimensions: int | None = None, **unknown: Any) -> None:
         """Keywords only; one that is not a field is named, with the field it is close to (``normalise``)."""
         if unknown:  # Python's TypeError ("unexpected keyword argument 'normalise'") suggested nothing
@@ -168,9 +169,9 @@ def pooled(hidden: torch.Tensor, normalize: bool) -> torch.Tensor:
     return torch.nn.functional.normalize(row, p=2, dim=-1) if normalize else row
 
 
-def pooled_vector(hidden: torch.Tensor, normalize: bool) -> list[float]:
-    """:func:`pooled` as a list of floats (vLLM's ``EmbeddingOutput.embedding``)."""
-    return pooled(hidden, normalize).tolist()
+def pooled_vector(hidden: torch.Tensor, normalize: bool | None) -> list[float]:
+    """:func:`pooled` as a list of floats (vLLM's ``EmbeddingOutput.embedding``); ``normalize`` None: normalized."""
+    return pooled(hidden, normalize is not False).tolist()
 
 
 class PooledRows:

@@ -47,7 +47,7 @@ from engine.sampling_params import SamplingParams, check_keywords, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.llm_ranks import SpawnedRanks, spawn_size
 from kvload.metrics import METRIC_NAMINGS, LlmMetrics, Metric
-from models.classifier import ClassifierHead, head_logits, head_of, no_head, not_one_score, pair_ids
+from models.classifier import ClassifierHead, head_logits, head_of, no_head, not_one_score, pair_ids, pair_length
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
@@ -108,6 +108,12 @@ def _kv_events(value: Any, kv_cache_config: Any) -> Any:
 
 class StreamClosed(Exception):
     """Raised inside the generation thread when the consumer of ``generate_stream`` went away."""
+
+
+#: What each pooling task's PoolingParams switch is, as the other task's refusal says (vLLM's ``PoolingParams.verify``
+#: refuses a field of the other task too)
+_OTHER_TASKS_SWITCH = {"use_activation": "a classifier's switch (LLM.classify); an embedding takes normalize",
+                       "normalize": "an embedding's switch (LLM.embed); a classifier takes use_activation"}
 
 
 @contextlib.contextmanager
@@ -516,31 +522,37 @@ class LLM:
         if self.tokenizer is None:
             raise GenerationError(f"score: {self.args.model} has no tokenizer to join each pair as one sequence")
         config = self.result.hf_model.config
-        ids = [pair_ids(self.tokenizer, config, texts[i], texts[j]) for i, j in pairs]
+        keep = truncate_prompt_tokens
+        if keep is None and isinstance(pooling_params, PoolingParams):
+            keep = pooling_params.truncate_prompt_tokens
+        PoolingParams(truncate_prompt_tokens=keep)  # its check, its message, before the tokenizer takes it
+        # the pair tokenized to that length cuts the longer text (vLLM's truncation=True): the query is kept; _pool's
+        # cut to the last N tokens then has nothing left to cut
+        length = pair_length(keep, self.args.max_seq_len)
+        ids = [pair_ids(self.tokenizer, config, texts[i], texts[j], length) for i, j in pairs]
         outputs, rows, pooling = self._pool("score", ids, pooling_params, truncate_prompt_tokens, use_tqdm,
                                             lora_request, salt)
+        logits = head_logits(self.result.hf_model, rows)
         return [ScoringRequestOutput(request_id=out.request_id, prompt_token_ids=list(out.prompt_token_ids),
-                                     outputs=ScoringOutput(head.score(logits, p.use_activation is not False)))
-                for out, logits, p in zip(outputs, head_logits(self.result.hf_model, rows), pooling, strict=True)]
+                                     outputs=ScoringOutput(head.scores(row[None], p.use_activation is not False)[0]))
+                for out, row, p in zip(outputs, logits, pooling, strict=True)]
 
     def _embed(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
                lora_request: Any, salt: str | None) -> list[EmbeddingRequestOutput]:
         """:meth:`embed` as ``call`` (``embed`` or ``score``), which titles its errors."""
         outputs, rows, pooling = self._pool(call, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
-                                            lora_request, salt)
-        if any(p.use_activation is not None for p in pooling):
-            raise GenerationError(f"{call}: pooling_params' use_activation is a classifier's switch (LLM.classify); "
-                                  "an embedding takes normalize")
+                                            lora_request, salt, refused="use_activation")
         return [EmbeddingRequestOutput(
             request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
             num_cached_tokens=out.num_cached_tokens, outputs=EmbeddingOutput(pooled_vector(row, p.normalize)))
             for out, row, p in zip(outputs, rows, pooling, strict=True)]
 
     def _pool(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
-              lora_request: Any, salt: str | None) -> tuple[list[RequestOutput], list[torch.Tensor],
-                                                             list[PoolingParams]]:
+              lora_request: Any, salt: str | None, refused: str = "normalize") -> tuple[
+                  list[RequestOutput], list[torch.Tensor], list[PoolingParams]]:
         """Every prompt prefilled in one batch, as ``call`` (which titles its errors): each prompt's output, its last
-        hidden row (the final norm's output at its last token) and its PoolingParams, in order."""
+        hidden row (the final norm's output at its last token) and its PoolingParams, in order. ``refused``: the
+        other task's PoolingParams switch (vLLM's ``PoolingParams.verify``), refused before any forward."""
         _no_lora(call, lora_request)
         with _named(call):
             # a text is not a list of PoolingParams (its letters were taken as one each)
@@ -552,6 +564,8 @@ class LLM:
                     raise GenerationError(f"{call}: {where}: expected a kvload.PoolingParams, got "
                                           f"{type(p).__name__}")
             pooling = [p if p is not None else PoolingParams() for p in given]
+            if any(getattr(p, refused) is not None for p in pooling):
+                raise GenerationError(f"{call}: pooling_params' {refused} is {_OTHER_TASKS_SWITCH[refused]}")
             if truncate_prompt_tokens is not None:
                 PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)  # its check, its message
                 clash = next((p for p in pooling if p.truncate_prompt_tokens not in (None, truncate_prompt_tokens)),

@@ -4,7 +4,14 @@ same with ``kvload`` in place of ``vllm``; they are ``engine``'s, as ``kvload`` 
 from __future__ import annotations
 
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from engine.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 
-__all__ = ["CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "RequestOutput", "ScoringOutput",
-           "ScoringRequestOutput"]
+__all__ = ["ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "RequestOutput", "ScoringOutput", "ScoringRequestOutput"]

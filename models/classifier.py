@@ -39,16 +39,30 @@ def is_sequence_classifier(hf_config: Any) -> bool:
     return architecture_of(hf_config) in SEQUENCE_CLASSIFIERS
 
 
+#: The sentence-transformers activations of a cross-encoder's score kvload applies, by class name (vLLM instantiates
+#: any ``torch.nn.modules`` class the config names: ``get_cross_encoder_act_fn``)
+SCORE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Tanh": "tanh", "Softmax": "softmax"}
+
+
 def _score_activation(hf_config: Any) -> str:
     """How vLLM activates a cross-encoder's score (``get_cross_encoder_act_fn``): the sentence-transformers
-    activation the config names (``torch.nn.modules...Identity``: none), else the classify activation."""
-    named = None
+    activation the config names (one of :data:`SCORE_ACTIVATIONS`), else the classify activation (``classify``); one it
+    names that kvload does not apply is a ``ModelError`` naming the config key."""
+    from pipeline.errors import ModelError
+
     st = getattr(hf_config, "sentence_transformers", None)
     if isinstance(st, Mapping) and st.get("activation_fn"):
-        named = st["activation_fn"]
+        key, named = "sentence_transformers.activation_fn", st["activation_fn"]
     elif getattr(hf_config, "sbert_ce_default_activation_function", None):
-        named = hf_config.sbert_ce_default_activation_function
-    return "identity" if isinstance(named, str) and named.endswith(".Identity") else "classify"
+        key, named = "sbert_ce_default_activation_function", hf_config.sbert_ce_default_activation_function
+    else:
+        return "classify"
+    if isinstance(named, str) and named.startswith("torch.nn.modules.") and \
+            named.rsplit(".", 1)[-1] in SCORE_ACTIVATIONS:
+        return SCORE_ACTIVATIONS[named.rsplit(".", 1)[-1]]
+    raise ModelError(f"config.json: {key}: {str(named)[:120]!r} is not an activation kvload applies to a "
+                     f"cross-encoder's score; accepted: torch.nn.modules classes {', '.join(SCORE_ACTIVATIONS)} "
+                     "(e.g. torch.nn.modules.activation.Sigmoid), or leave it out (sigmoid)")
 
 
 @attrs.frozen
@@ -60,7 +74,8 @@ class ClassifierHead:
     id2label: dict[int, str] = attrs.field(factory=dict)
     #: transformers' ``problem_type``: ``regression`` is not activated, ``multi_label_classification`` is sigmoid
     problem_type: str | None = None
-    #: ``identity`` or ``classify``: the cross-encoder score's activation (:func:`_score_activation`)
+    #: the cross-encoder score's activation (:func:`_score_activation`): ``classify`` (as :meth:`probs`) or one of
+    #: :data:`SCORE_ACTIVATIONS`' values
     score_activation: str = "classify"
 
     @classmethod
@@ -86,9 +101,20 @@ class ClassifierHead:
 
     def score(self, logits: Any, use_activation: bool = True) -> float:
         """A cross-encoder's score of one pair (one label): its logit through the score activation."""
-        if self.score_activation == "identity":
-            use_activation = False
-        return float(self.probs(logits, use_activation)[0])
+        return self.scores(logits[None], use_activation)[0]
+
+    def scores(self, logits: Any, use_activation: bool = True) -> list[float]:
+        """:meth:`score` of each row of a stacked ``(pairs, 1)`` tensor of logits, activated at once."""
+        import torch
+
+        rows = logits.float()
+        act = self.score_activation
+        if not use_activation or act == "identity":
+            return rows[:, 0].tolist()
+        if act == "classify":
+            return self.probs(rows)[:, 0].tolist()
+        activate = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "softmax": lambda r: torch.softmax(r, dim=-1)}[act]
+        return activate(rows)[:, 0].tolist()
 
     def label(self, probs: list[float]) -> str | None:
         """The label of the most probable class (``id2label``; None when the config names none), vLLM's ``label``."""
@@ -178,13 +204,22 @@ def head_of(model: Any) -> ClassifierHead | None:
     return getattr(model, HEAD_ATTRIBUTE, None) if model is not None else None
 
 
-def pair_ids(tokenizer: Any, hf_config: Any, text_1: str, text_2: str) -> list[int]:
+def pair_ids(tokenizer: Any, hf_config: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
     """A cross-encoder's pair as one sequence, tokenized as vLLM's ``get_score_prompt`` does: ``tokenizer(text_1,
     text_2)`` (the tokenizer's own pair template), or the two texts joined as one when the config says
-    ``use_pad_token: false`` (vLLM's "LLM as reranker" models)."""
+    ``use_pad_token: false`` (vLLM's "LLM as reranker" models). ``max_length`` (a ``truncate_prompt_tokens``, as
+    :func:`pair_length` resolves it): vLLM's ``truncation=True, max_length=N``, which cuts the longer text (the
+    document, not the query), never the last N tokens of the joined pair."""
+    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
     if getattr(hf_config, "use_pad_token", True) is False:
-        return list(tokenizer(text=text_1 + text_2)["input_ids"])
-    return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
+        return list(tokenizer(text=text_1 + text_2, **cut)["input_ids"])
+    return list(tokenizer(text=text_1, text_pair=text_2, **cut)["input_ids"])
+
+
+def pair_length(truncate_prompt_tokens: int | None, max_seq_len: int) -> int | None:
+    """The ``max_length`` a pair is tokenized to for a ``truncate_prompt_tokens`` (vLLM's
+    ``_validate_truncation_size``: -1 is the model's length), None for no cut."""
+    return max_seq_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def not_one_score(call: str, head: ClassifierHead) -> str | None:
@@ -196,14 +231,15 @@ def not_one_score(call: str, head: ClassifierHead) -> str | None:
             "class probabilities")
 
 
-def head_logits(model: Any, rows: list[Any]) -> list[Any]:
-    """The classifier head (the loaded model's output projection, its ``score`` Linear) applied to each pooled row
-    (``engine.pooling.PooledRows``), as float32 on the CPU."""
+def head_logits(model: Any, rows: list[Any]) -> Any:
+    """The classifier head (the loaded model's output projection, its ``score`` Linear) applied once to the pooled
+    rows (``engine.pooling.PooledRows``) stacked: a ``(rows, labels)`` float32 tensor on the CPU, one copy back."""
     import torch
 
     head = model.get_output_embeddings()
     with torch.no_grad():
-        return [head(row.to(device=head.weight.device, dtype=head.weight.dtype)).float().cpu() for row in rows]
+        stacked = torch.stack([row.to(device=head.weight.device, dtype=head.weight.dtype) for row in rows])
+        return head(stacked).float().cpu()
 
 
 def no_head(call: str, model: str, architecture: str) -> str:
@@ -221,6 +257,6 @@ def not_generative(call: str, head: ClassifierHead) -> str:
             "cross-encoder)")
 
 
-__all__ = ["FROM_TWO_TOKENS", "HEAD_ATTRIBUTE", "SEQUENCE_CLASSIFIERS", "ClassifierHead", "architecture_of",
-           "as_causal_shell", "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative",
-           "not_one_score", "pair_ids", "token_head_tokens", "with_token_head"]
+__all__ = ["FROM_TWO_TOKENS", "HEAD_ATTRIBUTE", "SCORE_ACTIVATIONS", "SEQUENCE_CLASSIFIERS", "ClassifierHead",
+           "architecture_of", "as_causal_shell", "head_logits", "head_of", "is_sequence_classifier", "no_head",
+           "not_generative", "not_one_score", "pair_ids", "pair_length", "token_head_tokens", "with_token_head"]

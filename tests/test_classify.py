@@ -91,12 +91,15 @@ def test_a_classifier_does_not_generate_and_a_generative_model_does_not_classify
 
 
 def test_classify_refuses_a_bad_pooling_params(three_labels):
-    """use_activation must be a bool; an embedding's call refuses the classifier's switch."""
+    """use_activation must be a bool; an embedding's call refuses the classifier's switch before running the batch
+    (its prompt is not cached after)."""
     with pytest.raises(GenerationError, match=r"^PoolingParams: use_activation: expected true, false or None"):
         kvload.PoolingParams(use_activation="yes")
-    with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs()) as llm, \
-            pytest.raises(GenerationError, match=r"^embed: pooling_params' use_activation is a classifier's switch"):
-        llm.embed("w5", pooling_params=kvload.PoolingParams(use_activation=False))
+    with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs()) as llm:
+        with pytest.raises(GenerationError, match=r"^embed: pooling_params' use_activation is a classifier's switch "
+                                                  r"\(LLM\.classify\); an embedding takes normalize$"):
+            llm.embed(PROMPTS[0], pooling_params=kvload.PoolingParams(use_activation=False))
+        assert llm.embed(PROMPTS[0])[0].num_cached_tokens == 0
 
 
 def test_vllms_classify_task_and_convert_are_taken_for_a_classifier(three_labels):
@@ -175,6 +178,40 @@ def test_the_heads_activation_follows_vllms_rules_for_the_configs_problem_type_a
                                              "torch.nn.modules.linear.Identity"), 1).score(one) == pytest.approx(0.7)
 
 
+@pytest.mark.parametrize(("named", "activate"), [
+    ("torch.nn.modules.activation.Tanh", torch.tanh),
+    ("torch.nn.modules.activation.Sigmoid", torch.sigmoid),
+    ("torch.nn.modules.activation.Softmax", lambda t: torch.softmax(t, -1)),
+])
+def test_a_cross_encoders_sentence_transformers_activation_is_applied(named, activate):
+    """vLLM instantiates the torch.nn.modules activation the config names; use_activation=False leaves the logit."""
+    from types import SimpleNamespace
+
+    from models.classifier import ClassifierHead
+
+    logits = torch.tensor([[0.7], [-2.5]])
+    head = ClassifierHead.of(SimpleNamespace(architectures=["X"], sentence_transformers={"activation_fn": named}), 1)
+    assert head.score(logits[1]) == pytest.approx(float(activate(logits[1:])[0, 0]))
+    assert head.scores(logits) == pytest.approx(activate(logits)[:, 0].tolist())
+    assert head.scores(logits, use_activation=False) == pytest.approx([0.7, -2.5])
+
+
+def test_an_activation_kvload_does_not_apply_is_refused_naming_the_config_key():
+    from types import SimpleNamespace
+
+    from models.classifier import ClassifierHead
+    from pipeline.errors import ModelError
+
+    for config, key in (({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.GELU"}},
+                         r"sentence_transformers\.activation_fn: 'torch\.nn\.modules\.activation\.GELU'"),
+                        ({"sbert_ce_default_activation_function": "os.system"},
+                         r"sbert_ce_default_activation_function: 'os\.system'")):
+        with pytest.raises(ModelError, match=rf"^config\.json: {key} is not an activation kvload applies to a "
+                                             r"cross-encoder's score; accepted: torch\.nn\.modules classes Identity, "
+                                             r"Sigmoid, Tanh, Softmax"):
+            ClassifierHead.of(SimpleNamespace(architectures=["X"], **config), 1)
+
+
 def test_a_pair_joins_by_the_tokenizers_pair_or_as_one_text_when_the_config_says_use_pad_token_false():
     """vLLM's get_score_prompt: ``tokenizer(text_1, text_2)``; "LLM as reranker" configs (use_pad_token false) join the
     two texts first (here "w5 w6" + "w7" is the words w5 and "w6w7", unknown: id 0)."""
@@ -195,3 +232,41 @@ def test_a_classifier_is_refused_across_tensor_parallel_ranks_in_one_line(three_
     with pytest.raises(ModelError, match=r"^tensor_parallel_size=2: .* is a sequence-classification checkpoint, "
                                          r"which kvload runs on one rank; run it with tensor_parallel_size=1$"):
         pretrained_model(three_labels, device="cpu", dtype="float32", tp_size=2, classifier=True)
+
+
+def test_a_cross_encoders_truncation_cuts_the_document_and_keeps_the_query(cross_encoder):
+    """vLLM tokenizes a truncated pair with ``truncation=True, max_length=N``: the longer text (the document) is cut,
+    the query kept whole, and the score is transformers' of that pair; -1 is the model's length (nothing cut here)."""
+    from transformers import AutoTokenizer
+
+    logits = reference_logits(cross_encoder)
+    tokenizer = AutoTokenizer.from_pretrained(str(cross_encoder))
+    query, doc = [5, 17, 300], list(range(40, 60))
+    q_text, d_text = " ".join(f"w{i}" for i in query), " ".join(f"w{i}" for i in doc)
+    expected = tokenizer(q_text, d_text, truncation=True, max_length=8)["input_ids"]
+    assert expected == query + doc[:5]
+    with kvload.LLM(str(cross_encoder), dtype="float32", **llm_kwargs()) as llm:
+        for kwargs in ({"truncate_prompt_tokens": 8},
+                       {"pooling_params": kvload.PoolingParams(truncate_prompt_tokens=8)}):
+            out = llm.score(q_text, d_text, **kwargs)[0]
+            assert out.prompt_token_ids == expected
+            assert out.outputs.score == pytest.approx(float(torch.sigmoid(logits(expected))[0]), abs=1e-5)
+        assert llm.score(q_text, d_text, truncate_prompt_tokens=-1)[0].prompt_token_ids == query + doc
+
+
+def test_a_classifier_refuses_normalize_and_an_embedding_use_activation_before_any_forward(three_labels,
+                                                                                          cross_encoder):
+    """vLLM's classify task takes use_activation only: normalize (any value) is refused in one line pointing to it,
+    by classify and a cross-encoder's score, before running the batch (nothing cached); embed still takes it."""
+    with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs()) as llm:
+        for normalize in (False, True):
+            with pytest.raises(GenerationError, match=r"^classify: pooling_params' normalize is an embedding's switch "
+                                                      r"\(LLM\.embed\); a classifier takes use_activation$"):
+                llm.classify(PROMPTS[0], pooling_params=kvload.PoolingParams(normalize=normalize))
+        with pytest.raises(GenerationError, match=r"^classify: pooling_params' normalize"):
+            llm.classify(PROMPTS, pooling_params=[kvload.PoolingParams(), kvload.PoolingParams(normalize=False)])
+        assert llm.classify(PROMPTS[0])[0].num_cached_tokens == 0  # no refused call ran its prompt
+        assert llm.embed(PROMPTS[1], pooling_params=kvload.PoolingParams(normalize=False))[0].outputs.hidden_size == 64
+    with kvload.LLM(str(cross_encoder), dtype="float32", **llm_kwargs()) as llm, \
+            pytest.raises(GenerationError, match=r"^score: pooling_params' normalize is an embedding's switch"):
+        llm.score("w5", "w6", pooling_params=kvload.PoolingParams(normalize=False))

@@ -70,6 +70,8 @@ def test_classify_answers_vllms_classification_response_as_transformers_computes
     ({"input": "w1", "use_activation": "no"}, "use_activation", "use_activation: expected true or false"),
     ({"input": "w1", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens: expected"),
     ({"input": "w1", "encoding_format": "float"}, "encoding_format", "encoding_format"),
+    ({"input": "w1", "normalize": False}, "normalize", "normalize: an embedding's switch (POST /v1/embeddings); a "
+                                                       "classifier takes use_activation"),
     ({"input": [[1, 2], "w1 w2", 99999]}, "input[2]", "input[2]: expected"),
     ({"input": [[1, 2], [3, 99999]]}, "input", "input[1]"),
     ({"input": " ".join(["w1"] * 65)}, "input", "max_seq_len"),
@@ -184,3 +186,49 @@ def test_score_of_a_many_label_classifier_and_activation_on_an_embedding_model_a
         r = s.http.post("/score", json={"text_1": "w5", "text_2": "w6", "use_activation": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "use_activation", r.text
         assert "no classifier head for it to act on" in r.json()["error"]["message"]
+
+
+def test_score_and_rerank_of_a_cross_encoder_truncate_the_document_and_keep_the_query(cross_encoder):
+    """truncate_prompt_tokens as vLLM tokenizes a pair (``truncation=True, max_length=N``): the document is cut, the
+    query kept; the score is transformers' of that pair and usage counts N tokens."""
+    from transformers import AutoTokenizer
+
+    logits = reference_logits(cross_encoder)
+    query, doc = [5, 17, 300], list(range(40, 60))
+    kept = AutoTokenizer.from_pretrained(str(cross_encoder))(text(query), text(doc), truncation=True,
+                                                              max_length=8)["input_ids"]
+    assert kept == query + doc[:5]
+    want = float(torch.sigmoid(logits(kept))[0])
+    with serving(str(cross_encoder), dtype="float32", max_seq_len=64, kv_cache_config=KV) as s:
+        scored = _ok(s, "/score", {"text_1": text(query), "text_2": text(doc), "truncate_prompt_tokens": 8})
+        assert scored["data"][0]["score"] == pytest.approx(want, abs=1e-5) and scored["usage"]["prompt_tokens"] == 8
+        ranked = _ok(s, "/rerank", {"query": text(query), "documents": [text(doc)], "truncate_prompt_tokens": 8})
+        assert ranked["results"][0]["relevance_score"] == pytest.approx(want, abs=1e-5)
+
+
+def test_the_head_runs_once_over_the_stacked_rows_off_the_event_loop(served, monkeypatch):
+    """A classification's model work is not done on the server's event loop (which serves every other request
+    meanwhile): the head is applied once, to every input's row stacked, on a worker thread; the answer is the same."""
+    import asyncio
+
+    import kvload.serve.classify as classify
+    from models.classifier import head_logits
+
+    before = _ok(served, "/classify", {"input": [text(i) for i in INPUTS]})
+    calls = []
+
+    def spy(model, rows):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:  # no loop runs on this thread
+            on_loop = False
+        logits = head_logits(model, rows)
+        calls.append((on_loop, tuple(logits.shape) if hasattr(logits, "shape") else len(logits)))
+        return logits
+
+    monkeypatch.setattr(classify, "head_logits", spy)
+    after = _ok(served, "/classify", {"input": [text(i) for i in INPUTS]})
+    assert calls == [(False, (3, 3))]
+    for a, b in zip(after["data"], before["data"], strict=True):
+        assert a["probs"] == pytest.approx(b["probs"], abs=1e-6) and a["label"] == b["label"]

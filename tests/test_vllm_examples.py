@@ -198,6 +198,8 @@ def test_get_metrics_has_no_vector_without_drafts(tiny_checkpoints, tmp_path):
 def test_vllms_import_paths_of_the_parameters_prompts_and_outputs():
     from kvload.inputs import TextPrompt, TokensPrompt
     from kvload.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
@@ -213,6 +215,8 @@ def test_vllms_import_paths_of_the_parameters_prompts_and_outputs():
     assert (RequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput,
             ScoringRequestOutput) == (kvload.RequestOutput, kvload.CompletionOutput, kvload.EmbeddingOutput,
                                       kvload.EmbeddingRequestOutput, kvload.ScoringOutput, kvload.ScoringRequestOutput)
+    assert (ClassificationOutput, ClassificationRequestOutput) == (kvload.ClassificationOutput,
+                                                                   kvload.ClassificationRequestOutput)
 
 
 @pytest.mark.slow

@@ -68,6 +68,11 @@ def parse_classify(state: ServeState, raw: bytes | bytearray) -> ClassifyJob:
 
 def classify_job(state: ServeState, body: Any) -> ClassifyJob:
     """:func:`parse_classify` of a body already loaded."""
+    if isinstance(body, dict) and "normalize" in body:  # /v1/embeddings' field: refused saying what to send instead
+        if body["normalize"] is not None:  # vLLM refuses normalize for its classify task (PoolingParams.verify)
+            raise BadRequest("normalize: an embedding's switch (POST /v1/embeddings); a classifier takes "
+                             "use_activation (false: the logits as computed)", param="normalize")
+        body = {k: v for k, v in body.items() if k != "normalize"}  # null, its unset default, asks for nothing
     body = pooling_fields(state, body, FIELDS)
     served_head(state, "/classify")
     _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
@@ -85,8 +90,7 @@ def classify_answer(state: ServeState, job: ClassifyJob, rows: list[torch.Tensor
     model = state.engine.executor.model
     head = served_head(state, "/classify")
     data = []
-    for i, logits in enumerate(head_logits(model, rows)):
-        probs = head.probs(logits, job.use_activation).tolist()
+    for i, probs in enumerate(head.probs(head_logits(model, rows), job.use_activation).tolist()):  # all at once
         data.append({"index": i, "label": head.label(probs), "probs": probs, "num_classes": len(probs)})
     tokens = sum(len(ids) for ids in job.prompts)
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),

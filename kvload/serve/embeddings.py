@@ -42,7 +42,7 @@ from kvload.serve.protocol import (
 from kvload.serve.request_body import CLIENT_CLOSED, _load, _read_body, _shutting_down
 from kvload.serve.request_input import _check_model
 from kvload.serve.state import ServeState
-from kvload.serve.worker import _on_worker
+from kvload.serve.worker import _on_daemon_thread, _on_worker
 from pipeline.errors import GenerationError, KvBuildError, first_line
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
@@ -210,7 +210,9 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
         if row is None:  # every finished request's prefill ran its last token: a missing row is a bug, said so
             raise BadRequest(f"input {i}: its last hidden state was not captured", status=500, kind="server_error")
         rows.append(row)
-    return JSONResponse(answer(job, rows))
+    # the answer's model work (a classifier's head over the rows) and its encoding run off the event loop, which
+    # serves every other request meanwhile; a daemon thread, as a body's parse (kvload.serve.worker)
+    return await _on_daemon_thread(lambda: JSONResponse(answer(job, rows)))
 
 
 def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any]:

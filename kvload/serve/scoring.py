@@ -38,7 +38,7 @@ from kvload.serve.parse_gate import ParseGate
 from kvload.serve.protocol import MAX_PROMPTS, BadRequest, _is_int, _need
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
-from models.classifier import head_logits, head_of, not_one_score, pair_ids
+from models.classifier import head_logits, head_of, not_one_score, pair_ids, pair_length
 
 #: The two sides a score body may name (vLLM's ``ScoreTextRequest``, ``ScoreDataRequest``,
 #: ``ScoreQueriesDocumentsRequest`` and ``ScoreQueriesItemsRequest``): one pair per request.
@@ -130,7 +130,8 @@ def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list
     config = state.engine.executor.model.config
     texts = [*texts_1, *texts_2]
     wheres = [*wheres_1, *wheres_2]
-    joined = [pair_ids(tokenizer, config, texts[i], texts[j]) for i, j in pairs]
+    length = pair_length(params.truncate_prompt_tokens, state.engine.executor.max_seq_len)  # the query is kept
+    joined = [pair_ids(tokenizer, config, texts[i], texts[j], length) for i, j in pairs]
     prompts = tokenized(state, joined, [f"{wheres[i]} with {wheres[j]}" for i, j in pairs], params, name_2)
     return ScoreJob(prompts, params, [], priority, cross=True, use_activation=activate)
 
@@ -178,8 +179,7 @@ def _scores(state: ServeState, job: ScoreJob, rows: list[torch.Tensor]) -> tuple
     if job.cross:
         model = state.engine.executor.model
         head = head_of(model)
-        return [head.score(logits, job.use_activation) for logits in head_logits(model, rows)], \
-            sum(map(len, job.prompts))
+        return head.scores(head_logits(model, rows), job.use_activation), sum(map(len, job.prompts))
     vectors = [pooled(row, True) for row in rows]
     scores = [cosine(vectors[i], vectors[j]) for i, j in job.pairs]
     return scores, sum(len(job.prompts[i]) + len(job.prompts[j]) for i, j in job.pairs)
