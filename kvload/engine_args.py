@@ -119,6 +119,9 @@ class EngineArgs:
         for name, kind, metavar in OTHER_FLAGS:
             parser.add_argument(_flag(name), dest=name, type=kind, metavar=metavar, default=argparse.SUPPRESS,
                                 help=_help(name))
+        # one or more names, as vLLM takes them: LLM answers for the keyword (kvload serve's flag, not LLM's)
+        parser.add_argument("--served-model-name", dest="served_model_name", nargs="+", metavar="NAME",
+                            default=argparse.SUPPRESS, help=_help("served_model_name"))
         for flag, key, kind, metavar in VLLM_KNOB_FLAGS:
             if kind is None:
                 _switch(parser, key, store_true=flag in VLLM_STORE_TRUE_FLAGS)

@@ -229,3 +229,12 @@ def test_structured_outputs_py_choice_regex_json_grammar():
     car = json.loads(got["JSON"])
     assert set(car) == {"brand", "model", "car_type"} and car["car_type"] in ("sedan", "SUV", "Truck", "Coupe")
     assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", got["Grammar"])
+
+
+def test_served_model_name_is_taken_and_llm_answers_for_it():
+    args = vars(engine_parser().parse_args(["--model", "tiny-llama", "--served_model_name", "a", "b"]))
+    assert args["served_model_name"] == ["a", "b"]
+    assert "refused: the model name vLLM's server answers to" in engine_parser().format_help()
+    del args["max_tokens"], args["top_k_words"]
+    with pytest.raises(ConfigError, match=r"^served_model_name: .*kvload serve --served-model-name takes it"):
+        kvload.LLM(**args, log=False)
