@@ -11,13 +11,23 @@ is left out of the namespace (argparse's SUPPRESS), so ``LLM(**vars(args))`` pas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, VLLM_LIST_FLAGS, VLLM_STORE_TRUE_FLAGS
 from kvload.cli.values import integer, json_object, number, size
-from pipeline.vllm_compat import IGNORED, NO_OP_ONLY, REFUSED, SAME_MEANING, TAKEN_ELSEWHERE, different_meaning
+from pipeline.vllm_compat import (
+    DIFFERENT_MEANING,
+    IGNORED,
+    NO_OP_ONLY,
+    REFUSED,
+    SAME_MEANING,
+    TAKEN_ELSEWHERE,
+    VLLM_ENGINE_ARGS,
+    different_meaning,
+)
 
 #: ``LlmArgs`` fields vLLM's ``EngineArgs`` has under the same name (``-tp`` too, as vLLM spells it)
 SAME_NAME = ("dtype", "device", "generation_config", "override_generation_config", "scheduling_policy",
@@ -47,12 +57,6 @@ OWN_HELP = {
     "speculative_config": "speculative decoding: {\"method\": \"ngram\", \"num_speculative_tokens\": N} is "
                           "kvload's n-gram drafts (max_draft_len); other methods are refused",
 }
-
-#: why ``EngineArgs(...)`` is not an object here
-NOT_CONSTRUCTED = ("EngineArgs: kvload's EngineArgs only adds vLLM's engine flags to a parser (EngineArgs.add_cli_args"
-                   "(parser), then kvload.LLM(**vars(parser.parse_args()))); pass the engine arguments to "
-                   "kvload.LLM(model, ...) as keywords instead")
-
 
 def _flag(name: str) -> str:
     """``max_model_len`` → ``--max-model-len``: vLLM's spelling (FlexibleArgumentParser takes underscores too)."""
@@ -92,10 +96,35 @@ def _switch(group: Any, name: str, store_true: bool = False) -> None:
 
 
 class EngineArgs:
-    """vLLM's ``EngineArgs`` as its scripts use it: :meth:`add_cli_args` only (no engine object here)."""
+    """vLLM's ``EngineArgs`` as its scripts use it: a dataclass of vLLM's engine arguments that ``dataclasses.asdict``
+    turns into the keywords the script set (``LLM(**asdict(engine_args))``), nothing else, so ``LLM`` acts on each,
+    reports it ``setting_ignored`` or refuses it in one line; :meth:`add_cli_args` and :meth:`from_cli_args`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(NOT_CONSTRUCTED)
+        if len(args) > 1:
+            raise TypeError(f"EngineArgs: takes the model as its one positional argument, got {len(args)}; give the "
+                            "others as keywords")
+        if args:
+            if "model" in kwargs:
+                raise TypeError("EngineArgs: got the model both as its positional argument and as model=")
+            kwargs = {"model": args[0], **kwargs}
+        every = type(self).__dataclass_fields__
+        for name, value in kwargs.items():
+            if name not in every:
+                raise TypeError(f"EngineArgs: unexpected keyword argument {name!r} (vLLM's engine arguments only; "
+                                "kvload's own settings go to kvload.LLM(...) as keywords)")
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{name}={value!r}" for name, value in vars(self).items())
+        return f"EngineArgs({given})"
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """vLLM's: the engine arguments of a parsed namespace (those :meth:`add_cli_args` put there; a script's own
+        flags are left out), given only where the user gave the flag (or a default was set)."""
+        every = cls.__dataclass_fields__
+        return cls(**{name: value for name, value in vars(args).items() if name in every})
 
     @staticmethod
     def add_cli_args(parser: Any) -> Any:
@@ -130,6 +159,38 @@ class EngineArgs:
                                     nargs="+" if flag in VLLM_LIST_FLAGS else None, default=argparse.SUPPRESS,
                                     help=_help(key))
         return parser
+
+
+
+class _GivenFields:
+    """``EngineArgs.__dataclass_fields__``: every field on the class, only those set on an instance, so
+    ``dataclasses.asdict(engine_args)`` (and ``vars``) hold what the script gave, not vLLM's defaults, which are not
+    kvload's (an unset field reads None)."""
+
+    def __init__(self, every: dict[str, dataclasses.Field[Any]]) -> None:
+        self.every = every
+
+    def __get__(self, obj: Any, owner: Any = None) -> dict[str, dataclasses.Field[Any]]:
+        if obj is None:
+            return self.every
+        given = vars(obj)
+        return {name: f for name, f in self.every.items() if name in given}
+
+
+def _engine_args_class(cls: type) -> type:
+    """``cls`` made the dataclass of ``model`` and every vLLM engine argument kvload knows (each None unless set)."""
+    names = dict.fromkeys(("model", *SAME_MEANING, *SAME_NAME, *(n for n, _, _ in OTHER_FLAGS), "served_model_name",
+                           *(key for _, key, _, _ in VLLM_KNOB_FLAGS), *DIFFERENT_MEANING, *IGNORED, *NO_OP_ONLY,
+                           *REFUSED, *TAKEN_ELSEWHERE, *sorted(VLLM_ENGINE_ARGS)))
+    cls.__annotations__ = dict.fromkeys(names, Any)
+    for name in names:
+        setattr(cls, name, None)
+    made = dataclasses.dataclass(init=False, repr=False)(cls)
+    made.__dataclass_fields__ = _GivenFields(made.__dataclass_fields__)  # type: ignore[misc]
+    return made
+
+
+EngineArgs = _engine_args_class(EngineArgs)  # type: ignore[misc]
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

@@ -7,6 +7,7 @@ naming the file and commit it follows; a vLLM user changes the import line and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -68,9 +69,42 @@ def test_engine_args_into_an_argument_group_with_the_groups_default_model():
     assert vars(parser.parse_args(["--model", "tiny-llama"]))["model"] == "tiny-llama"
 
 
-def test_engine_args_is_not_an_engine_object():
-    with pytest.raises(TypeError, match=r"^EngineArgs: kvload's EngineArgs only adds vLLM's engine flags to a parser"):
-        EngineArgs(model="tiny-llama")
+def test_engine_args_object_holds_only_what_the_script_set():
+    engine_args = EngineArgs("tiny-llama", max_model_len=512, enforce_eager=True)
+    engine_args.disable_log_stats = False  # vLLM's benchmarks set fields after building it
+    assert dataclasses.is_dataclass(engine_args) and engine_args.seed is None  # unset: None, not vLLM's default
+    assert dataclasses.asdict(engine_args) == {"model": "tiny-llama", "max_model_len": 512, "enforce_eager": True,
+                                               "disable_log_stats": False}
+    assert dataclasses.asdict(engine_args) | {"seed": 42} == {**vars(engine_args), "seed": 42}  # vLLM's examples' form
+    assert repr(engine_args) == ("EngineArgs(model='tiny-llama', max_model_len=512, enforce_eager=True, "
+                                 "disable_log_stats=False)")
+    assert dataclasses.asdict(dataclasses.replace(engine_args, seed=1))["seed"] == 1
+    with pytest.raises(TypeError, match=r"^EngineArgs: unexpected keyword argument 'max_seq_len' \(vLLM's engine"):
+        EngineArgs(model="m", max_seq_len=5)  # kvload's own name: LLM's keyword, not vLLM's EngineArgs field
+    with pytest.raises(TypeError, match=r"^EngineArgs: takes the model as its one positional argument, got 2"):
+        EngineArgs("m", 512)
+
+
+def test_engine_args_from_cli_args_takes_every_engine_flag_and_no_script_flag():
+    parser = engine_parser()
+    engine_dests = {a.dest for a in parser._actions} - {"help", "max_tokens", "top_k_words"}
+    assert engine_dests <= {f.name for f in dataclasses.fields(EngineArgs)}
+    args = parser.parse_args(["--model", "m", "--max_num_seqs", "3", "--max-tokens", "8", "--no-enable-prefix-caching"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert dataclasses.asdict(engine_args) == {"model": "m", "max_num_seqs": 3, "enable_prefix_caching": False}
+
+
+def test_engine_args_asdict_acts_on_the_llm(tiny_checkpoints, tmp_path):
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    parser = engine_parser()
+    parser.set_defaults(model=str(words))
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "48", "--block_size", "4",
+                                                              "--device", "cpu", "--max-tokens", "5"]))
+    engine_args.max_num_seqs = 3
+    with kvload.LLM(**dataclasses.asdict(engine_args), log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        assert (llm.args.max_seq_len, llm.args.kv_cache_config.tokens_per_block, llm.args.max_batch_size) == (48, 4, 3)
+    with pytest.raises(ConfigError, match="^gpu_memory_utilization: vLLM's share"):
+        kvload.LLM(**dataclasses.asdict(EngineArgs(str(words), gpu_memory_utilization=0.9)), log=False)
 
 
 def test_vllms_import_paths_of_the_parser():
