@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, VLLM_LIST_FLAGS, VLLM_STORE_TRUE_FLAGS
-from kvload.cli.values import integer, json_object, number, size
+from kvload.cli.values import integer, json_object, number, size, token_count
 from pipeline.vllm_compat import (
     DIFFERENT_MEANING,
     IGNORED,
@@ -43,6 +44,9 @@ OTHER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("seed", integer, "N"),
     ("kv_events_config", json_object, "JSON"),
 )
+
+#: vLLM's one-dash spellings: ``kvload run``'s, and ``-O`` for ``--compilation-config`` (vLLM's ``-O3``)
+SHORT = {**VLLM_KNOB_SHORT, "--compilation-config": ("-O",)}
 
 #: ``--help`` of the flags whose kvload flag reads otherwise (kvload's is the switch off) or that have none
 OWN_HELP = {
@@ -155,7 +159,7 @@ class EngineArgs:
             if kind is None:
                 _switch(parser, key, store_true=flag in VLLM_STORE_TRUE_FLAGS)
             else:
-                parser.add_argument(flag, *VLLM_KNOB_SHORT.get(flag, ()), dest=key, type=kind, metavar=metavar,
+                parser.add_argument(flag, *SHORT.get(flag, ()), dest=key, type=kind, metavar=metavar,
                                     nargs="+" if flag in VLLM_LIST_FLAGS else None, default=argparse.SUPPRESS,
                                     help=_help(key))
         return parser
@@ -195,24 +199,152 @@ EngineArgs = _engine_args_class(EngineArgs)  # type: ignore[misc]
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
     """vLLM's ``FlexibleArgumentParser``: an ``ArgumentParser`` that also takes ``--max_model_len`` for
-    ``--max-model-len`` (and ``--max_model_len=N``)."""
+    ``--max-model-len``, ``--config FILE.yaml`` (a YAML mapping of flags, read before the command line, which wins),
+    dotted JSON flags (``--hf-overrides.rope_theta 1e6`` for ``--hf-overrides '{"rope_theta": 1e6}'``, ``key+`` for a
+    list) and ``-O3`` for ``-O '{"level": 3}'``, as vLLM's does."""
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
-        """argparse's, with each underscored option that names a dashed one spelled dashed."""
-        given = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args([self._dashed(a) for a in given], namespace)
+        """argparse's, on the arguments as vLLM's parser rewrites them: the config file's first, underscored options
+        dashed, dotted ones gathered into one JSON object per option."""
+        given = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        if "--config" not in self._option_string_actions:  # a script's own --config stays its own
+            given = self._with_config_file(given)
+        return super().parse_known_args(self._dotted([self._dashed(a) for a in self._level(given)]), namespace)
 
     def _dashed(self, arg: str) -> str:
-        """``--a_b[=v]`` → ``--a-b[=v]`` where only the dashed spelling is an option (a script's own ``--a_b``
-        stays); anything else as it is."""
+        """``--a_b[=v]`` → ``--a-b[=v]`` (``--a_b.c`` → ``--a-b.c``) where only the dashed spelling is an option (a
+        script's own ``--a_b`` stays); anything else as it is."""
         if not arg.startswith("--") or "_" not in arg:
             return arg
         key, eq, value = arg.partition("=")
-        dashed = key.replace("_", "-")
+        head, dot, tail = key.partition(".")
+        dashed = head.replace("_", "-")
         options = self._option_string_actions
-        if key in options or dashed not in options:
+        if head in options or dashed not in options:
             return arg
-        return dashed + eq + value
+        return dashed + dot + tail + eq + value
+
+    def _level(self, given: list[str]) -> list[str]:
+        """vLLM's ``-O3`` / ``-O=3`` / ``-O 3``: the compilation level, ``-O '{"level": 3}'`` (where ``-O`` is an
+        option, as ``add_cli_args`` makes it)."""
+        if "-O" not in self._option_string_actions:
+            return given
+        out: list[str] = []
+        for i, arg in enumerate(given):
+            if arg.startswith("-O") and arg != "-O" and not arg.startswith("-O."):
+                level = arg[3:] if arg[2:3] == "=" else arg[2:]
+                out += ["-O", json.dumps({"level": _json_or_text(level)})]
+            elif arg == "-O" and given[i + 1:i + 2] and given[i + 1] in ("0", "1", "2", "3"):
+                out.append("-O")
+                given[i + 1] = json.dumps({"level": int(given[i + 1])})
+            else:
+                out.append(arg)
+        return out
+
+    def _dotted(self, given: list[str]) -> list[str]:
+        """``--opt.a.b V`` (or ``=V``) gathered into ``--opt '{"a": {"b": V}}'`` after the other arguments, V read as
+        JSON (else as text), ``--opt.k+ x,y`` appending to a list; only for this parser's options."""
+        out: list[str] = []
+        objects: dict[str, dict[str, Any]] = {}
+        rest = iter(given)
+        for arg in rest:
+            key, eq, value = arg.partition("=")
+            head, dot, path = key.partition(".")
+            if not (arg.startswith("-") and dot and head in self._option_string_actions):
+                out.append(arg)
+                continue
+            if not eq:
+                value = next(rest, None)  # type: ignore[assignment]
+                if value is None:
+                    self.error(f"argument {key}: expected one argument")
+            item: Any = json.dumps(value.split(",")) if path.endswith("+") else value
+            keys = path.removesuffix("+").split(".")
+            if not all(keys):
+                self.error(f"argument {key}: a dotted flag names keys, {head}.KEY[.KEY...] VALUE")
+            _merge(objects.setdefault(head, {}), keys, _json_or_text(item))
+        for head, obj in objects.items():
+            out += [head, json.dumps(obj)]
+        return out
+
+    def _with_config_file(self, given: list[str]) -> list[str]:
+        """vLLM's ``--config FILE.yaml``: the file's keys as flags, put before the command line's (which win)."""
+        at = next((i for i, a in enumerate(given) if a == "--config" or a.startswith("--config=")), None)
+        if at is None:
+            return given
+        if given[at] == "--config":
+            if at + 1 >= len(given):
+                self.error("argument --config: expected one argument (a .yaml or .yml file of engine flags)")
+            path, end = given[at + 1], at + 2
+        else:
+            path, end = given[at].removeprefix("--config="), at + 1
+        others = given[:at] + given[end:]
+        if any(a == "--config" or a.startswith("--config=") for a in others):
+            self.error("argument --config: given more than once (one YAML file of engine flags)")
+        return self._config_flags(path) + others
+
+    def _config_flags(self, path: str) -> list[str]:
+        """The flags a ``--config`` YAML mapping stands for (``key: true`` → ``--key``, ``false`` → ``--no-key``
+        where there is one, a list → ``--key a b``, a mapping → its JSON, null → not given)."""
+        import yaml  # only when a --config is given
+
+        if not path.endswith((".yaml", ".yml")):
+            self.error(f"argument --config: {path!r} is not a .yaml or .yml file (vLLM's rule)")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = yaml.safe_load(f)
+        except OSError as exc:
+            self.error(f"argument --config: cannot read {path!r}: {exc.strerror or exc}")
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f" (line {where.line + 1})" if where is not None else ""
+            self.error(f"argument --config: {path!r} is not valid YAML{line}")
+        if config is None:
+            return []
+        if not isinstance(config, dict):
+            self.error(f"argument --config: {path!r} must hold a mapping of flag names to values, got "
+                       f"{type(config).__name__}")
+        flags: list[str] = []
+        for key, value in config.items():
+            if not isinstance(key, str) or not key or key.startswith("-"):
+                self.error(f"argument --config: {path!r}: key {key!r} is not a flag name (max-model-len: 4096)")
+            flag = "--" + key
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                no = "--no-" + key.replace("_", "-")
+                flags += [flag] if value else ([no] if no in self._option_string_actions else [])
+            elif isinstance(value, list):
+                flags += [flag, *map(str, value)] if value else []
+            elif isinstance(value, dict):
+                flags += [flag, json.dumps(value)]
+            else:
+                flags += [flag, str(value)]
+        return flags
+
+
+def _json_or_text(text: str) -> Any:
+    """A dotted flag's value as vLLM reads it: JSON, else a token count (``80k``), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return token_count(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        return text
+
+
+def _merge(obj: dict[str, Any], keys: list[str], value: Any) -> None:
+    """``value`` put at ``obj[k1][k2]...``; a list there already extended (``key+``), nested objects made on the way."""
+    *parents, leaf = keys
+    for k in parents:
+        if not isinstance(obj.get(k), dict):
+            obj[k] = {}
+        obj = obj[k]
+    if isinstance(value, list) and isinstance(obj.get(leaf), list):
+        obj[leaf] += value
+    else:
+        obj[leaf] = value
 
 
 __all__ = ["EngineArgs", "FlexibleArgumentParser"]

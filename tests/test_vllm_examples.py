@@ -272,3 +272,57 @@ def test_served_model_name_is_taken_and_llm_answers_for_it():
     del args["max_tokens"], args["top_k_words"]
     with pytest.raises(ConfigError, match=r"^served_model_name: .*kvload serve --served-model-name takes it"):
         kvload.LLM(**args, log=False)
+
+
+def test_flexible_parser_reads_a_config_file_the_command_line_winning(tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text("max_model_len: 512\nenforce-eager: true\nenable_prefix_caching: false\nseed: null\n"
+                      "served-model-name: [a, b]\nhf_overrides: {rope_theta: 10000}\nmax-tokens: 7\n")
+    args = vars(engine_parser().parse_args(["--config", str(config), "--max-model-len", "256"]))
+    assert args == {"max_model_len": 256, "enforce_eager": True, "enable_prefix_caching": False,
+                    "served_model_name": ["a", "b"], "hf_overrides": {"rope_theta": 10000}, "max_tokens": 7,
+                    "top_k_words": None}
+    own = FlexibleArgumentParser()
+    own.add_argument("--config")  # a script's own --config is its own
+    assert own.parse_args(["--config", "run.json"]).config == "run.json"
+
+
+@pytest.mark.parametrize(("text", "name", "said"), [
+    (None, "engine.json", r"'.*engine.json' is not a \.yaml or \.yml file"),
+    (None, "missing.yaml", r"cannot read '.*missing.yaml': No such file"),
+    ("max_model_len: [1\n", "bad.yaml", r"'.*bad.yaml' is not valid YAML \(line 2\)"),
+    ("- 1\n", "list.yaml", r"'.*list.yaml' must hold a mapping of flag names to values, got list"),
+    ("1: 2\n", "key.yaml", r"'.*key.yaml': key 1 is not a flag name"),
+])
+def test_flexible_parser_refuses_a_bad_config_file_in_one_line(tmp_path, capsys, text, name, said):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        engine_parser().parse_args(["--config", str(tmp_path / name)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and re.search(r"error: argument --config: " + said, err), err
+
+
+def test_flexible_parser_dotted_json_flags_and_dash_o():
+    args = vars(engine_parser().parse_args(
+        ["--speculative_config.method", "ngram", "--speculative-config.num_speculative_tokens=3", "-O3",
+         "--hf-overrides.rope_scaling.factor", "2.0", "--hf-overrides.layers+", "a,b", "--hf-overrides.layers+=c",
+         "--max-tokens", "-1"]))
+    assert args == {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+                    "compilation_config": {"level": 3},
+                    "hf_overrides": {"rope_scaling": {"factor": 2.0}, "layers": ["a", "b", "c"]},
+                    "max_tokens": -1, "top_k_words": None}
+    assert vars(engine_parser().parse_args(["-O", "2"]))["compilation_config"] == {"level": 2}
+    assert vars(engine_parser().parse_args(["-O.level", "1"]))["compilation_config"] == {"level": 1}
+
+
+def test_flexible_parser_config_file_acts_on_the_llm(tiny_checkpoints, tmp_path):
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"model: {words}\nmax-model-len: 48\nblock_size: 4\ndevice: cpu\n")
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--config", str(config), "--max_num_seqs", "3", "-O3"]))
+    with kvload.LLM(**dataclasses.asdict(engine_args), log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        assert (llm.args.max_seq_len, llm.args.kv_cache_config.tokens_per_block, llm.args.max_batch_size) == (48, 4, 3)
+        assert [e["field"] for e in llm.audit.of("setting_ignored")] == ["compilation_config"]
