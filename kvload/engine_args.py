@@ -5,7 +5,10 @@ parser); parser.set_defaults(model=...)`` and then call ``LLM(**vars(parser.pars
 vLLM's spellings of what ``kvload.LLM`` takes as keywords (the same tables as ``kvload run`` / ``serve``:
 :mod:`kvload.cli.flags`, :mod:`pipeline.vllm_compat`), each destined to the keyword ``LLM`` takes, and a flag not given
 is left out of the namespace (argparse's SUPPRESS), so ``LLM(**vars(args))`` passes exactly what the user typed and
-``LLM`` acts on it, reports it ``setting_ignored`` or refuses it in one line, as it does for the keywords.
+``LLM`` acts on it, reports it ``setting_ignored`` or refuses it in one line, as it does for the keywords. vLLM's
+other two forms, ``EngineArgs(model=..., ...)`` and ``EngineArgs.from_cli_args(args)`` then ``LLM(**asdict(
+engine_args))``, hold the same way only what was set. ``FlexibleArgumentParser`` reads vLLM's ``--config FILE.yaml``,
+dotted JSON flags and ``-O3`` as vLLM's does.
 """
 
 from __future__ import annotations
