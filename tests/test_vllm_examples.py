@@ -326,3 +326,15 @@ def test_flexible_parser_config_file_acts_on_the_llm(tiny_checkpoints, tmp_path)
     with kvload.LLM(**dataclasses.asdict(engine_args), log=False, kv_cache_config={"max_tokens": 256}) as llm:
         assert (llm.args.max_seq_len, llm.args.kv_cache_config.tokens_per_block, llm.args.max_batch_size) == (48, 4, 3)
         assert [e["field"] for e in llm.audit.of("setting_ignored")] == ["compilation_config"]
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--hf-overrides.rope_theta"], "argument --hf-overrides.rope_theta: expected one argument"),
+    (["--hf-overrides..rope_theta", "1"], "argument --hf-overrides..rope_theta: a dotted flag names keys, "
+                                          "--hf-overrides.KEY[.KEY...] VALUE"),
+    (["--max-model-len.x", "1"], "argument --max-model-len: expected an integer, got '{\"x\": 1}'"),
+])
+def test_flexible_parser_refuses_a_bad_dotted_flag_in_one_line(capsys, argv, said):
+    with pytest.raises(SystemExit) as exit_:
+        engine_parser().parse_args(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith("error: " + said)
