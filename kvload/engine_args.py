@@ -204,15 +204,39 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     """vLLM's ``FlexibleArgumentParser``: an ``ArgumentParser`` that also takes ``--max_model_len`` for
     ``--max-model-len``, ``--config FILE.yaml`` (a YAML mapping of flags, read before the command line, which wins),
     dotted JSON flags (``--hf-overrides.rope_theta 1e6`` for ``--hf-overrides '{"rope_theta": 1e6}'``, ``key+`` for a
-    list) and ``-O3`` for ``-O '{"level": 3}'``, as vLLM's does."""
+    list), ``-O3`` for ``-O '{"level": 3}'`` and ``--help=WORD``, as vLLM's does."""
 
     def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         """argparse's, on the arguments as vLLM's parser rewrites them: the config file's first, underscored options
         dashed, dotted ones gathered into one JSON object per option."""
         given = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        for i, arg in enumerate(given):
+            if arg.startswith("--help=") and "--help" in self._option_string_actions:
+                self._help_search = arg.removeprefix("--help=").lower().replace("_", "-")
+                given[i] = "--help"
         if "--config" not in self._option_string_actions:  # a script's own --config stays its own
             given = self._with_config_file(given)
         return super().parse_known_args(self._dotted([self._dashed(a) for a in self._level(given)]), namespace)
+
+    _help_search: str | None = None
+
+    def format_help(self) -> str:
+        """argparse's help, or with vLLM's ``--help=WORD`` the group titled WORD or the flags whose names hold it
+        (``--help=all``: all of them)."""
+        word, self._help_search = self._help_search, None  # this one help only
+        if word is None or word == "all":
+            return super().format_help()
+        formatter = self._get_formatter()
+        group = next((g for g in self._action_groups if (g.title or "").lower() == word), None)
+        found = group._group_actions if group is not None else [
+            a for a in self._actions if any(word in o.lower() for o in a.option_strings)]
+        if not found:
+            formatter.add_text(f"No group or arguments matching {word!r}. Use --help to see them all.")
+            return formatter.format_help()
+        formatter.start_section(group.title if group is not None else f"Arguments matching {word!r}")
+        formatter.add_arguments(found)
+        formatter.end_section()
+        return formatter.format_help()
 
     def _dashed(self, arg: str) -> str:
         """``--a_b[=v]`` → ``--a-b[=v]`` (``--a_b.c`` → ``--a-b.c``) where only the dashed spelling is an option (a

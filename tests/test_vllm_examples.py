@@ -338,3 +338,19 @@ def test_flexible_parser_refuses_a_bad_dotted_flag_in_one_line(capsys, argv, sai
     with pytest.raises(SystemExit) as exit_:
         engine_parser().parse_args(argv)
     assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith("error: " + said)
+
+
+def test_flexible_parser_help_search(capsys):
+    parser = engine_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--help=max_model"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("Arguments matching 'max-model':\n  --max-model-len N  kvload's")
+    assert "--seed" not in out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=sampling parameters"])  # a group by its title
+    assert capsys.readouterr().out.splitlines()[:2] == ["Sampling parameters:", "  --max-tokens MAX_TOKENS"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=nothing"])
+    assert capsys.readouterr().out.strip() == "No group or arguments matching 'nothing'. Use --help to see them all."
+    assert "--seed N" in parser.format_help()  # the next help is the whole one
