@@ -5,8 +5,9 @@ The front door: ``kvload.LLM`` (load a model, ``.generate`` / ``.generate_stream
 ``kvload.SamplingParams`` (with ``kvload.StructuredOutputsParams``), ``kvload.BeamSearchParams`` and the outputs
 (``RequestOutput``, ``CompletionOutput``,
 ``TokenDelta``, ``BeamSearchOutput``), vLLM's prompt dicts ``TextPrompt`` / ``TokensPrompt``;
-``kvload.plan`` / ``kvload.load`` (the pipeline API); vLLM's script helpers ``EngineArgs.add_cli_args`` and
-``FlexibleArgumentParser`` (also as ``kvload.utils`` / ``kvload.utils.argparse_utils``, vLLM's import paths).
+``kvload.plan`` / ``kvload.load`` (the pipeline API); vLLM's script helpers ``EngineArgs`` (``add_cli_args``,
+``from_cli_args``, the dataclass) and ``FlexibleArgumentParser`` (also as ``kvload.utils`` /
+``kvload.utils.argparse_utils``, vLLM's import paths).
 Names are imported on first use, so ``import kvload`` (and the CLI) stays quick: torch and
 transformers load only when something needs them.
 """

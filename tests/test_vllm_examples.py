@@ -7,6 +7,7 @@ naming the file and commit it follows; a vLLM user changes the import line and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -68,9 +69,42 @@ def test_engine_args_into_an_argument_group_with_the_groups_default_model():
     assert vars(parser.parse_args(["--model", "tiny-llama"]))["model"] == "tiny-llama"
 
 
-def test_engine_args_is_not_an_engine_object():
-    with pytest.raises(TypeError, match=r"^EngineArgs: kvload's EngineArgs only adds vLLM's engine flags to a parser"):
-        EngineArgs(model="tiny-llama")
+def test_engine_args_object_holds_only_what_the_script_set():
+    engine_args = EngineArgs("tiny-llama", max_model_len=512, enforce_eager=True)
+    engine_args.disable_log_stats = False  # vLLM's benchmarks set fields after building it
+    assert dataclasses.is_dataclass(engine_args) and engine_args.seed is None  # unset: None, not vLLM's default
+    assert dataclasses.asdict(engine_args) == {"model": "tiny-llama", "max_model_len": 512, "enforce_eager": True,
+                                               "disable_log_stats": False}
+    assert dataclasses.asdict(engine_args) | {"seed": 42} == {**vars(engine_args), "seed": 42}  # vLLM's examples' form
+    assert repr(engine_args) == ("EngineArgs(model='tiny-llama', max_model_len=512, enforce_eager=True, "
+                                 "disable_log_stats=False)")
+    assert dataclasses.asdict(dataclasses.replace(engine_args, seed=1))["seed"] == 1
+    with pytest.raises(TypeError, match=r"^EngineArgs: unexpected keyword argument 'max_seq_len' \(vLLM's engine"):
+        EngineArgs(model="m", max_seq_len=5)  # kvload's own name: LLM's keyword, not vLLM's EngineArgs field
+    with pytest.raises(TypeError, match=r"^EngineArgs: takes the model as its one positional argument, got 2"):
+        EngineArgs("m", 512)
+
+
+def test_engine_args_from_cli_args_takes_every_engine_flag_and_no_script_flag():
+    parser = engine_parser()
+    engine_dests = {a.dest for a in parser._actions} - {"help", "max_tokens", "top_k_words"}
+    assert engine_dests <= {f.name for f in dataclasses.fields(EngineArgs)}
+    args = parser.parse_args(["--model", "m", "--max_num_seqs", "3", "--max-tokens", "8", "--no-enable-prefix-caching"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert dataclasses.asdict(engine_args) == {"model": "m", "max_num_seqs": 3, "enable_prefix_caching": False}
+
+
+def test_engine_args_asdict_acts_on_the_llm(tiny_checkpoints, tmp_path):
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    parser = engine_parser()
+    parser.set_defaults(model=str(words))
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "48", "--block_size", "4",
+                                                              "--device", "cpu", "--max-tokens", "5"]))
+    engine_args.max_num_seqs = 3
+    with kvload.LLM(**dataclasses.asdict(engine_args), log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        assert (llm.args.max_seq_len, llm.args.kv_cache_config.tokens_per_block, llm.args.max_batch_size) == (48, 4, 3)
+    with pytest.raises(ConfigError, match="^gpu_memory_utilization: vLLM's share"):
+        kvload.LLM(**dataclasses.asdict(EngineArgs(str(words), gpu_memory_utilization=0.9)), log=False)
 
 
 def test_vllms_import_paths_of_the_parser():
@@ -229,3 +263,94 @@ def test_structured_outputs_py_choice_regex_json_grammar():
     car = json.loads(got["JSON"])
     assert set(car) == {"brand", "model", "car_type"} and car["car_type"] in ("sedan", "SUV", "Truck", "Coupe")
     assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", got["Grammar"])
+
+
+def test_served_model_name_is_taken_and_llm_answers_for_it():
+    args = vars(engine_parser().parse_args(["--model", "tiny-llama", "--served_model_name", "a", "b"]))
+    assert args["served_model_name"] == ["a", "b"]
+    assert "refused: the model name vLLM's server answers to" in engine_parser().format_help()
+    del args["max_tokens"], args["top_k_words"]
+    with pytest.raises(ConfigError, match=r"^served_model_name: .*kvload serve --served-model-name takes it"):
+        kvload.LLM(**args, log=False)
+
+
+def test_flexible_parser_reads_a_config_file_the_command_line_winning(tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text("max_model_len: 512\nenforce-eager: true\nenable_prefix_caching: false\nseed: null\n"
+                      "served-model-name: [a, b]\nhf_overrides: {rope_theta: 10000}\nmax-tokens: 7\n")
+    args = vars(engine_parser().parse_args(["--config", str(config), "--max-model-len", "256"]))
+    assert args == {"max_model_len": 256, "enforce_eager": True, "enable_prefix_caching": False,
+                    "served_model_name": ["a", "b"], "hf_overrides": {"rope_theta": 10000}, "max_tokens": 7,
+                    "top_k_words": None}
+    own = FlexibleArgumentParser()
+    own.add_argument("--config")  # a script's own --config is its own
+    assert own.parse_args(["--config", "run.json"]).config == "run.json"
+
+
+@pytest.mark.parametrize(("text", "name", "said"), [
+    (None, "engine.json", r"'.*engine.json' is not a \.yaml or \.yml file"),
+    (None, "missing.yaml", r"cannot read '.*missing.yaml': No such file"),
+    ("max_model_len: [1\n", "bad.yaml", r"'.*bad.yaml' is not valid YAML \(line 2\)"),
+    ("- 1\n", "list.yaml", r"'.*list.yaml' must hold a mapping of flag names to values, got list"),
+    ("1: 2\n", "key.yaml", r"'.*key.yaml': key 1 is not a flag name"),
+])
+def test_flexible_parser_refuses_a_bad_config_file_in_one_line(tmp_path, capsys, text, name, said):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        engine_parser().parse_args(["--config", str(tmp_path / name)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and re.search(r"error: argument --config: " + said, err), err
+
+
+def test_flexible_parser_dotted_json_flags_and_dash_o():
+    args = vars(engine_parser().parse_args(
+        ["--speculative_config.method", "ngram", "--speculative-config.num_speculative_tokens=3", "-O3",
+         "--hf-overrides.rope_scaling.factor", "2.0", "--hf-overrides.layers+", "a,b", "--hf-overrides.layers+=c",
+         "--max-tokens", "-1"]))
+    assert args == {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+                    "compilation_config": {"level": 3},
+                    "hf_overrides": {"rope_scaling": {"factor": 2.0}, "layers": ["a", "b", "c"]},
+                    "max_tokens": -1, "top_k_words": None}
+    assert vars(engine_parser().parse_args(["-O", "2"]))["compilation_config"] == {"level": 2}
+    assert vars(engine_parser().parse_args(["-O.level", "1"]))["compilation_config"] == {"level": 1}
+
+
+def test_flexible_parser_config_file_acts_on_the_llm(tiny_checkpoints, tmp_path):
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"model: {words}\nmax-model-len: 48\nblock_size: 4\ndevice: cpu\n")
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--config", str(config), "--max_num_seqs", "3", "-O3"]))
+    with kvload.LLM(**dataclasses.asdict(engine_args), log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        assert (llm.args.max_seq_len, llm.args.kv_cache_config.tokens_per_block, llm.args.max_batch_size) == (48, 4, 3)
+        assert [e["field"] for e in llm.audit.of("setting_ignored")] == ["compilation_config"]
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--hf-overrides.rope_theta"], "argument --hf-overrides.rope_theta: expected one argument"),
+    (["--hf-overrides..rope_theta", "1"], "argument --hf-overrides..rope_theta: a dotted flag names keys, "
+                                          "--hf-overrides.KEY[.KEY...] VALUE"),
+    (["--max-model-len.x", "1"], "argument --max-model-len: expected an integer, got '{\"x\": 1}'"),
+])
+def test_flexible_parser_refuses_a_bad_dotted_flag_in_one_line(capsys, argv, said):
+    with pytest.raises(SystemExit) as exit_:
+        engine_parser().parse_args(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith("error: " + said)
+
+
+def test_flexible_parser_help_search(capsys):
+    parser = engine_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--help=max_model"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("Arguments matching 'max-model':\n  --max-model-len N  kvload's")
+    assert "--seed" not in out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=sampling parameters"])  # a group by its title
+    assert capsys.readouterr().out.splitlines()[:2] == ["Sampling parameters:", "  --max-tokens MAX_TOKENS"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=nothing"])
+    assert capsys.readouterr().out.strip() == "No group or arguments matching 'nothing'. Use --help to see them all."
+    assert "--seed N" in parser.format_help()  # the next help is the whole one
