@@ -409,7 +409,7 @@ def suspect(r: dict[str, Any]) -> list[str]:
         why.append("multi-line message")
     if r.get("outcome") not in (None, "accepted"):
         arg = r["case"].split(".")[1] if r["case"].count(".") >= 2 else ""
-        if arg and arg not in ("prompt", "messages", "sp_list", "pool_list", "kv", "model") \
+        if arg and arg not in ("prompt", "prompt2", "messages", "sp_list", "pool_list", "kv", "model") \
                 and arg not in msg and arg.replace("_", " ") not in msg:
             why.append(f"message does not name {arg}")
     if r["case"].startswith("hf_overrides.") and refused and "hf_overrides" not in msg:

@@ -69,6 +69,8 @@ def test_classify_answers_vllms_classification_response_as_transformers_computes
     ({"input": []}, "input", "input"),
     ({"input": "w1", "use_activation": "no"}, "use_activation", "use_activation: expected true or false"),
     ({"input": "w1", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens: expected"),
+    # past int64: the engine's own check answered a 500 "server_error" naming generate
+    ({"input": "w1", "truncate_prompt_tokens": 2 ** 63}, "truncate_prompt_tokens", "truncate_prompt_tokens: expected"),
     ({"input": "w1", "encoding_format": "float"}, "encoding_format", "encoding_format"),
     ({"input": "w1", "normalize": False}, "normalize", "normalize: an embedding's switch (POST /v1/embeddings); a "
                                                        "classifier takes use_activation"),
