@@ -7,7 +7,10 @@ typo of its name, and the prompts odd forms (empty, out-of-vocabulary or negativ
 sampling params of the wrong length). One tiny llama (a word-level tokenizer: token i is "w<i>") is loaded once and
 every call case runs on it. Each case is one JSON line: the exception's type and message (or "accepted"), the time,
 a hang (past ``--timeout``), whether the same LLM still gives the baseline's tokens afterwards, and what was left:
-threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVLOAD_CACHE``.
+threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVLOAD_CACHE``. ``hf_overrides.*``
+loads the llama with each hostile ``LLM(hf_overrides=...)`` dict (a value taken must then generate); ``classify.*``,
+``classify_pool.*`` and ``ce_score.*`` call ``LLM.classify`` on a tiny 3-label classifier and ``LLM.score`` on a
+one-label cross-encoder (``tests/classify_support.py``), both checked to answer as before after each case.
 
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
