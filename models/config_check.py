@@ -187,11 +187,12 @@ def head_groups_problem(cfg: Mapping[str, Any], prefix: str = "") -> str | None:
             "serves the same number of query heads")
 
 
-def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
-    """``ModelError`` naming ``file`` and the first KV-geometry field with a wrong type or an implausible size."""
+def check_fields(data: Mapping[str, Any], file: Path | str, prefix: str = "", sep: str = ": ") -> None:
+    """``ModelError`` naming ``file`` and the first KV-geometry field with a wrong type or an implausible size
+    (``file: field: ...``; ``sep="."`` names a setting instead: ``hf_overrides.field: ...``)."""
 
     def fail(field: str, problem: str) -> None:
-        raise ModelError(f"{file}: {prefix}{field}: {problem}")
+        raise ModelError(f"{file}{sep}{prefix}{field}: {problem}")
 
     for field, (least, most, nullable) in INT_FIELDS.items():
         if field in data:
@@ -252,4 +253,4 @@ def check_fields(data: Mapping[str, Any], file: Path, prefix: str = "") -> None:
         inner = data["text_config"]
         if not isinstance(inner, Mapping):
             fail("text_config", f"expected an object of the decoder's config fields (or null), got {short(inner)}")
-        check_fields(inner, file, prefix="text_config.")
+        check_fields(inner, file, prefix="text_config.", sep=sep)

@@ -13,7 +13,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from pipeline.errors import ConfigError, first_line
+from pipeline.errors import ConfigError, ModelError, first_line
 from pipeline.limits import short
 
 
@@ -87,3 +87,34 @@ def apply_overrides(config: Any, overrides: Mapping[str, Any], sources: Mapping[
         added = current is _MISSING
         done.append(Override(dotted, None if added else _plain(current), _plain(getattr(config, key)), added))
     return done
+
+
+def check_overridden(before: Mapping[str, Any], after: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """``ConfigError`` naming ``hf_overrides.<field>`` when the overridden config (``after``, its ``to_dict()``) has a
+    KV-geometry field a ``config.json`` could not have (``models.config_check``'s ranges): transformers takes
+    ``num_hidden_layers: 1e9`` (kvload then built a billion layer records, a hang), ``vocab_size: 0`` or
+    ``sliding_window: -1`` and fails later naming neither. A problem the config had before (``before``) is not the
+    overrides'."""
+    from models.config_check import check_fields
+
+    act = after.get("hidden_act")
+    if isinstance(act, str) and act != before.get("hidden_act"):
+        from transformers.activations import ACT2FN
+
+        if act not in ACT2FN:  # transformers failed the weights' load as "'nosuch'", naming nothing
+            raise ConfigError(f"hf_overrides.hidden_act: {short(act)} is not an activation transformers has; "
+                              f"accepted: {', '.join(sorted(ACT2FN))}", path="hf_overrides.hidden_act",
+                              detail="unknown activation", source=sources.get("hidden_act"))
+    try:
+        check_fields(after, "hf_overrides", sep=".")
+    except ModelError as exc:
+        message = str(exc)
+        try:
+            check_fields(before, "hf_overrides", sep=".")
+        except ModelError as old:
+            if str(old) == message:  # the checkpoint's own, already taken when it loaded
+                return
+        field = message.split(": ", 1)[0]
+        source = sources.get(field.removeprefix("hf_overrides.").split(".", 1)[0])
+        raise ConfigError(message, path=field if field != "hf_overrides" else "hf_overrides",
+                          detail=message.split(": ", 1)[-1], source=source) from None

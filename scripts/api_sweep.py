@@ -7,7 +7,10 @@ typo of its name, and the prompts odd forms (empty, out-of-vocabulary or negativ
 sampling params of the wrong length). One tiny llama (a word-level tokenizer: token i is "w<i>") is loaded once and
 every call case runs on it. Each case is one JSON line: the exception's type and message (or "accepted"), the time,
 a hang (past ``--timeout``), whether the same LLM still gives the baseline's tokens afterwards, and what was left:
-threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVLOAD_CACHE``.
+threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVLOAD_CACHE``. ``hf_overrides.*``
+loads the llama with each hostile ``LLM(hf_overrides=...)`` dict (a value taken must then generate); ``classify.*``,
+``classify_pool.*`` and ``ce_score.*`` call ``LLM.classify`` on a tiny 3-label classifier and ``LLM.score`` on a
+one-label cross-encoder (``tests/classify_support.py``), both checked to answer as before after each case.
 
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
@@ -91,8 +94,8 @@ def _tokens(llm: Any) -> list[int]:
     return list(llm.generate(BASE_IDS, SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids)
 
 
-def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: list[int] | None, timeout: float,
-             watch: list[Path]) -> dict[str, Any]:
+def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: Any, timeout: float,
+             watch: list[Path], probe: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Run ``fn`` in a thread (a hang is seen, not waited for), then check the LLM and what was left."""
     threads, fds, files = {t.ident for t in threading.enumerate()}, _fd_count(), _files(*watch)
     box: dict[str, Any] = {}
@@ -131,7 +134,7 @@ def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: list[int] | N
             rec["raised_in"] = f"{Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}"
     if llm is not None and baseline is not None:
         try:
-            rec["llm_ok"] = _tokens(llm) == baseline
+            rec["llm_ok"] = (probe or (lambda: _tokens(llm)))() == baseline
         except BaseException as e:
             rec["llm_ok"] = False
             rec["llm_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -316,6 +319,84 @@ def llm_cases(kvload: Any, ckpt: Path, kinds: list[str]) -> Iterator[tuple[str, 
     yield "llm.kv.tokens_per_block.zero", lambda: build(kv_cache_config={"max_tokens": 256, "tokens_per_block": 0})
 
 
+#: ``LLM(hf_overrides=...)``'s hostile dicts: each a load of the tiny llama (a refusal names ``hf_overrides``).
+HF_OVERRIDES: dict[str, Any] = {
+    "not_dict": [1], "str": "x", "empty": {}, "callable": len, "nan": {"rope_theta": math.nan},
+    "inf": {"rope_theta": math.inf}, "bytes": {"max_position_embeddings": b"1"}, "object": {"x_y": object()},
+    "deep": {"a": __import__("functools").reduce(lambda acc, _: {"k": acc}, range(200), 1)},
+    "layers_neg": {"num_hidden_layers": -1}, "layers_zero": {"num_hidden_layers": 0},
+    "layers_huge": {"num_hidden_layers": 10 ** 9}, "layers_str": {"num_hidden_layers": "x"},
+    "layers_float": {"num_hidden_layers": 1.5}, "layers_bool": {"num_hidden_layers": True},
+    "layers_none": {"num_hidden_layers": None}, "vocab_small": {"vocab_size": 8}, "vocab_zero": {"vocab_size": 0},
+    "vocab_neg": {"vocab_size": -5}, "vocab_big": {"vocab_size": 4096}, "vocab_str": {"vocab_size": "x"},
+    "heads_zero": {"num_attention_heads": 0}, "kv_heads_odd": {"num_key_value_heads": 3},
+    "hidden_zero": {"hidden_size": 0}, "hidden_odd": {"hidden_size": 63}, "head_dim_neg": {"head_dim": -8},
+    "max_pos_zero": {"max_position_embeddings": 0}, "max_pos_neg": {"max_position_embeddings": -1},
+    "max_pos_str": {"max_position_embeddings": "x"}, "arch_junk": {"architectures": ["NoSuchForCausalLM"]},
+    "arch_str": {"architectures": "LlamaForCausalLM"}, "arch_empty": {"architectures": []},
+    "arch_int": {"architectures": [5]}, "sliding_str": {"sliding_window": "x"}, "sliding_neg": {"sliding_window": -1},
+    "sliding_zero": {"sliding_window": 0}, "rope_str": {"rope_parameters": "x"}, "rope_list": {"rope_parameters": [1]},
+    "rope_junk": {"rope_parameters": {"rope_type": "nosuch"}}, "rope_theta_str": {"rope_theta": "x"},
+    "rope_theta_neg": {"rope_theta": -1.0}, "rope_scaling_junk": {"rope_scaling": {"type": "yarn", "factor": "x"}},
+    "dotted_key": {"a.b": 1}, "underscore_key": {"_name_or_path": "x"}, "int_key": {5: 1},
+    "surrogate_key": {"\ud800": 1}, "surrogate_value": {"model_type": "\ud800"}, "method_key": {"to_dict": 1},
+    "model_type": {"model_type": "gpt2"}, "torch_dtype": {"torch_dtype": "int3"}, "dtype_junk": {"dtype": "x"},
+    "tie_str": {"tie_word_embeddings": "x"}, "eps_neg": {"rms_norm_eps": -1.0}, "act_junk": {"hidden_act": "nosuch"},
+    "num_labels_neg": {"num_labels": -1}, "id2label_junk": {"id2label": "x"},
+    "text_config_junk": {"text_config": {"num_hidden_layers": -1}}, "intermediate_zero": {"intermediate_size": 0},
+}
+
+
+def hf_cases(kvload: Any, ckpt: Path) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``LLM(ckpt, hf_overrides=...)``: each a load that must load a working model or refuse in one line."""
+    base = {"device": "cpu", "max_seq_len": 64, "log": False, "kv_cache_config": {"max_tokens": 256}}
+
+    def build(value: Any) -> Any:
+        from kvload import SamplingParams
+
+        llm = kvload.LLM(str(ckpt), hf_overrides=value, **base)
+        try:  # a value taken must give a model that runs
+            return llm.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+        finally:
+            llm.close()
+
+    for kind, value in HF_OVERRIDES.items():
+        yield f"hf_overrides.{kind}", lambda value=value: build(value)
+
+
+CLASSIFY_GROUPS = ("classify", "ce_score")
+
+
+def classify_cases(kvload: Any, cls: Any, ce: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``LLM.classify`` on a 3-label classifier and ``LLM.score`` on a one-label cross-encoder."""
+    prompts: dict[str, Any] = {
+        **{f"hostile_{k}": v for k, v in HOSTILE.items()}, "oov_id": [VOCAB + 5], "neg_id": [1, -3],
+        "huge_id": [2 ** 63], "list_empty_ids": [[]], "list_empty_str": [""], "million_ids": [1] * 10 ** 6,
+        "nested_lists": [[[1, 2]]], "dict_empty": {}, "mix": ["w1", [2, 3], {"prompt": "w4"}], "unknown": "zzz"}
+    for kind, value in prompts.items():
+        yield f"classify.prompt.{kind}", lambda value=value: cls.classify(value)
+        yield f"ce_score.prompt.{kind}", lambda value=value: ce.score(value, PROMPT)
+        yield f"ce_score.prompt2.{kind}", lambda value=value: ce.score(PROMPT, value)
+    for kw in ["truncate_prompt_tokens", "pooling_params", "salt", "use_tqdm", "lora_request"]:
+        for kind, value in HOSTILE.items():
+            yield f"classify.{kw}.{kind}", lambda kw=kw, value=value: cls.classify([BASE_IDS], **{kw: value})
+            yield f"ce_score.{kw}.{kind}", lambda kw=kw, value=value: ce.score(PROMPT, "w1 w2", **{kw: value})
+    import attrs
+
+    for field in [f.name for f in attrs.fields(kvload.PoolingParams) if f.init]:
+        for kind, value in HOSTILE.items():
+            yield f"classify_pool.{field}.{kind}", lambda field=field, value=value: cls.classify(
+                [BASE_IDS], pooling_params=kvload.PoolingParams(**{field: value}))
+    yield "classify.typo", lambda: cls.classify([BASE_IDS], pooling_param=kvload.PoolingParams())
+    yield "classify.pool_list.short", lambda: cls.classify([BASE_IDS, [1, 2]], pooling_params=[kvload.PoolingParams()])
+    yield "classify.pool_list.sp", lambda: cls.classify([BASE_IDS], pooling_params=kvload.SamplingParams())
+    yield "classify.on_ce", lambda: ce.classify([BASE_IDS])
+    yield "ce_score.mismatch", lambda: ce.score([PROMPT, PROMPT], [PROMPT, PROMPT, PROMPT])
+    yield "ce_score.empty", lambda: ce.score([], [PROMPT])
+    yield "classify_gen.generate", lambda: cls.generate(BASE_IDS, kvload.SamplingParams(max_tokens=2))
+    yield "classify_gen.embed", lambda: cls.embed([BASE_IDS])
+
+
 def suspect(r: dict[str, Any]) -> list[str]:
     """Why a result looks wrong ([] when it does not)."""
     why = []
@@ -323,16 +404,19 @@ def suspect(r: dict[str, Any]) -> list[str]:
         return ["hang"]
     refused = r.get("outcome") not in (None, "accepted")
     if refused and not {"ValueError", "TypeError"} & set(r.get("mro", [])) \
-            and not (r["case"].startswith("llm.model.") and r["outcome"] == "ModelError"):  # a model that is not there
+            and not (r["case"].startswith("llm.model.") and r["outcome"] == "ModelError") \
+            and not (r["case"].startswith("hf_overrides.") and "KvloadError" in r.get("mro", [])):  # the model's
         why.append(f"raises {r['outcome']}")
     msg = r.get("message", "")
     if "\n" in msg.strip():
         why.append("multi-line message")
     if r.get("outcome") not in (None, "accepted"):
         arg = r["case"].split(".")[1] if r["case"].count(".") >= 2 else ""
-        if arg and arg not in ("prompt", "messages", "sp_list", "pool_list", "kv", "model") \
+        if arg and arg not in ("prompt", "prompt2", "messages", "sp_list", "pool_list", "kv", "model") \
                 and arg not in msg and arg.replace("_", " ") not in msg:
             why.append(f"message does not name {arg}")
+    if r["case"].startswith("hf_overrides.") and refused and "hf_overrides" not in msg:
+        why.append("message does not name hf_overrides")
     # each typo is of a name close to a real one
     if r["case"].endswith(".typo") and not r.get("suggests", "did you mean" in msg):
         why.append("typo not suggested")
@@ -392,14 +476,32 @@ def main() -> None:
                                    "{% if add_generation_prompt %}w1{% endif %}")  # the word tokenizer has none
     baseline = _tokens(llm)
     n = 0
+    probe, probe_baseline = None, baseline
+    if any(p.startswith(a.only) or a.only.startswith(p) for p in CLASSIFY_GROUPS):
+        from tests.classify_support import classifier_checkpoint
+
+        kw = {"device": "cpu", "max_seq_len": 64, "log": False, "kv_cache_config": {"max_tokens": 512}}
+        cls = kvload.LLM(str(classifier_checkpoint(work / "cls", "llama", "LlamaForSequenceClassification", 3)),
+                         **kw)
+        ce = kvload.LLM(str(classifier_checkpoint(work / "ce", "qwen3", "Qwen3ForSequenceClassification", 1)),
+                        **kw)
+
+        def probe() -> Any:  # both classifiers still give their first answers
+            return cls.classify([BASE_IDS])[0].outputs.probs, ce.score(PROMPT, "w1 w2")[0].outputs.score
+
+        probe_baseline = probe()
     with a.out.open("w") as out:
         groups = [param_cases(kvload, llm), call_cases(kvload, llm),
-                  llm_cases(kvload, ckpt, a.llm_kinds.split(","))]
+                  llm_cases(kvload, ckpt, a.llm_kinds.split(",")), hf_cases(kvload, ckpt)]
+        if probe is not None:
+            groups.append(classify_cases(kvload, cls, ce))
         for group in groups:
             for name, fn in group:
                 if not name.startswith(a.only):
                     continue
-                rec = run_case(name, fn, llm, baseline, a.timeout, watch)
+                classify = name.startswith(CLASSIFY_GROUPS)
+                rec = run_case(name, fn, llm, probe_baseline if classify else baseline, a.timeout, watch,
+                               probe if classify else None)
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
                 n += 1

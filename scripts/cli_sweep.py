@@ -88,6 +88,21 @@ YAMLS = {
     "date_dir": "generation_config: 2024-01-01\n",
 }
 
+#: ``--hf-overrides JSON`` values (run ``hfo plan``; the first few on generate too, which loads weights) and the same
+#: as a YAML ``hf_overrides:`` (``hfo_yaml plan``).
+HF_OVERRIDES = [
+    '{"num_hidden_layers": 1000000000}', '{"num_hidden_layers": 0}', '{"num_hidden_layers": "x"}',
+    '{"vocab_size": 8}', '{"vocab_size": -5}', '{"hidden_size": 63}', '{"sliding_window": "x"}',
+    '{"rope_parameters": {"rope_type": "nosuch"}}', '{"rope_theta": NaN}', '{"rope_theta": -1}',
+    '{"hidden_act": "nosuch"}', '{"architectures": ["NoSuchForCausalLM"]}', '{"architectures": 5}',
+    '{"a.b": 1}', '{"\\ud800": 1}', '{"to_dict": 1}', '{"rms_norm_eps": -1}', '{"max_position_embeddings": 0}',
+    '{"text_config": {"num_hidden_layers": -1}}', "[1]", "null", "{", '"x"', "{}", "1e999",
+    '{"num_attention_heads": 3}', '{"layer_types": ["nosuch"]}', '{"eos_token_id": 99999}',
+    '{"pad_token_id": 99999}', '{"quantization_config": "x"}', '{"dtype": 5}', '{"torch_dtype": "int3"}',
+    '{"a": ' * 40 + "1" + "}" * 40,
+]
+HF_OVERRIDES_GENERATE = 8
+
 
 def make_fixtures(fix: Path) -> list[Path]:
     """The odd files the paths point at; the YAML configs, in order."""
@@ -143,6 +158,13 @@ def cases(fix: Path) -> Iterator[dict[str, Any]]:
                 if flag in argv:
                     del argv[argv.index(flag):argv.index(flag) + 2]
                 yield {"name": f"{cmd} {flag}={value[:20]!r}", "argv": [*argv, flag, value]}
+    for i, value in enumerate(HF_OVERRIDES):
+        yield {"name": f"hfo plan {value[:30]!r}", "argv": [*BASE["plan"], "--hf-overrides", value]}
+        if i < HF_OVERRIDES_GENERATE:
+            yield {"name": f"hfo generate {value[:30]!r}", "argv": [*BASE["generate"], "--hf-overrides", value]}
+        yml = fix / f"hfo_{i}.yaml"
+        yml.write_text(f"hf_overrides: {value}\n", encoding="utf-8")
+        yield {"name": f"hfo_yaml plan {value[:30]!r}", "argv": [*BASE["plan"], "--config", str(yml)]}
     for y in ymls:
         for cmd in ("plan", "generate"):
             yield {"name": f"{cmd} --config {y.name}", "argv": [*BASE[cmd], "--config", str(y)]}

@@ -125,12 +125,15 @@ class ApplyModelDefaults:
     def _override(ctx: Context, checkpoint: Any, hf_config: Any, emit: Emit) -> Any:
         """The checkpoint's config with ``ctx.hf_overrides`` set on it; one ``hf_config_overridden`` per key set."""
         from models.config_view import transformers_config
-        from models.hf_overrides import apply_overrides
+        from models.hf_overrides import apply_overrides, check_overridden
 
         # a preset's light view becomes the transformers config: nested configs and the weights must see the keys
         config = transformers_config(hf_config)
         sources = {key: given.source for key, given in ctx.hf_overrides.items()}
-        for done in apply_overrides(config, {key: given.value for key, given in ctx.hf_overrides.items()}, sources):
+        before = config.to_dict()
+        done_all = apply_overrides(config, {key: given.value for key, given in ctx.hf_overrides.items()}, sources)
+        check_overridden(before, config.to_dict(), sources)  # before anything sizes a model from them
+        for done in done_all:
             emit(HfConfigOverridden(key=done.key, old=done.old, new=done.new, added=done.added,
                                     source=sources[done.key.split(".", 1)[0]], model=checkpoint.name))
         return config

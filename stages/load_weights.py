@@ -57,9 +57,16 @@ class LoadWeights:
         if tp > 1:
             require_all_ranks(ctx, "loading sharded weights")
             check_plan_matches_pools(ctx)
-        with _shared_weights(ctx, dtype, seed) as random_dir:
-            loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed, tp_size=tp,
-                                  random_dir=random_dir, tokenizer=tokenizer, overridden=bool(ctx.hf_overrides))
+        try:
+            with _shared_weights(ctx, dtype, seed) as random_dir:
+                loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed,
+                                      tp_size=tp, random_dir=random_dir, tokenizer=tokenizer,
+                                      overridden=bool(ctx.hf_overrides))
+        except ModelError as exc:  # a vocab_size or hidden_size override reshapes what the weights must fit
+            if not ctx.hf_overrides:
+                raise
+            raise ModelError(f"{exc} (with hf_overrides {', '.join(ctx.hf_overrides)} applied to the config; "
+                             "an override that resizes the model needs weights of that size)") from None
         ctx.hf_model, ctx.tokenizer = loaded.model, loaded.tokenizer
         ctx.on_close(lambda: _release(ctx))
         user_seed = ctx.user_fields.get("weights_seed")

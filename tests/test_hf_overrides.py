@@ -123,6 +123,38 @@ def test_what_cannot_be_set_is_one_line_naming_the_key(value, message):
     assert info.value.source == "api"
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    # a billion layers: transformers took it and kvload built a billion layer records (a hang, then memory)
+    ({"num_hidden_layers": 10 ** 9}, "hf_overrides.num_hidden_layers: expected an integer in [1, 16,384], got "),
+    ({"num_hidden_layers": 0}, "hf_overrides.num_hidden_layers: expected an integer in [1, 16,384], got 0"),
+    # these failed at the weights, naming neither the setting nor the key
+    ({"vocab_size": -5}, "hf_overrides.vocab_size: expected an integer in [1, 16,777,216] or null, got -5"),
+    ({"num_attention_heads": 0}, "hf_overrides.num_attention_heads: expected an integer in [1, 65,536], got 0"),
+    ({"sliding_window": "x"}, "hf_overrides.sliding_window: expected an integer in [1, 4,294,967,296] or null, "
+                              "got 'x'"),
+    ({"sliding_window": -1}, "hf_overrides.sliding_window: expected an integer in [1, 4,294,967,296] or null"),
+    ({"rope_parameters": {"rope_type": "nosuch"}}, "hf_overrides.rope_parameters.rope_type: 'nosuch' is not a RoPE "
+                                                   "type transformers has; accepted: default, "),
+    ({"rope_theta": "x"}, "hf_overrides.rope_theta: expected a number > 0"),
+    ({"rms_norm_eps": -1.0}, "hf_overrides.rms_norm_eps: expected a number in (0, 1]"),  # token 0 over and over
+    ({"max_position_embeddings": 0}, "hf_overrides.max_position_embeddings: expected an integer in [1, "),
+    ({"hidden_act": "nosuch"}, "hf_overrides.hidden_act: 'nosuch' is not an activation transformers has; accepted: "),
+])
+def test_an_override_no_config_json_could_hold_is_one_line_before_anything_is_built(value, message):
+    with pytest.raises(ConfigError) as info:
+        kvload.plan("tiny-llama", log=False, hf_overrides=value)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert info.value.source == "api" and info.value.path.startswith("hf_overrides.")
+
+
+def test_an_override_that_resizes_the_weights_names_the_overrides(tiny_checkpoints):
+    with pytest.raises(ModelError) as info:
+        kvload.LLM(str(tiny_checkpoints("llama")), hf_overrides={"vocab_size": 8}, **llm_kwargs())
+    assert "lm_head.weight" in str(info.value) and "\n" not in str(info.value)
+    assert str(info.value).endswith("(with hf_overrides vocab_size applied to the config; an override that resizes "
+                                    "the model needs weights of that size)")
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvload", *args], capture_output=True, text=True, timeout=300)
 

@@ -69,6 +69,8 @@ def test_classify_answers_vllms_classification_response_as_transformers_computes
     ({"input": []}, "input", "input"),
     ({"input": "w1", "use_activation": "no"}, "use_activation", "use_activation: expected true or false"),
     ({"input": "w1", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens: expected"),
+    # past int64: the engine's own check answered a 500 "server_error" naming generate
+    ({"input": "w1", "truncate_prompt_tokens": 2 ** 63}, "truncate_prompt_tokens", "truncate_prompt_tokens: expected"),
     ({"input": "w1", "encoding_format": "float"}, "encoding_format", "encoding_format"),
     ({"input": "w1", "normalize": False}, "normalize", "normalize: an embedding's switch (POST /v1/embeddings); a "
                                                        "classifier takes use_activation"),
@@ -174,6 +176,23 @@ def test_score_and_rerank_of_a_cross_encoder_score_each_pair_as_one_sequence_thr
         assert "a cross-encoder scores texts" in r.json()["error"]["message"]
         r = s.http.post("/score", json={"text_1": "w5", "text_2": "w6", "softmax": "yes"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "softmax", r.text
+
+
+@pytest.mark.parametrize(("route", "body", "param", "where"), [
+    ("/score", b'{"text_1": "w1 \\ud800", "text_2": "w2"}', "text_1", "text_1"),
+    ("/score", b'{"text_1": "w1", "text_2": ["w2", "\\udc00"]}', "text_2", "text_2[1]"),
+    ("/rerank", b'{"query": "\\ud800", "documents": ["w2"]}', "query", "query"),
+    ("/rerank", b'{"query": "w1", "documents": ["w2", "w3 \\ud800"]}', "documents", "documents[1]"),
+])
+def test_a_lone_surrogate_in_a_cross_encoders_text_is_a_400_naming_it(cross_encoder, route, body, param, where):
+    """JSON's "\\ud800" decodes to a lone surrogate, which no tokenizer encodes: the pair's tokenizer raised a 500
+    "TextInputSequence must be str"; the server still answers after."""
+    with serving(str(cross_encoder), dtype="float32", max_seq_len=64, kv_cache_config=KV) as s:
+        r = s.http.post(route, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"].startswith(f"{where}: not valid Unicode text"), error
+        assert s.http.post("/score", json={"text_1": "w1", "text_2": "w2"}).status_code == 200
 
 
 def test_score_of_a_many_label_classifier_and_activation_on_an_embedding_model_are_a_400(served, tiny_checkpoints,

@@ -44,6 +44,7 @@ from kvload.serve.request_input import _check_model
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker
 from pipeline.errors import GenerationError, KvBuildError, first_line
+from pipeline.limits import MAX_INT
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
@@ -83,7 +84,8 @@ def pool_priority(state: ServeState, body: dict[str, Any]) -> int:
 def prefill_params(body: dict[str, Any]) -> SamplingParams:
     """The one-token greedy prefill that pools an input, with the body's ``truncate_prompt_tokens`` (checked)."""
     cut = body.get("truncate_prompt_tokens")
-    _need(cut is None or (_is_int(cut) and (cut >= 1 or cut == -1)), "truncate_prompt_tokens",
+    # past int64 the engine's own check raised, a 500 naming "generate" (the completions' check bounds it too)
+    _need(cut is None or (_is_int(cut) and (cut >= 1 or cut == -1) and cut <= MAX_INT), "truncate_prompt_tokens",
           "an integer >= 1 (keep the input's last N tokens) or -1 (the model's length)", cut)
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, truncate_prompt_tokens=cut)
 

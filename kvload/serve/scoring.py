@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.pooling import ScorePairsError, cosine, pooled, score_pairs
+from engine.prompts import not_unicode
 from engine.sampling_params import SamplingParams
 from kvload.serve.classify import ACTIVATION_FIELDS, use_activation
 from kvload.serve.embeddings import (
@@ -123,6 +124,9 @@ def _scored(state: ServeState, body: dict[str, Any], sides: list[tuple[str, list
             if not isinstance(item, str):
                 raise BadRequest(f"{where}: a cross-encoder scores texts (its tokenizer joins each pair as one "
                                  "sequence); give text, not token ids", param=name)
+            problem = not_unicode(where, item)  # the pair's tokenizer raised on it: a 500 "TextInputSequence"
+            if problem is not None:
+                raise BadRequest(problem, param=name)
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise BadRequest(f"{name_1}: the model {state.model_name} has no tokenizer to join each pair as one sequence",
