@@ -124,13 +124,15 @@ class ApplyModelDefaults:
     @staticmethod
     def _override(ctx: Context, checkpoint: Any, hf_config: Any, emit: Emit) -> Any:
         """The checkpoint's config with ``ctx.hf_overrides`` set on it; one ``hf_config_overridden`` per key set."""
-        from models.config_view import transformers_config
+        from models.config_view import takes_overrides, transformers_config
         from models.hf_overrides import apply_overrides
 
-        # a preset's light view becomes the transformers config: nested configs and the weights must see the keys
-        config = transformers_config(hf_config)
+        values = {key: given.value for key, given in ctx.hf_overrides.items()}
+        # a preset's light view takes plain int/bool keys itself (a plan imports no transformers; the weights'
+        # config gets them from the view); anything else needs transformers' config: nested configs, its checks
+        config = hf_config if takes_overrides(hf_config, values) else transformers_config(hf_config)
         sources = {key: given.source for key, given in ctx.hf_overrides.items()}
-        for done in apply_overrides(config, {key: given.value for key, given in ctx.hf_overrides.items()}, sources):
+        for done in apply_overrides(config, values, sources):
             emit(HfConfigOverridden(key=done.key, old=done.old, new=done.new, added=done.added,
                                     source=sources[done.key.split(".", 1)[0]], model=checkpoint.name))
         return config

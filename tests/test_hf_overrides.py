@@ -63,6 +63,56 @@ def test_rope_theta_reaches_the_rotary_embedding_where_transformers_reads_it():
         kvload.plan("tiny-gemma3", log=False, hf_overrides={"rope_theta": 1000.0})
 
 
+def test_a_preset_plan_with_plain_overrides_imports_neither_torch_nor_transformers():
+    from tests.cli_support import imports_after
+
+    loaded = imports_after("""
+        from kvload.cli.entry import main
+        assert main(["plan", "tiny-llama", "--hf-overrides", '{"max_position_embeddings": 96}', "--device", "cpu",
+                     "--max_tokens", "4096"]) == 0
+    """)
+    assert loaded == {"torch": False, "transformers": False}
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-gemma3", "tiny-deepseek-v3"])
+def test_the_light_view_plans_as_transformers_config_would(preset, monkeypatch):
+    from models.config_view import ConfigView
+
+    given = {"max_position_embeddings": 96, "tie_word_embeddings": True}
+    if preset != "tiny-gemma3":  # its layer_types would then name more layers than it has
+        given["num_hidden_layers"] = 2
+    light = kvload.plan(preset, log=False, hf_overrides=given)
+    import models.config_view
+
+    monkeypatch.setattr(models.config_view, "takes_overrides", lambda cfg, overrides: False)
+    real = kvload.plan(preset, log=False, hf_overrides=given)
+    assert isinstance(light.context.hf_config, ConfigView) and not isinstance(real.context.hf_config, ConfigView)
+    assert overridden(light) == overridden(real) and len(overridden(light)) == len(given)
+    assert light.args == real.args and light.kv.layout == real.kv.layout
+
+
+def test_what_the_light_view_takes_transformers_config_takes_as_it_is():
+    from models.checkpoint import load_hf_config, presets, resolve_checkpoint
+    from models.config_view import takes_overrides, transformers_config
+
+    for preset in presets():
+        view = load_hf_config(resolve_checkpoint(preset))
+        real = transformers_config(view)
+        for key, value in view.to_dict().items():
+            if not takes_overrides(view, {key: value}):
+                continue
+            # no alias, property or extra validator (interval) on the class: setting it is setting the field
+            assert key not in real.attribute_map and not hasattr(getattr(type(real), key, None), "__set__"), key
+            assert len(getattr(real, "__validators__", {}).get(key, ())) <= 1, (preset, key)
+            assert getattr(real, key) == value and type(getattr(real, key)) is type(value), (preset, key)
+
+
+def test_a_preset_loads_its_weights_from_the_overridden_config():
+    with kvload.LLM("tiny-llama", hf_overrides={"num_hidden_layers": 2}, **llm_kwargs()) as llm:
+        assert len(llm.result.hf_model.model.layers) == 2
+        assert llm.result.context.hf_config.__class__.__name__ == "ConfigView"  # the plan read the light view
+
+
 def greedy(model, ids: list[int], steps: int) -> list[int]:
     import torch
 
