@@ -73,8 +73,11 @@ def takes_overrides(cfg: Any, overrides: dict[str, Any]) -> bool:
                and key not in _TRANSFORMERS_OWN for key, value in overrides.items())
 
 
-#: Keys transformers' config keeps in its own way, whatever the JSON says
-_TRANSFORMERS_OWN = frozenset({"dtype", "torch_dtype", "transformers_version"})
+#: Keys transformers' config keeps in its own way, whatever the JSON says: its bookkeeping and the properties of
+#: ``PreTrainedConfig`` (transformers 5), whose setters check or translate what they are given
+_TRANSFORMERS_OWN = frozenset({"dtype", "torch_dtype", "transformers_version", "output_attentions", "num_labels",
+                               "use_return_dict", "name_or_path", "_attn_implementation", "_experts_implementation",
+                               "rope_scaling", "sub_configs"})
 
 
 def transformers_config(cfg: Any) -> Any:
