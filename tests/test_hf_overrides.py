@@ -277,3 +277,19 @@ def test_the_recipe_on_a_preset_is_refused_before_anything_loads():
     with pytest.raises(ModelError, match=r"^classifier_from_token: tiny-qwen3 is a preset, with random weights and "
                                          r"no tokenizer"):
         kvload.plan("tiny-qwen3", log=False, hf_overrides=RECIPE)
+
+
+def test_kvload_audit_shows_the_overrides_with_the_users_inputs(capsys, tmp_path):
+    from tests.cli_support import run_cli as run_in_process
+
+    log = tmp_path / "audit.jsonl"
+    assert run_in_process(capsys, "plan", "tiny-llama", "--hf-overrides", '{"max_position_embeddings": 96}',
+                          "--audit-log", str(log)).code == 0
+    text = run_in_process(capsys, "audit", str(log))
+    assert text.code == 0, text.err
+    lines = text.out.splitlines()
+    user = next(i for i, line in enumerate(lines) if line.startswith("user "))
+    assert lines[user + 1] == "config  hf_overrides: max_position_embeddings 8192 → 96 (cli)"
+    summary = json.loads(run_in_process(capsys, "audit", str(log), "--json").out)
+    assert [(o["key"], o["old"], o["new"], o["source"]) for o in summary["hf_overrides"]] == [
+        ("max_position_embeddings", 8192, 96, "cli")]
