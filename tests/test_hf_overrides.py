@@ -293,3 +293,21 @@ def test_kvload_audit_shows_the_overrides_with_the_users_inputs(capsys, tmp_path
     summary = json.loads(run_in_process(capsys, "audit", str(log), "--json").out)
     assert [(o["key"], o["old"], o["new"], o["source"]) for o in summary["hf_overrides"]] == [
         ("max_position_embeddings", 8192, 96, "cli")]
+
+
+def test_a_cli_override_of_a_config_file_key_is_a_source_conflict(capsys, tmp_path):
+    from tests.cli_support import run_cli as run_in_process
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("hf_overrides:\n  max_position_embeddings: 512\n  num_hidden_layers: 2\n")
+    log = tmp_path / "audit.jsonl"
+    r = run_in_process(capsys, "plan", "tiny-llama", "--config", str(cfg), "--hf-overrides",
+                       '{"max_position_embeddings": 96, "num_hidden_layers": 2}', "--json", "--audit-log", str(log))
+    assert r.code == 0, r.err
+    assert r.json()["args"]["max_seq_len"] == 96  # the command line won
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    conflicts = [e for e in events if e["event"] == "source_conflict"]
+    assert [(c["field"], c["kept"], c["kept_source"], c["overridden"], c["overridden_source"]) for c in conflicts] == [
+        ("hf_overrides.max_position_embeddings", 96, "cli", 512, "config_file")]  # the same value is no conflict
+    assert "source_conflict" in r.err
+    assert run_in_process(capsys, "audit", str(log), "--verify").code == 0
