@@ -311,3 +311,15 @@ def test_a_cli_override_of_a_config_file_key_is_a_source_conflict(capsys, tmp_pa
         ("hf_overrides.max_position_embeddings", 96, "cli", 512, "config_file")]  # the same value is no conflict
     assert "source_conflict" in r.err
     assert run_in_process(capsys, "audit", str(log), "--verify").code == 0
+
+
+def test_a_text_config_the_model_does_not_nest_is_refused_in_one_line_naming_it():
+    # vLLM would set it as a plain key; transformers' get_text_config (and kvload's geometry) would then read the
+    # dict as the decoder's config: "config has no usable 'num_hidden_layers' (got None)" misled
+    bad = run_cli("plan", "tiny-llama", "--hf-overrides", '{"text_config": {"a": 1}}')
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: hf_overrides.text_config: LlamaConfig has no nested text_config, and transformers would read this "
+        "value as the model's text config; set its keys at the top level of hf_overrides"]
+    with pytest.raises(ConfigError, match=r"^hf_overrides\.decoder: LlamaConfig has no nested decoder, "):
+        kvload.plan("tiny-llama", log=False, hf_overrides={"decoder": 5})
