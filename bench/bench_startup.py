@@ -61,16 +61,18 @@ def main() -> None:
         cases = [
             ("plan tiny-llama", ["plan", "tiny-llama"]),
             ("plan tiny-deepseek-v4", ["plan", "tiny-deepseek-v4", "--max_tokens", "65536"]),
+            ("plan tiny-llama --hf-overrides '{\"max_position_embeddings\": 96}'",
+             ["plan", "tiny-llama", "--hf-overrides", '{"max_position_embeddings": 96}']),
             ("plan <config-only directory> (AutoConfig)", ["plan", str(ckpt)]),
             ("models", ["models"]),
             ("explain AUDIT.jsonl", ["explain", str(log)]),
         ]
         trees = [("this checkout", REPO)] + ([("baseline", a.baseline)] if a.baseline else [])
         results: dict[str, dict[str, list[tuple[float, float]]]] = {}
-        for label, tree in trees:
-            cpu_seconds(["plan", "tiny-llama", "--audit-log", str(log)], tree)  # the log explain reads
-            for _ in range(a.repeats):  # interleaved: each repeat runs every case once
-                for name, argv in cases:
+        cpu_seconds(["plan", "tiny-llama", "--audit-log", str(log)], REPO)  # the log explain reads
+        for _ in range(a.repeats):  # interleaved: each repeat runs every case once in each checkout
+            for name, argv in cases:
+                for label, tree in trees:
                     results.setdefault(name, {}).setdefault(label, []).append(cpu_seconds(argv, tree))
         headers = ["command", *(f"{label}: CPU s (wall s), median" for label, _ in trees)]
         if a.baseline:

@@ -205,15 +205,20 @@ def non_json_in(value: Any, where: str) -> tuple[str, Any] | None:
 def _first_leaf(value: Any, where: str, bad: Callable[[Any], bool]) -> tuple[str, Any] | None:
     """The first leaf of ``value`` (a mapping's keys are leaves too) for which ``bad`` holds, with its path from
     ``where`` (``where.key``, ``where[2]``). A walk with a stack: a document's depth is bounded elsewhere, not here."""
-    stack: list[tuple[Any, str]] = [(value, where)]
+    stack: list[tuple[Any, str, bool]] = [(value, where, False)]
     while stack:
-        node, at = stack.pop()
-        if isinstance(node, Mapping):
+        node, at, is_key = stack.pop()
+        if is_key:  # a key is a leaf: a tuple key is judged whole (JSON has no such key), then its items
+            if bad(node):
+                return at, node
+            if isinstance(node, tuple):
+                stack.extend((item, at, True) for item in reversed(node))
+        elif isinstance(node, Mapping):
             for key, item in reversed(list(node.items())):  # reversed: the first key is looked at first
-                stack.append((item, at if bad(key) else f"{at}.{key}"))
-                stack.append((key, at))
+                stack.append((item, at if bad(key) else f"{at}.{key}", False))
+                stack.append((key, at, True))
         elif isinstance(node, (list, tuple)):
-            stack.extend((item, f"{at}[{j}]") for j, item in reversed(list(enumerate(node))))
+            stack.extend((item, f"{at}[{j}]", False) for j, item in reversed(list(enumerate(node))))
         elif bad(node):
             return at, node
     return None

@@ -141,9 +141,14 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
 def overrides_text(audit: AuditLog) -> str:
     """The ``hf_config_overridden`` records of a run in one line (empty without any): the config keys vLLM's
     ``hf_overrides`` set before the model's defaults and geometry were read."""
-    changes = ", ".join(f"{e.get('key')} {literal(e.get('old')) if not e.get('added') else '(none)'} → "
-                        f"{literal(e.get('new'))} ({e.get('source')})" for e in audit.of("hf_config_overridden"))
+    changes = _override_changes(audit.of("hf_config_overridden"))
     return f"the checkpoint's config as hf_overrides left it: {changes}" if changes else ""
+
+
+def _override_changes(records: list[dict[str, Any]]) -> str:
+    """``hf_config_overridden`` records as ``key old → new (source)``, comma-separated."""
+    return ", ".join(f"{e.get('key')} {literal(e.get('old')) if not e.get('added') else '(none)'} → "
+                     f"{literal(e.get('new'))} ({e.get('source')})" for e in records)
 
 
 def sampling_text(record: dict[str, Any], reason: bool = True) -> str:
@@ -265,8 +270,8 @@ def _grouped_warnings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
-    """Model, user-set fields, route, auto resolutions, model defaults, derived fields, sampling defaults, warnings,
-    outcome."""
+    """Model, user-set fields, hf_overrides set, route, auto resolutions, model defaults, derived fields, sampling
+    defaults, warnings, outcome."""
     models = audit.of("model_resolved")
     routes = audit.of("executor_routed")
     snapshot = audit.of("user_fields_snapshotted")
@@ -286,6 +291,7 @@ def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
         "events": len(audit),
         "model": _payload(models[-1]) if models else None,
         "user_fields": snapshot[-1]["fields"] if snapshot else {},
+        "hf_overrides": [_payload(e) for e in audit.of("hf_config_overridden")],
         "route": _payload(routes[-1]) if routes else None,
         "route_fallbacks": [_payload(e) for e in audit.of("route_fallback")],
         "auto_resolutions": autos,
@@ -412,6 +418,8 @@ def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None)
     users = summary["user_fields"]
     lines.append("user    " + (", ".join(f"{p}={literal(v['value'])} ({v['source']})" for p, v in users.items())
                                or "(nothing set)"))
+    if summary.get("hf_overrides"):  # the user's too: config keys set before the model was read
+        lines.append(f"config  hf_overrides: {_override_changes(summary['hf_overrides'])}")
     lines += _route_line(summary["route"])
 
     lines += ["", "auto resolutions:"]

@@ -59,6 +59,27 @@ class ConfigView:
         return f"ConfigView({self._data.get('model_type')!r}, {self._path})"
 
 
+def takes_overrides(cfg: Any, overrides: dict[str, Any]) -> bool:
+    """Whether the light view ``cfg`` can take ``hf_overrides`` as transformers' config would, so a plan needs no
+    transformers import: each replaces a top-level int or bool with one of the same type (a strict config's type
+    check passes, and no alias, property, nested config or rope carry is involved).
+
+    What code sets on the view is set again on the config :func:`transformers_config` builds where weights load;
+    ``tests/test_hf_overrides.py`` checks each preset's fields this admits against transformers' config class."""
+    if not isinstance(cfg, ConfigView):
+        return False
+    data = cfg.to_dict()
+    return all(key in data and type(value) in (int, bool) and type(data[key]) is type(value)
+               and key not in _TRANSFORMERS_OWN for key, value in overrides.items())
+
+
+#: Keys transformers' config keeps in its own way, whatever the JSON says: its bookkeeping and the properties of
+#: ``PreTrainedConfig`` (transformers 5), whose setters check or translate what they are given
+_TRANSFORMERS_OWN = frozenset({"dtype", "torch_dtype", "transformers_version", "output_attentions", "num_labels",
+                               "use_return_dict", "name_or_path", "_attn_implementation", "_experts_implementation",
+                               "rope_scaling", "sub_configs"})
+
+
 def transformers_config(cfg: Any) -> Any:
     """The transformers config object for ``cfg``: a :class:`ConfigView` is read through ``AutoConfig``."""
     if not isinstance(cfg, ConfigView):

@@ -62,6 +62,24 @@ def validate_model_defaults(proposed: Any, spec_name: str) -> dict[str, Any]:
     return leaves
 
 
+#: The keys transformers' ``get_text_config`` (and kvload's geometry, for ``text_config``) read a model's
+#: decoder or encoder config from
+_TEXT_CONFIG_NAMES = ("text_config", "decoder", "generator", "text_encoder")
+
+
+def _check_text_config_names(config: Any, values: dict[str, Any], sources: dict[str, str]) -> None:
+    """Refuse a value for a text-config key the model has no nested config under: vLLM would set it as a plain key,
+    and then transformers and kvload would read it as the model's text config (a dict with no geometry)."""
+    from models.hf_overrides import _is_config
+
+    for key in _TEXT_CONFIG_NAMES:
+        if values.get(key) is not None and not _is_config(getattr(config, key, None)):
+            where = f"hf_overrides.{key}"
+            raise ConfigError(f"{where}: {type(config).__name__} has no nested {key}, and transformers would read "
+                              f"this value as the model's text config; set its keys at the top level of hf_overrides",
+                              path=where, detail="not a nested config of this model", source=sources.get(key))
+
+
 class ApplyModelDefaults:
     """Writes ``ctx.checkpoint``, ``ctx.hf_config``, ``ctx.spec``, ``ctx.model``, ``ctx.model_defaults`` and
     ``ctx.sampling_defaults`` (the model's generation_config.json: the defaults of the requests it will serve)."""
@@ -124,14 +142,17 @@ class ApplyModelDefaults:
     @staticmethod
     def _override(ctx: Context, checkpoint: Any, hf_config: Any, emit: Emit) -> Any:
         """The checkpoint's config with ``ctx.hf_overrides`` set on it; one ``hf_config_overridden`` per key set."""
-        from models.config_view import transformers_config
+        from models.config_view import takes_overrides, transformers_config
         from models.hf_overrides import apply_overrides, check_overridden
 
-        # a preset's light view becomes the transformers config: nested configs and the weights must see the keys
-        config = transformers_config(hf_config)
+        values = {key: given.value for key, given in ctx.hf_overrides.items()}
+        # a preset's light view takes plain int/bool keys itself (a plan imports no transformers; the weights'
+        # config gets them from the view); anything else needs transformers' config: nested configs, its checks
+        config = hf_config if takes_overrides(hf_config, values) else transformers_config(hf_config)
         sources = {key: given.source for key, given in ctx.hf_overrides.items()}
+        _check_text_config_names(config, values, sources)
         before = config.to_dict()
-        done_all = apply_overrides(config, {key: given.value for key, given in ctx.hf_overrides.items()}, sources)
+        done_all = apply_overrides(config, values, sources)
         check_overridden(before, config.to_dict(), sources)  # before anything sizes a model from them
         for done in done_all:
             emit(HfConfigOverridden(key=done.key, old=done.old, new=done.new, added=done.added,

@@ -41,7 +41,7 @@ class ParseArgs:
             except ConfigError as exc:
                 raise ConfigError(str(exc), path=exc.path, detail=exc.detail, source=req.source) from None
         sources.append((req.source, tree))
-        sources = [(label, self._take_hf_overrides(ctx, label, tree, req.config_file)) for label, tree in sources]
+        sources = [(label, self._take_hf_overrides(ctx, label, tree, req.config_file, emit)) for label, tree in sources]
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
@@ -78,9 +78,10 @@ class ParseArgs:
             emit(FieldDerived(field=path, old=old, new=derived.value, source=derived.source, reason=derived.reason))
 
     @staticmethod
-    def _take_hf_overrides(ctx: Context, label: str, tree: Any, config_file: str | None) -> Any:
-        """Take vLLM's ``hf_overrides`` out of a source's tree into ``ctx.hf_overrides`` (a later source's key wins);
-        ``apply_model_defaults`` lays them over the checkpoint's config."""
+    def _take_hf_overrides(ctx: Context, label: str, tree: Any, config_file: str | None, emit: Emit) -> Any:
+        """Take vLLM's ``hf_overrides`` out of a source's tree into ``ctx.hf_overrides`` (a later source's key wins,
+        reported as a ``source_conflict`` on ``hf_overrides.<key>``); ``apply_model_defaults`` lays them over the
+        checkpoint's config."""
         if not isinstance(tree, dict) or "hf_overrides" not in tree:
             return tree
         rest = dict(tree)
@@ -89,7 +90,12 @@ class ParseArgs:
         except ConfigError as exc:
             where = f"config file {config_file}: " if label == "config_file" else ""
             raise ConfigError(f"{where}{exc}", path=exc.path, detail=exc.detail, source=label) from None
-        ctx.hf_overrides.update({key: UserValue(value, label) for key, value in given.items()})
+        for key, value in given.items():
+            earlier = ctx.hf_overrides.get(key)
+            if earlier is not None and earlier.value != value:
+                emit(SourceConflict(field=f"hf_overrides.{key}", kept=value, kept_source=label,
+                                    overridden=earlier.value, overridden_source=earlier.source))
+            ctx.hf_overrides[key] = UserValue(value, label)
         return rest
 
     @staticmethod

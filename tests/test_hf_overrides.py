@@ -63,6 +63,56 @@ def test_rope_theta_reaches_the_rotary_embedding_where_transformers_reads_it():
         kvload.plan("tiny-gemma3", log=False, hf_overrides={"rope_theta": 1000.0})
 
 
+def test_a_preset_plan_with_plain_overrides_imports_neither_torch_nor_transformers():
+    from tests.cli_support import imports_after
+
+    loaded = imports_after("""
+        from kvload.cli.entry import main
+        assert main(["plan", "tiny-llama", "--hf-overrides", '{"max_position_embeddings": 96}', "--device", "cpu",
+                     "--max_tokens", "4096"]) == 0
+    """)
+    assert loaded == {"torch": False, "transformers": False}
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-gemma3", "tiny-deepseek-v3"])
+def test_the_light_view_plans_as_transformers_config_would(preset, monkeypatch):
+    from models.config_view import ConfigView
+
+    given = {"max_position_embeddings": 96, "tie_word_embeddings": True}
+    if preset != "tiny-gemma3":  # its layer_types would then name more layers than it has
+        given["num_hidden_layers"] = 2
+    light = kvload.plan(preset, log=False, hf_overrides=given)
+    import models.config_view
+
+    monkeypatch.setattr(models.config_view, "takes_overrides", lambda cfg, overrides: False)
+    real = kvload.plan(preset, log=False, hf_overrides=given)
+    assert isinstance(light.context.hf_config, ConfigView) and not isinstance(real.context.hf_config, ConfigView)
+    assert overridden(light) == overridden(real) and len(overridden(light)) == len(given)
+    assert light.args == real.args and light.kv.layout == real.kv.layout
+
+
+def test_what_the_light_view_takes_transformers_config_takes_as_it_is():
+    from models.checkpoint import load_hf_config, presets, resolve_checkpoint
+    from models.config_view import takes_overrides, transformers_config
+
+    for preset in presets():
+        view = load_hf_config(resolve_checkpoint(preset))
+        real = transformers_config(view)
+        for key, value in view.to_dict().items():
+            if not takes_overrides(view, {key: value}):
+                continue
+            # no alias, property or extra validator (interval) on the class: setting it is setting the field
+            assert key not in real.attribute_map and not hasattr(getattr(type(real), key, None), "__set__"), key
+            assert len(getattr(real, "__validators__", {}).get(key, ())) <= 1, (preset, key)
+            assert getattr(real, key) == value and type(getattr(real, key)) is type(value), (preset, key)
+
+
+def test_a_preset_loads_its_weights_from_the_overridden_config():
+    with kvload.LLM("tiny-llama", hf_overrides={"num_hidden_layers": 2}, **llm_kwargs()) as llm:
+        assert len(llm.result.hf_model.model.layers) == 2
+        assert llm.result.context.hf_config.__class__.__name__ == "ConfigView"  # the plan read the light view
+
+
 def greedy(model, ids: list[int], steps: int) -> list[int]:
     import torch
 
@@ -259,3 +309,49 @@ def test_the_recipe_on_a_preset_is_refused_before_anything_loads():
     with pytest.raises(ModelError, match=r"^classifier_from_token: tiny-qwen3 is a preset, with random weights and "
                                          r"no tokenizer"):
         kvload.plan("tiny-qwen3", log=False, hf_overrides=RECIPE)
+
+
+def test_kvload_audit_shows_the_overrides_with_the_users_inputs(capsys, tmp_path):
+    from tests.cli_support import run_cli as run_in_process
+
+    log = tmp_path / "audit.jsonl"
+    assert run_in_process(capsys, "plan", "tiny-llama", "--hf-overrides", '{"max_position_embeddings": 96}',
+                          "--audit-log", str(log)).code == 0
+    text = run_in_process(capsys, "audit", str(log))
+    assert text.code == 0, text.err
+    lines = text.out.splitlines()
+    user = next(i for i, line in enumerate(lines) if line.startswith("user "))
+    assert lines[user + 1] == "config  hf_overrides: max_position_embeddings 8192 → 96 (cli)"
+    summary = json.loads(run_in_process(capsys, "audit", str(log), "--json").out)
+    assert [(o["key"], o["old"], o["new"], o["source"]) for o in summary["hf_overrides"]] == [
+        ("max_position_embeddings", 8192, 96, "cli")]
+
+
+def test_a_cli_override_of_a_config_file_key_is_a_source_conflict(capsys, tmp_path):
+    from tests.cli_support import run_cli as run_in_process
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("hf_overrides:\n  max_position_embeddings: 512\n  num_hidden_layers: 2\n")
+    log = tmp_path / "audit.jsonl"
+    r = run_in_process(capsys, "plan", "tiny-llama", "--config", str(cfg), "--hf-overrides",
+                       '{"max_position_embeddings": 96, "num_hidden_layers": 2}', "--json", "--audit-log", str(log))
+    assert r.code == 0, r.err
+    assert r.json()["args"]["max_seq_len"] == 96  # the command line won
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    conflicts = [e for e in events if e["event"] == "source_conflict"]
+    assert [(c["field"], c["kept"], c["kept_source"], c["overridden"], c["overridden_source"]) for c in conflicts] == [
+        ("hf_overrides.max_position_embeddings", 96, "cli", 512, "config_file")]  # the same value is no conflict
+    assert "source_conflict" in r.err
+    assert run_in_process(capsys, "audit", str(log), "--verify").code == 0
+
+
+def test_a_text_config_the_model_does_not_nest_is_refused_in_one_line_naming_it():
+    # vLLM would set it as a plain key; transformers' get_text_config (and kvload's geometry) would then read the
+    # dict as the decoder's config: "config has no usable 'num_hidden_layers' (got None)" misled
+    bad = run_cli("plan", "tiny-llama", "--hf-overrides", '{"text_config": {"a": 1}}')
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: hf_overrides.text_config: LlamaConfig has no nested text_config, and transformers would read this "
+        "value as the model's text config; set its keys at the top level of hf_overrides"]
+    with pytest.raises(ConfigError, match=r"^hf_overrides\.decoder: LlamaConfig has no nested decoder, "):
+        kvload.plan("tiny-llama", log=False, hf_overrides={"decoder": 5})
