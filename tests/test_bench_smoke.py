@@ -88,6 +88,20 @@ def test_step_cost_bench_pairs_both_sides_of_every_figure_and_restores_the_wall_
     assert all(row[-1] in ("met", "**missed**") for row in table.rows)
 
 
+def test_step_cost_bench_runs_both_sides_at_the_asked_fraction_of_the_default_budget():
+    # --budget 0.25: the grid's tight cells, where requests wait (the V2 scheduler's carried waits cost nothing
+    # at the default budget, where none waits): both sides at the same bytes, a quarter of simulate's default
+    from bench import bench_step_cost
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    wl = make_workload("multi-turn", 4, 0)
+    base = simulate("tiny-llama", wl, **bench_step_cost.CPU).budget.bytes
+    a, b = bench_step_cost._at_budget("tiny-llama", wl, 0.25, ({"x": 1}, {"y": 2}))
+    assert a == {"x": 1, "max_gpu_total_bytes": base // 4} and b == {"y": 2, "max_gpu_total_bytes": base // 4}
+    assert bench_step_cost._at_budget("tiny-llama", wl, None, ({"x": 1}, {})) == ({"x": 1}, {})
+
+
 def test_step_cost_bench_counts_opcodes_or_times_whole_runs_instead_of_the_median_step():
     from bench import bench_step_cost
 
