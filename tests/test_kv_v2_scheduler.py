@@ -746,8 +746,61 @@ def test_a_conversation_s_next_turn_carries_the_wait_of_its_previous_turn(monkey
     waiting = deque(turns.values())
     out = s.step(waiting, running)
     assert out.admitted == [turns[first]]
-    carried = waited if waited >= 2 else 0
+    carried = min(waited, scheduler.LPM_AGE) if waited >= 2 else 0  # enough to join aged, no more
     assert turns["late-1"].queued_at == s._steps - carried  # its clock started when its conversation's wait began
+
+
+def test_an_aged_request_without_a_hit_is_not_starved_by_a_conversation_whose_turns_carry_their_wait(monkeypatch):
+    # A conversation starved once carries its wait turn after turn, each turn joining aged with its history cached;
+    # by cached prefix alone those turns went ahead of an aged request without a hit for as long as the
+    # conversation went on (a reviewer's probe: not admitted in 30 steps). One that waited over 2 * LPM_AGE goes first.
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    monkeypatch.setattr(scheduler, "LPM_CARRY", 2)
+    monkeypatch.setattr(scheduler, "LPM_AGE", 4)
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    x = Request("x", [300 + i for i in range(8)], 1, arrival=0)
+    prompt = list(range(1, 17))
+    turn = Request("c-0", prompt, 1, arrival=1)
+    s._steps, turn.queued_at = 20, 10  # c-0 waited 10 steps
+    x.queued_at = 15  # x waited 5: aged too, and no hit
+    waiting, running = deque([turn, x]), []
+    admitted_x_at = None
+    for t in range(30):
+        out = s.step(waiting, running)
+        if x in out.admitted:
+            admitted_x_at = s._steps - x.queued_at
+            break
+        assert out.admitted == [turn]
+        n, k = len(turn.prompt_token_ids), turn.num_reused_tokens or 0
+        write_kv(m, turn, k, n - k)
+        m.commit(turn, n - k)
+        m.free(turn)
+        running.clear()
+        prompt = [*prompt, 1000 + t, 1001 + t]
+        turn = Request(f"c-{t + 1}", list(prompt), 1, arrival=2 + t)
+        waiting.append(turn)
+    assert admitted_x_at is not None and admitted_x_at <= 2 * scheduler.LPM_AGE + 2
+
+
+def test_a_turn_carries_the_wait_of_its_own_conversation_s_latest_turn(monkeypatch):
+    # Two records whose prompts the joining turn both extends (an opening turn, then the conversation's own later
+    # turn): the longest is its conversation's latest turn, and that is the wait it carries.
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_CARRY", 2)
+    monkeypatch.setattr(scheduler, "LPM_AGE", 100)
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)
+    s._steps = 50
+    opening, later = Request("a-0", [1, 2, 3, 4], 1), Request("b-1", [1, 2, 3, 4, 9, 9], 1)
+    opening.queued_at, later.queued_at = 10, 47  # waited 40, then 3
+    s._carry(opening)
+    s._carry(later)
+    turn = Request("b-2", [1, 2, 3, 4, 9, 9, 5, 5], 1)
+    assert s._carry_of(turn) == 3
 
 
 def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list[Request]:
@@ -773,6 +826,8 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list
             rank = hit if hit >= scheduler.LPM_MIN_HIT else 1
         else:
             rank = 0
+        if now - r.queued_at > 2 * scheduler.LPM_AGE:  # starved: before every aged one, in arrival order
+            rank = float("inf")
         (aged if now - r.queued_at >= scheduler.LPM_AGE else young).append((rank, r))
     aged.sort(key=lambda e: e[0], reverse=True)
     young.sort(key=lambda e: e[0], reverse=True)

@@ -37,11 +37,14 @@ One :meth:`~KVCacheV2Scheduler.step`:
    instead of 857).
    A conversation's wait counts across its turns: a request whose prompt extends the prompt of one admitted after
    waiting ``LPM_CARRY`` steps or more (its previous turn) joins the queue with that wait already on its clock, so a
-   conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late are
-   the run's critical path (the next is sent when one finishes); ranked as fresh requests, their histories shorter than
-   the earlier conversations', they waited behind those turns and the last ran alone at the end (tiny-llama
-   ``multi-turn`` at a quarter of the budget: 1.08x V1's steps; carried, 1.001x; BENCHMARKS.md, "A conversation's wait
-   carries").
+   conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late
+   are the run's critical path (the next is sent when one finishes); ranked as fresh requests, their histories
+   shorter than the earlier conversations', they waited behind those turns and the last ran alone at the end
+   (tiny-llama ``multi-turn`` at a quarter of the budget: 1.08x V1's steps; carried, 1.001x; BENCHMARKS.md, "A
+   conversation's wait carries"). The wait carried is at most ``LPM_AGE`` (the next turn joins aged, no more), and a
+   request that has waited more than ``2 * LPM_AGE`` steps goes before every aged one, in arrival order: by cached
+   prefix alone, an aged request without a hit was overtaken by each turn of a conversation that joined aged with its
+   history cached, for as long as the conversation went on.
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
    request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
@@ -137,6 +140,8 @@ LPM_WINDOW, LPM_AGE, LPM_MIN_HIT = 128, 1024, 512
 #: that few prompts are kept; 1, 256, 512 and 768 gave the same grid and variant figures (BENCHMARKS.md, "A
 #: conversation's wait carries"). At most ``LPM_WINDOW`` prompts are kept, the oldest dropped first.
 LPM_CARRY = 256
+#: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
+_STARVED = float("inf")
 
 
 def _sort_by_rank(requests: list[Request]) -> None:
@@ -420,7 +425,12 @@ class KVCacheV2Scheduler(SchedulerBase):
         old = now - LPM_AGE
         if min(queued) <= old:  # waited LPM_AGE steps or longer: first, by their cached prefix, then in arrival order
             mask = list(map(le, queued, itertools.repeat(old)))
-            ranked = sorted(((ranks[i], window[i]) for i in itertools.compress(range(n), mask)), key=itemgetter(0),
+            # but those that waited more than twice LPM_AGE go before them, in arrival order: a conversation's turns
+            # join aged (the wait they carry), each with its history cached, and by prefix alone they overtook an aged
+            # request without a hit turn after turn
+            starved = now - 2 * LPM_AGE
+            ranked = sorted(((ranks[i] if queued[i] >= starved else _STARVED, window[i])
+                             for i in itertools.compress(range(n), mask)), key=itemgetter(0),
                             reverse=True)  # stable: equal ranks stay in arrival order
             aged = [r for _, r in ranked]
             for i in itertools.compress(range(n), mask):
@@ -434,7 +444,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         """The wait ``request`` carries as the next turn of a request admitted after a long wait (one whose prompt its
         own extends; that record is dropped), else 0."""
         prompt = request.prompt_token_ids
-        for length in self._carried_lengths:
+        for length in sorted(self._carried_lengths, reverse=True):  # the longest: this conversation's latest turn
             if length < len(prompt):
                 wait = self._carried.pop(key := tuple(prompt[:length]), None)
                 if wait is not None:
@@ -452,6 +462,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         wait = self._steps - request.queued_at
         if request.queued_at < 0 or wait < LPM_CARRY:
             return
+        wait = min(wait, LPM_AGE)  # enough to join aged; more would only grow turn by turn (module docstring)
         key = tuple(request.prompt_token_ids)
         if key not in self._carried:
             self._carried_lengths[len(key)] += 1
