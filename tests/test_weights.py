@@ -524,8 +524,8 @@ def test_a_checkpoint_chat_template_with_a_syntax_error_is_named_as_one(capsys, 
     _tokenizer_json(ckpt / "tokenizer.json")
     (ckpt / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
     argv = ("generate", ckpt, "--prompt", "hi", "--max_new_tokens", "2", "--max_tokens", "1024")
-    assert_refused(run_cli(capsys, *argv, "--chat"), "error: generate: prompt 0: the model's chat template is not a "
-                                                     "Jinja template: line 1: unexpected '}'")
+    assert_refused(run_cli(capsys, *argv, "--chat"), "error: generate: prompt 0 (--prompt): the model's chat template "
+                                                     "is not a Jinja template: line 1: unexpected '}'")
     r = run_cli(capsys, *argv)
     assert r.code == 0, r.err
 
