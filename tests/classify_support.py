@@ -60,3 +60,25 @@ def qwen2_classifier(dest: Path, num_labels: int) -> Path:
     model.save_pretrained(dest)
     word_tokenizer(VOCAB).save_pretrained(dest)
     return dest
+
+
+def causal_lm_with_score(dest: Path, family: str, num_labels: int | None, score_rows: int | None) -> Path:
+    """A saved random ``*ForCausalLM`` of ``family``'s tiny preset whose weights also carry a ``score.weight`` of
+    ``score_rows`` rows (None: none), as some fine-tunes save a reward head next to the language-model head;
+    ``num_labels`` written to its config (None: left out, transformers' default 2)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers_config(tiny_config(family))
+    cfg.architectures = [cfg.architectures[0]]
+    if num_labels is not None:
+        cfg.num_labels = num_labels
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(dest)
+    if score_rows is not None:
+        tensors = load_file(str(dest / "model.safetensors"))
+        tensors["score.weight"] = torch.randn(score_rows, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        tensors["score.weight"] *= 0.5
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    word_tokenizer(VOCAB).save_pretrained(dest)
+    return dest

@@ -132,7 +132,8 @@ def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_i
                          "no runner to choose: a *ForCausalLM one generates and embeds (LLM.embed and kvload serve's "
                          "/v1/embeddings pool the last token's hidden state, as vLLM's runner pooling does for a "
                          "decoder model), a *ForSequenceClassification one classifies (LLM.classify, POST /classify) "
-                         "and scores pairs through its head; it runs no reward models (vLLM's per-token reward "
+                         "and scores pairs through its head (convert or task 'classify' makes a *ForCausalLM "
+                         "checkpoint carrying score.weight one); it runs no reward models (vLLM's per-token reward "
                          "pooling); accepted: 'auto' or 'generate' or 'embed' or 'classify' or 'score', got 'reward'"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb: vLLM's setting; kvload keeps every weight on the device; accepted: 0 "
                             "or 0.0, got 4"),
