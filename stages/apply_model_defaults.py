@@ -13,6 +13,7 @@ from models.classifier import (
     converted_config,
     is_sequence_classifier,
     token_head_tokens,
+    unserved_classifier,
 )
 from pipeline.bus import Emit
 from pipeline.config import AUTO, LlmArgs, framework_defaults, freeze, set_field
@@ -103,6 +104,9 @@ class ApplyModelDefaults:
             hf_config = self._override(ctx, checkpoint, hf_config, emit)
         if ctx.convert is not None:  # vLLM's convert="classify": after hf_overrides, as vLLM adapts the model class
             hf_config = self._convert(ctx, checkpoint, hf_config, emit)
+        unserved = unserved_classifier(hf_config)
+        if unserved is not None:  # before the generic spec reads it as a decoder and the load misses its lm_head
+            raise ModelError(f"{checkpoint.path / 'config.json'}: {unserved}")
         archs = getattr(hf_config, "architectures", None) or []
         arch = archs[0] if archs else None
         spec_cls = spec_class_for(arch) if arch else None

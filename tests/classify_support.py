@@ -82,3 +82,23 @@ def causal_lm_with_score(dest: Path, family: str, num_labels: int | None, score_
         save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     word_tokenizer(VOCAB).save_pretrained(dest)
     return dest
+
+
+def gemma3_multimodal_classifier(dest: Path, num_labels: int) -> Path:
+    """A saved random ``Gemma3ForSequenceClassification`` (a ``Gemma3Config``): the tiny Gemma 3 preset's decoder as its
+    ``text_config``, a one-layer SigLIP vision tower beside it, a ``score`` head of ``num_labels`` rows."""
+    text = transformers_config(tiny_config("gemma3"))
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                    image_token_index=VOCAB - 12, boi_token_index=VOCAB - 14,
+                                    eoi_token_index=VOCAB - 13)
+    cfg.architectures = ["Gemma3ForSequenceClassification"]
+    cfg.num_labels = num_labels
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(cfg)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(dest)
+    word_tokenizer(VOCAB).save_pretrained(dest)
+    return dest

@@ -96,5 +96,6 @@ def test_a_causal_lm_without_a_score_head_is_refused_naming_what_would_work(tmp_
                                          r"classifier head \(score\.weight\) to load"):
         kvload.LLM("tiny-llama", convert="classify", **llm_kwargs())
     with pytest.raises(ModelError, match=r"^task: 'classify' makes a classifier of a causal LM of the families kvload "
-                                         r"classifies \(LlamaForCausalLM, .*\); the checkpoint is Gemma3ForCausalLM"):
-        kvload.plan("tiny-gemma3", task="classify", log=False)
+                                         r"classifies \(LlamaForCausalLM, .*Gemma3ForCausalLM\); the checkpoint is "
+                                         r"DeepseekV3ForCausalLM"):
+        kvload.plan("tiny-deepseek-v3", task="classify", log=False)
