@@ -79,3 +79,15 @@ def test_a_chat_body_kvload_cannot_classify_is_a_400_naming_the_field(served, bo
     assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"], \
         r.text
     assert served.http.post("/classify", json={"messages": CHAT}).status_code == 200  # nothing left behind
+
+
+def test_invocations_routes_a_messages_body_to_classify_for_a_classifier(served):
+    """vLLM's /invocations: a classifier has no chat handler, so a messages body is its classification's chat form."""
+    body = {"messages": CHAT, "use_activation": False}
+    via = served.http.post("/invocations", json=body)
+    own = served.http.post("/classify", json=body)
+    assert via.status_code == own.status_code == 200, via.text
+    assert via.json()["data"] == own.json()["data"] and via.json()["usage"] == own.json()["usage"]
+    bad = served.http.post("/invocations", json={"messages": [{"role": "wizard", "content": "w5"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == \
+        served.http.post("/classify", json={"messages": [{"role": "wizard", "content": "w5"}]}).json()["error"]["param"]
