@@ -25,6 +25,12 @@ def classifier_checkpoint(dest: Path, family: str, architecture: str, num_labels
     cfg.label2id = {f"L{i}": i for i in range(num_labels)}
     for key, value in extra.items():
         setattr(cfg, key, value)
+    return saved_classifier(cfg, dest)
+
+
+def saved_classifier(cfg: Any, dest: Path) -> Path:
+    """A random ``AutoModelForSequenceClassification`` of ``cfg`` saved in ``dest`` with the word-level tokenizer,
+    seeded."""
     torch.manual_seed(0)
     model = transformers.AutoModelForSequenceClassification.from_config(cfg)
     with torch.no_grad():  # a head whose logits differ enough between prompts to tell them apart
@@ -53,13 +59,7 @@ def qwen2_classifier(dest: Path, num_labels: int) -> Path:
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    architectures=["Qwen2ForSequenceClassification"], tie_word_embeddings=True,
                                    num_labels=num_labels)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForSequenceClassification.from_config(cfg)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 0.5)
-    model.save_pretrained(dest)
-    word_tokenizer(VOCAB).save_pretrained(dest)
-    return dest
+    return saved_classifier(cfg, dest)
 
 
 def causal_lm_with_score(dest: Path, family: str, num_labels: int | None, score_rows: int | None) -> Path:
@@ -95,10 +95,4 @@ def gemma3_multimodal_classifier(dest: Path, num_labels: int) -> Path:
                                     eoi_token_index=VOCAB - 13)
     cfg.architectures = ["Gemma3ForSequenceClassification"]
     cfg.num_labels = num_labels
-    torch.manual_seed(0)
-    model = transformers.AutoModelForSequenceClassification.from_config(cfg)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 0.5)
-    model.save_pretrained(dest)
-    word_tokenizer(VOCAB).save_pretrained(dest)
-    return dest
+    return saved_classifier(cfg, dest)
