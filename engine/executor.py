@@ -410,6 +410,7 @@ class GenerationExecutor:
         arrival_steps: Sequence[int] | None = None,
         priority: Sequence[int] | None = None,
         pool: bool = False,
+        every_token: bool = False,
         **sampling: Any,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched continuously; one :class:`RequestOutput` per prompt, in order.
@@ -430,7 +431,9 @@ class GenerationExecutor:
         sample the pools have no room for yet waits, and computes what the prefix cache no longer holds.
 
         ``pool``: every request's prompt's last hidden state is captured as it is computed (``LLM.embed``), for the
-        caller to :meth:`PooledRows.take` from :attr:`pooled` by each output's ``request_id``.
+        caller to :meth:`PooledRows.take` from :attr:`pooled` by each output's ``request_id``; with ``every_token``
+        each prompt token's (``LLM.reward``), the prompt computed whole (its cached prefix not read: no forward
+        would give those tokens' rows).
         """
         self._check_open()
         if not pool:
@@ -460,10 +463,10 @@ class GenerationExecutor:
         ranks = self._priorities(priority, len(items))
         call = self._calls
         self._calls += 1
-        lives = self._lives(call, items, params, salts, arrivals, ranks, pool=pool)
+        lives = self._lives(call, items, params, salts, arrivals, ranks, pool=pool, every_token=every_token)
         if pool:
             for live in lives:
-                self.pooled.want(live.request.req_id)
+                self.pooled.want(live.request.req_id, every_token=every_token)
         now_arrivals, forks = [], {}
         for live in lives:
             if live.parent is not None:  # forked from the prompt's first sample when its prefill completes
@@ -792,9 +795,10 @@ class GenerationExecutor:
 
     def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
                salts: list[str | None], arrivals: list[int], ranks: list[int] | None = None, *,
-               pool: bool = False) -> list[_Live]:
+               pool: bool = False, every_token: bool = False) -> list[_Live]:
         """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says); ``pool``:
-        each an embedding's prefill (``Request.prefill_only``), its one token dropped."""
+        each an embedding's prefill (``Request.prefill_only``), its one token dropped; ``every_token``: its prompt
+        computed whole (no cached prefix read), every token's row pooled."""
         lives = []
         # unseeded samples: a fresh base per call, or the next of the LLM's seeded sequence (vLLM's engine seed)
         random_base = (self.call_seeds or random.SystemRandom()).getrandbits(62)
@@ -811,7 +815,7 @@ class GenerationExecutor:
                 # blocks are cached as any request's: the later samples, and later requests, reuse them
                 cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
                 request = Request(req_id, ids, 1 if pool else cap, salt=salts[i], prefill_only=pool,
-                                  skip_prefix_read=p.prompt_logprobs is not None and j == 0,
+                                  skip_prefix_read=(p.prompt_logprobs is not None and j == 0) or every_token,
                                   priority=ranks[i] if ranks is not None else 0)
                 if j == 0:
                     self._check_fits(i, request, p.max_tokens)
@@ -1018,6 +1022,7 @@ class GenerationExecutor:
             n_scored = min(end, req.num_prompt_tokens - 1) - start if scoring and req.req_id in scoring else 0
             if n_scored > 0:
                 scored.append((i, req, start + 1, n_scored))
+            if n_scored > 0 or (self.pooled and self.pooled.every_token(req.req_id)):  # a row after every token
                 keep.append(max(count[-1], end - start))
             else:
                 keep.append(count[-1])
@@ -1038,10 +1043,12 @@ class GenerationExecutor:
             self._v4_restore(out)
             step_states(batch, self.v4, [s.request.req_id for s in out.scheduled])
         offsets = list(itertools.accumulate(keep, initial=0))
-        # embed requests: the output projection's input at the prompt's last token, its pooled hidden state
-        pooling = [(s.request.req_id, offsets[i + 1] - 1) for i, s in enumerate(out.scheduled)
+        # pooling requests: the output projection's input at the prompt's last token (embed, classify), or at each of
+        # its tokens as the prompt's chunks are computed (reward)
+        pooling = [(s.request.req_id, offsets[i], offsets[i + 1], ends) for i, s in enumerate(out.scheduled)
                    if self.pooled.wanted(s.request.req_id)
-                   and s.request.num_computed_tokens + s.num_tokens >= s.request.num_prompt_tokens] \
+                   and ((ends := s.request.num_computed_tokens + s.num_tokens >= s.request.num_prompt_tokens)
+                        or self.pooled.every_token(s.request.req_id))] \
             if self.pooled else []
         with self.linear.active() if self.linear is not None else contextlib.nullcontext(), \
                 self.pooled.capture(self.model, pooling):
@@ -1064,7 +1071,8 @@ class GenerationExecutor:
         if not reach:
             return None, [], [], scores
         counts = [count[i] for i in reach]
-        if len(reach) < len(out.scheduled) or scored:  # the (last count) logits rows of the chunks that reach their end
+        if len(reach) < len(out.scheduled) or keep != count:  # the (last count) logits rows of the chunks that reach
+            # their end
             picked = [r for i in reach for r in range(offsets[i + 1] - count[i], offsets[i + 1])]
             logits = logits[picked]
         return logits, reach, counts, scores

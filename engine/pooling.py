@@ -175,34 +175,48 @@ def pooled_vector(hidden: torch.Tensor, normalize: bool | None) -> list[float]:
 
 
 class PooledRows:
-    """Which requests want their prompt's last hidden state, and the rows captured for them.
+    """Which requests want their prompt's hidden states, and the rows captured for them.
 
-    ``want(req_id)`` marks one; the executor's forward calls :meth:`capture` around a step, which records the
-    ``lm_head`` input row at the last token of each wanted request whose prompt the step completes; ``take(req_id)``
-    hands it over (None if it never came) and forgets the request."""
+    ``want(req_id)`` marks one for its prompt's last row (embed, classify), ``want(req_id, every_token=True)`` for
+    every prompt token's row (vLLM's per-token pooling, ``LLM.reward``); the executor's forward calls
+    :meth:`capture` around a step, which records the ``lm_head`` input rows it is given; ``take(req_id)`` hands them
+    over (the last row, or a ``(tokens, hidden)`` tensor; None if none came) and forgets the request."""
 
     def __init__(self) -> None:
         self._rows: dict[str, torch.Tensor | None] = {}
+        #: per-token requests: the rows captured so far, one tensor per computed chunk of the prompt
+        self._parts: dict[str, list[torch.Tensor]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._rows)
 
-    def want(self, req_id: str) -> None:
-        """Capture this request's row when its prompt's last token is computed."""
+    def want(self, req_id: str, every_token: bool = False) -> None:
+        """Capture this request's row when its prompt's last token is computed (``every_token``: every prompt
+        token's row, as each chunk of the prompt is computed)."""
         self._rows[req_id] = None
+        if every_token:
+            self._parts[req_id] = []
 
     def wanted(self, req_id: str) -> bool:
         """Whether this request still waits for its row."""
         return req_id in self._rows and self._rows[req_id] is None
 
+    def every_token(self, req_id: str) -> bool:
+        """Whether this request wants every prompt token's row (its prompt is then computed whole: no cached
+        prefix, whose rows no forward gives)."""
+        return req_id in self._parts
+
     def take(self, req_id: str) -> torch.Tensor | None:
         """The captured row (None: none came), the request forgotten."""
+        self._parts.pop(req_id, None)
         return self._rows.pop(req_id, None)
 
     @contextlib.contextmanager
-    def capture(self, model: Any, rows: Sequence[tuple[str, int]]) -> Iterator[None]:
-        """Around one forward: ``rows`` (request id, index of its row among the logits rows) get the output
-        projection's input at that row; nothing is hooked when ``rows`` is empty."""
+    def capture(self, model: Any, rows: Sequence[tuple[str, int, int, bool]]) -> Iterator[None]:
+        """Around one forward: ``rows`` (request id, first and past-the-last index of its rows among the logits rows,
+        whether its prompt ends in this step) get the output projection's input at those rows: the last one of a
+        last-row request, every one of a per-token request (kept until its prompt ends); nothing is hooked when
+        ``rows`` is empty."""
         if not rows:
             yield
             return
@@ -217,10 +231,36 @@ class PooledRows:
             raise GenerationError(f"embed: the model's output projection ran {len(seen)} times in one forward; "
                                   "its pooled hidden states cannot be told apart")
         hidden = seen[0].reshape(-1, seen[0].shape[-1])
-        for req_id, row in rows:
-            self._rows[req_id] = hidden[row].detach().to("cpu", copy=True)
+        for req_id, first, stop, ends in rows:
+            parts = self._parts.get(req_id)
+            if parts is None:
+                self._rows[req_id] = hidden[stop - 1].detach().to("cpu", copy=True)
+                continue
+            parts.append(hidden[first:stop].detach().to("cpu", copy=True))
+            if ends:
+                self._rows[req_id] = torch.cat(parts)
+
+
+@attrs.frozen
+class PoolingOutput:
+    """vLLM's ``PoolingOutput``: one prompt's pooled data, a tensor (per token for ``LLM.reward``: one row per prompt
+    token)."""
+
+    data: torch.Tensor
+
+
+@attrs.frozen
+class PoolingRequestOutput:
+    """vLLM's ``PoolingRequestOutput``: ``outputs.data`` of one prompt, with its ids and request id."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    finished: bool = True
 
 
 __all__ = ["ClassificationOutput", "ClassificationRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
-           "PooledRows", "PoolingParams", "ScorePairsError",
+           "PooledRows", "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "ScorePairsError",
            "ScoringOutput", "ScoringRequestOutput", "cosine", "pooled", "pooled_vector", "score_pairs"]

@@ -40,6 +40,8 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "engine.pooling",
     "ClassificationOutput": "engine.pooling",
     "ClassificationRequestOutput": "engine.pooling",
+    "PoolingOutput": "engine.pooling",
+    "PoolingRequestOutput": "engine.pooling",
     "ScoringOutput": "engine.pooling",
     "ScoringRequestOutput": "engine.pooling",
     "TextPrompt": "engine.prompts",

@@ -34,7 +34,9 @@ from engine.pooling import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
     PoolingParams,
+    PoolingRequestOutput,
     ScorePairsError,
     ScoringOutput,
     ScoringRequestOutput,
@@ -217,10 +219,9 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
     "llm_engine": "the engine object; kvload's load is llm.result (its executor, kv_manager, scheduler, audit), "
                   "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
                   "llm.get_tokenizer()",
-    **dict.fromkeys(("encode", "reward"),
-                    "kvload generates text, embeds it (LLM.embed: the last token's hidden state) and classifies it "
-                    "with a *ForSequenceClassification checkpoint (LLM.classify); it runs no per-token pooling or "
-                    "reward heads"),
+    "encode": "kvload generates text, embeds it (LLM.embed: the last token's hidden state), classifies it with a "
+              "*ForSequenceClassification checkpoint (LLM.classify) and scores each of its tokens through that head "
+              "(LLM.reward, vLLM's token_classify pooling); use those calls",
     **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
     **dict.fromkeys(("collective_rpc", "apply_model"),
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
@@ -548,11 +549,12 @@ class LLM:
             for out, row, p in zip(outputs, rows, pooling, strict=True)]
 
     def _pool(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
-              lora_request: Any, salt: str | None, refused: str = "normalize") -> tuple[
+              lora_request: Any, salt: str | None, refused: str = "normalize", every_token: bool = False) -> tuple[
                   list[RequestOutput], list[torch.Tensor], list[PoolingParams]]:
         """Every prompt prefilled in one batch, as ``call`` (which titles its errors): each prompt's output, its last
-        hidden row (the final norm's output at its last token) and its PoolingParams, in order. ``refused``: the
-        other task's PoolingParams switch (vLLM's ``PoolingParams.verify``), refused before any forward."""
+        hidden row (the final norm's output at its last token; ``every_token``: a ``(tokens, hidden)`` tensor of
+        every prompt token's, the prompt computed whole) and its PoolingParams, in order. ``refused``: the other
+        task's PoolingParams switch (vLLM's ``PoolingParams.verify``), refused before any forward."""
         _no_lora(call, lora_request)
         with _named(call):
             # a text is not a list of PoolingParams (its letters were taken as one each)
@@ -581,7 +583,8 @@ class LLM:
         with self._exclusive(call):
             self._no_progress_bar(use_tqdm, call)
             with self._running(call) as executor:
-                outputs = executor.run(prompts, sampling if per_prompt else sampling[0], salt=salt, pool=True)
+                outputs = executor.run(prompts, sampling if per_prompt else sampling[0], salt=salt, pool=True,
+                                       every_token=every_token)
                 rows = [executor.pooled.take(o.request_id) for o in outputs]
         for i, row in enumerate(rows):
             if row is None:  # every prompt's last token is computed by some step: a missing row is a bug, said so
@@ -612,6 +615,27 @@ class LLM:
             num_cached_tokens=out.num_cached_tokens,
             outputs=ClassificationOutput(head.probs(logits, p.use_activation is not False).tolist()))
             for out, logits, p in zip(outputs, head_logits(self.result.hf_model, rows), pooling, strict=True)]
+
+    @_keywords
+    @_followed
+    def reward(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+               salt: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.reward`` (its ``token_classify`` pooling) for a classifier checkpoint: one
+        :class:`PoolingRequestOutput` per prompt, in order, its ``outputs.data`` a ``(prompt tokens, labels)`` float32
+        tensor: the classifier head applied to every prompt token's final norm output, each row activated as
+        :meth:`classify` activates its one (its last row is that call's ``probs``). Each prompt is computed whole (a
+        cached prefix gives no rows), so ``num_cached_tokens`` is 0. Arguments as :meth:`classify`'s; a generative
+        model has no head to score tokens with (``GenerationError``)."""
+        head = self._head("reward")
+        outputs, rows, pooling = self._pool("reward", prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                            lora_request, salt, every_token=True)
+        model = self.result.hf_model
+        return [PoolingRequestOutput(
+            request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            outputs=PoolingOutput(head.probs(head_logits(model, list(tokens)), p.use_activation is not False)))
+            for out, tokens, p in zip(outputs, rows, pooling, strict=True)]
 
     @_keywords
     @_followed

@@ -9,9 +9,12 @@ from engine.pooling import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
 
 __all__ = ["ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "RequestOutput", "ScoringOutput", "ScoringRequestOutput"]
+           "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput", "RequestOutput", "ScoringOutput",
+           "ScoringRequestOutput"]

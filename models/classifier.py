@@ -21,8 +21,19 @@ import attrs
 from pipeline.errors import ModelError
 
 #: The ``architectures[0]`` names served as classifiers: the decoder families kvload generates with.
-SEQUENCE_CLASSIFIERS = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
-                        "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+LLAMA_CLASSIFIERS = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                     "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+#: Gemma 3's classifiers: the text one (transformers' ``Gemma3TextForSequenceClassification``, a ``Gemma3TextConfig``:
+#: the text decoder alone, with its interleaved sliding-window layers) and the multimodal one
+#: (``Gemma3ForSequenceClassification``, a ``Gemma3Config``: the same decoder under ``text_config``, its vision tower
+#: loaded with it and never run, text prompts only, as kvload serves Gemma3ForConditionalGeneration)
+GEMMA3_CLASSIFIER = "Gemma3TextForSequenceClassification"
+GEMMA3_CLASSIFIERS = (GEMMA3_CLASSIFIER, "Gemma3ForSequenceClassification")
+SEQUENCE_CLASSIFIERS = (*LLAMA_CLASSIFIERS, *GEMMA3_CLASSIFIERS)
+#: vLLM's ``as_seq_cls_model`` of a causal LM (``convert="classify"``) → the classifier class transformers loads it
+#: as: the family's ``*ForSequenceClassification`` (Gemma 3's text one: ``Gemma3ForCausalLM`` is its text decoder)
+CONVERTED = {**{name.replace("ForSequenceClassification", "ForCausalLM"): name for name in LLAMA_CLASSIFIERS},
+             "Gemma3ForCausalLM": GEMMA3_CLASSIFIER}
 
 #: The attribute of the loaded model that holds its :class:`ClassifierHead` (absent on a generative model).
 HEAD_ATTRIBUTE = "kvload_classifier"
@@ -32,6 +43,19 @@ def architecture_of(hf_config: Any) -> str:
     """``architectures[0]`` of a config, or ``""``."""
     archs = getattr(hf_config, "architectures", None) or []
     return str(archs[0]) if archs else ""
+
+
+def unserved_classifier(hf_config: Any) -> str | None:
+    """Why a classifier checkpoint (``*ForSequenceClassification``, ``*ForTokenClassification``) kvload does not serve
+    is refused, naming those it does (None for any other architecture): loaded as a causal LM it failed on a missing
+    ``lm_head.weight``, or ran the decoder without its head."""
+    architecture = architecture_of(hf_config)
+    if architecture in SEQUENCE_CLASSIFIERS or not architecture.endswith(("ForSequenceClassification",
+                                                                          "ForTokenClassification")):
+        return None
+    return (f"architectures[0] {architecture} is a classifier kvload does not serve; it serves "
+            f"{', '.join(SEQUENCE_CLASSIFIERS)} (LLM.classify and LLM.reward, POST /classify, and /score and /rerank "
+            "for one label)")
 
 
 def is_sequence_classifier(hf_config: Any) -> bool:
@@ -154,6 +178,67 @@ def token_head_tokens(hf_config: Any) -> list[str] | None:
     return list(tokens)
 
 
+#: vLLM's ``convert`` values that turn a causal LM into a classifier (``--convert classify``; the older
+#: ``--task classify`` maps to it for a generative checkpoint): its ``as_seq_cls_model`` adapter
+CONVERT_CLASSIFY = "classify"
+
+
+def classifier_of(architecture: str) -> str | None:
+    """The ``*ForSequenceClassification`` architecture vLLM's ``as_seq_cls_model`` makes of a causal LM's (its
+    ``_get_pooling_model_name``: ``LlamaForCausalLM`` -> ``LlamaForSequenceClassification``), as transformers names the
+    class it loads (:data:`CONVERTED`); None for an architecture kvload does not classify."""
+    return CONVERTED.get(architecture)
+
+
+def converted_config(hf_config: Any, given_as: str) -> Any:
+    """A copy of a causal LM's transformers config as vLLM's ``as_seq_cls_model`` reads it: ``architectures[0]`` its
+    ``*ForSequenceClassification`` (:func:`classifier_of`), so the weights load with a ``score`` head of
+    ``num_labels`` rows. ``ModelError`` naming ``given_as`` (``convert`` or ``task``) for an architecture kvload does
+    not classify."""
+    import copy
+
+    from models.config_view import transformers_config
+
+    architecture = architecture_of(hf_config)
+    made = classifier_of(architecture)
+    if made is None:
+        families = ", ".join(CONVERTED)
+        raise ModelError(f"{given_as}: {CONVERT_CLASSIFY!r} makes a classifier of a causal LM of the families kvload "
+                         f"classifies ({families}); the checkpoint is {architecture or 'of no architecture'}")
+    config = copy.deepcopy(transformers_config(hf_config))
+    config.architectures = [made]
+    return config
+
+
+def check_score_head(path: Any, hf_config: Any, given_as: str) -> None:
+    """Refuse, before any load, a causal LM converted to a classifier (:func:`converted_config`) whose safetensors
+    hold no ``score.weight`` of ``num_labels`` rows: vLLM's adapter loads that head, and without it leaves the head
+    uninitialised (its loader raises "Following weights were not initialized from checkpoint: {'score.weight'}").
+    ``.bin`` weights, whose names need a load, are left to the load's own check (a missing tensor is refused)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files and any(Path(path).glob("pytorch_model*.bin")):
+        return
+    rows = None
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            if "score.weight" in f.keys():  # noqa: SIM118
+                rows = int(f.get_slice("score.weight").get_shape()[0])
+    if rows is None:
+        raise ModelError(f"{given_as}: {CONVERT_CLASSIFY!r}: {path} has no classifier head to load (no score.weight "
+                         "in its weights); give a checkpoint whose weights carry score.weight (as a "
+                         "*ForSequenceClassification fine-tune saves it), or build a one-label head from two tokens of "
+                         "its language-model head with hf_overrides {\"method\": \"from_2_way_softmax\", "
+                         "\"classifier_from_token\": [false token, true token]}")
+    labels = int(getattr(hf_config, "num_labels", 0) or 0)
+    if rows != labels:
+        raise ModelError(f"{given_as}: {CONVERT_CLASSIFY!r}: {path}'s score.weight has {rows} rows (labels) and its "
+                         f"config's num_labels is {labels}; set hf_overrides {{\"num_labels\": {rows}}} to load it")
+
+
 def with_token_head(model: Any, tokenizer: Any, tokens: list[str], where: Any) -> Any:
     """A causal LM as vLLM's ``from_2_way_softmax`` classifier: its output projection a one-label Linear whose
     weight is ``lm_head[true] - lm_head[false]`` (``tokens``: ``[false, true]``, looked up in ``tokenizer``), the
@@ -257,6 +342,8 @@ def not_generative(call: str, head: ClassifierHead) -> str:
             "cross-encoder)")
 
 
-__all__ = ["FROM_TWO_TOKENS", "HEAD_ATTRIBUTE", "SCORE_ACTIVATIONS", "SEQUENCE_CLASSIFIERS", "ClassifierHead",
-           "architecture_of", "as_causal_shell", "head_logits", "head_of", "is_sequence_classifier", "no_head",
-           "not_generative", "not_one_score", "pair_ids", "pair_length", "token_head_tokens", "with_token_head"]
+__all__ = ["CONVERTED", "CONVERT_CLASSIFY", "FROM_TWO_TOKENS", "GEMMA3_CLASSIFIER", "GEMMA3_CLASSIFIERS",
+           "HEAD_ATTRIBUTE", "LLAMA_CLASSIFIERS", "SCORE_ACTIVATIONS", "SEQUENCE_CLASSIFIERS", "ClassifierHead",
+           "architecture_of", "as_causal_shell", "check_score_head", "classifier_of", "converted_config",
+           "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative", "not_one_score",
+           "pair_ids", "pair_length", "token_head_tokens", "unserved_classifier", "with_token_head"]

@@ -145,6 +145,9 @@ class Context:
     user_fields: Mapping[str, UserValue] = MappingProxyType({})  # snapshot_user_fields: read-only copy
     #: parse_args: vLLM's hf_overrides, per config key (the source that gave it); apply_model_defaults applies them
     hf_overrides: dict[str, UserValue] = attrs.Factory(dict)
+    #: parse_args: vLLM's ``convert="classify"`` (or ``task="classify"``) as ``(the key that gave it, its value)``;
+    #: apply_model_defaults makes the causal LM a classifier (``models.classifier.converted_config``)
+    convert: tuple[str, UserValue] | None = None
     auto_originals: dict[str, AutoOrigin] = attrs.Factory(dict)  # snapshot_user_fields
     checkpoint: Any = None  # apply_model_defaults: models.Checkpoint
     hf_config: Any = None  # apply_model_defaults: transformers config

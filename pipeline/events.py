@@ -175,6 +175,20 @@ class HfConfigOverridden(Event):
     model: str
 
 
+@event("model_converted")
+class ModelConverted(Event):
+    """vLLM's ``convert="classify"`` (or ``task="classify"``) made a causal LM a classifier, as its
+    ``as_seq_cls_model`` adapter does: the checkpoint is read as its ``*ForSequenceClassification``, the weights' own
+    ``score`` head loaded (``models.classifier``)."""
+
+    given_as: str  # convert or task
+    value: str  # classify
+    old: str  # architectures[0] of the checkpoint
+    new: str  # the classifier's
+    source: str  # cli, config_file or api
+    model: str
+
+
 @event("model_default_applied", changes_value=True)
 class ModelDefaultApplied(Event):
     """A model default written to a field the user did not set."""

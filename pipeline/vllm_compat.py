@@ -169,8 +169,9 @@ SECRET_KNOBS = frozenset({"hf_token"})
 EMBEDS_TOO = ("kvload serves a checkpoint as its architectures[0] says, so there is no runner to choose: a "
               "*ForCausalLM one generates and embeds (LLM.embed and kvload serve's /v1/embeddings pool the last "
               "token's hidden state, as vLLM's runner pooling does for a decoder model), a *ForSequenceClassification "
-              "one classifies (LLM.classify, POST /classify) and scores pairs through its head; it runs no reward "
-              "models (vLLM's per-token reward pooling)")
+              "one classifies (LLM.classify, POST /classify), scores pairs through its head and each token "
+              "(LLM.reward) (convert or task 'classify' makes a *ForCausalLM checkpoint carrying score.weight one); "
+              "vLLM's reward conversion of a causal LM (its per-token hidden states) is not served")
 
 #: vLLM's knobs whose only value kvload can honour is their no-op one → (the accepted values, why others are refused).
 NO_OP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -9,8 +9,9 @@ every call case runs on it. Each case is one JSON line: the exception's type and
 a hang (past ``--timeout``), whether the same LLM still gives the baseline's tokens afterwards, and what was left:
 threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVLOAD_CACHE``. ``hf_overrides.*``
 loads the llama with each hostile ``LLM(hf_overrides=...)`` dict (a value taken must then generate); ``classify.*``,
-``classify_pool.*`` and ``ce_score.*`` call ``LLM.classify`` on a tiny 3-label classifier and ``LLM.score`` on a
-one-label cross-encoder (``tests/classify_support.py``), both checked to answer as before after each case.
+``classify_pool.*``, ``classify_reward.*`` and ``ce_score.*`` call ``LLM.classify`` and ``LLM.reward`` on a tiny
+3-label classifier and ``LLM.score`` on a one-label cross-encoder (``tests/classify_support.py``), both checked to
+answer as before after each case.
 
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
@@ -368,18 +369,20 @@ CLASSIFY_GROUPS = ("classify", "ce_score")
 
 
 def classify_cases(kvload: Any, cls: Any, ce: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
-    """``LLM.classify`` on a 3-label classifier and ``LLM.score`` on a one-label cross-encoder."""
+    """``LLM.classify`` and ``LLM.reward`` on a 3-label classifier and ``LLM.score`` on a one-label cross-encoder."""
     prompts: dict[str, Any] = {
         **{f"hostile_{k}": v for k, v in HOSTILE.items()}, "oov_id": [VOCAB + 5], "neg_id": [1, -3],
         "huge_id": [2 ** 63], "list_empty_ids": [[]], "list_empty_str": [""], "million_ids": [1] * 10 ** 6,
         "nested_lists": [[[1, 2]]], "dict_empty": {}, "mix": ["w1", [2, 3], {"prompt": "w4"}], "unknown": "zzz"}
     for kind, value in prompts.items():
         yield f"classify.prompt.{kind}", lambda value=value: cls.classify(value)
+        yield f"classify_reward.prompt.{kind}", lambda value=value: cls.reward(value)
         yield f"ce_score.prompt.{kind}", lambda value=value: ce.score(value, PROMPT)
         yield f"ce_score.prompt2.{kind}", lambda value=value: ce.score(PROMPT, value)
     for kw in ["truncate_prompt_tokens", "pooling_params", "salt", "use_tqdm", "lora_request"]:
         for kind, value in HOSTILE.items():
             yield f"classify.{kw}.{kind}", lambda kw=kw, value=value: cls.classify([BASE_IDS], **{kw: value})
+            yield f"classify_reward.{kw}.{kind}", lambda kw=kw, value=value: cls.reward([BASE_IDS], **{kw: value})
             yield f"ce_score.{kw}.{kind}", lambda kw=kw, value=value: ce.score(PROMPT, "w1 w2", **{kw: value})
     import attrs
 
@@ -391,6 +394,9 @@ def classify_cases(kvload: Any, cls: Any, ce: Any) -> Iterator[tuple[str, Callab
     yield "classify.pool_list.short", lambda: cls.classify([BASE_IDS, [1, 2]], pooling_params=[kvload.PoolingParams()])
     yield "classify.pool_list.sp", lambda: cls.classify([BASE_IDS], pooling_params=kvload.SamplingParams())
     yield "classify.on_ce", lambda: ce.classify([BASE_IDS])
+    yield "classify_reward.on_ce", lambda: ce.reward([BASE_IDS])
+    yield "classify_reward.pool.normalize", lambda: cls.reward([BASE_IDS], pooling_params=kvload.PoolingParams(
+        normalize=True))
     yield "ce_score.mismatch", lambda: ce.score([PROMPT, PROMPT], [PROMPT, PROMPT, PROMPT])
     yield "ce_score.empty", lambda: ce.score([], [PROMPT])
     yield "classify_gen.generate", lambda: cls.generate(BASE_IDS, kvload.SamplingParams(max_tokens=2))

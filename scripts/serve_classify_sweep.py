@@ -1,5 +1,6 @@
-"""Hostile-body sweep of the classifier routes: ``/classify`` on a 3-label classifier, ``/score``, ``/rerank`` and
-``/classify`` on a one-label cross-encoder (tiny random checkpoints from ``tests/classify_support.py``).
+"""Hostile-body sweep of the classifier routes: ``/classify`` (and its chat form, ``messages``) on a 3-label
+classifier, ``/score``, ``/rerank`` and ``/classify`` on a one-label cross-encoder (tiny random checkpoints from
+``tests/classify_support.py``).
 
 Each field of each route's good body is given hostile JSON (wrong types, -1, 0, 2**63, 10**400, a lone surrogate,
 empty and nested junk), plus a typo, an array body, a 3 MB input and 5,000 inputs. One JSON line a case: the status,
@@ -28,7 +29,8 @@ HOSTILE: dict[str, Any] = {
     "nested": [{"a": [None]}], "nan_str": "NaN"}
 FIELDS = ["model", "use_activation", "softmax", "truncate_prompt_tokens", "priority", "user", "encoding_format",
           "top_n", "dimensions", "additional_data", "normalize", "return_documents", "mm_processor_kwargs",
-          "add_special_tokens", "request_id"]
+          "add_special_tokens", "request_id", "add_generation_prompt", "continue_final_message", "chat_template",
+          "chat_template_kwargs"]
 
 
 def _post(served: Any, path: str, body: Any) -> Any:
@@ -42,7 +44,7 @@ def probe(served: Any, path: str, name: str, body: Any, good: dict[str, Any]) ->
     try:
         r = _post(served, path, body)
         rec: dict[str, Any] = {"case": name, "status": r.status_code, "s": round(time.monotonic() - start, 3),
-                               "body": r.text[:400]}
+                               "body": r.text[:1200]}
     except Exception as e:  # a dropped connection: recorded
         rec = {"case": name, "status": None, "exc": f"{type(e).__name__}: {e}"[:300]}
     try:
@@ -70,28 +72,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results, one JSON line a case")
     a = ap.parse_args()
-    from tests.classify_support import classifier_checkpoint
+    from tests.classify_support import VOCAB, classifier_checkpoint
+    from tests.llm_support import word_tokenizer
     from tests.serve_support import serving
 
     work = Path(tempfile.mkdtemp(prefix="serve_classify_sweep-"))
     cls = classifier_checkpoint(work / "cls", "llama", "LlamaForSequenceClassification", 3)
+    tok = word_tokenizer(VOCAB)  # a chat template, for /classify's chat form
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(cls)
     ce = classifier_checkpoint(work / "ce", "qwen3", "Qwen3ForSequenceClassification", 1)
-    routes = ((cls, {"/classify": {"input": "w1 w2"}}),
-              (ce, {"/score": {"text_1": "w1", "text_2": "w2 w3"},
-                    "/rerank": {"query": "w1", "documents": ["w2", "w3 w4"]}, "/classify": {"input": "w1 w2"}}))
+    chat = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]
+    routes = ((cls, [("/classify", {"input": "w1 w2"}), ("/classify", {"messages": chat})]),
+              (ce, [("/score", {"text_1": "w1", "text_2": "w2 w3"}),
+                    ("/rerank", {"query": "w1", "documents": ["w2", "w3 w4"]}), ("/classify", {"input": "w1 w2"})]))
     rows = []
     with a.out.open("w") as out:
         for ckpt, bodies in routes:
             with serving(str(ckpt), dtype="float32", max_seq_len=64,
                          kv_cache_config={"max_tokens": 512, "tokens_per_block": 4}) as served:
-                for path, good in bodies.items():
+                for path, good in bodies:
                     first = next(iter(good))
                     cases = {f"{f}.{k}": {**good, f: v} for f in [*good, *FIELDS] for k, v in HOSTILE.items()}
                     cases.update({f"{first}.list_surrogate": {**good, first: ["w1", "w2 \ud800"]},
                                   "typo": {**good, "use_activaton": False}, "array": [good],
                                   "million": {**good, first: [1] * 10 ** 6}, "many": {**good, first: ["w1"] * 5000}})
                     for name, body in cases.items():
-                        rec = probe(served, path, f"{ckpt.name}{path}.{name}", body, good)
+                        rec = probe(served, path, f"{ckpt.name}{path}.{first}.{name}", body, good)
                         rows.append(rec)
                         out.write(json.dumps(rec) + "\n")
                         out.flush()

@@ -7,7 +7,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from models import GenericDecoderSpec, load_hf_config, resolve_checkpoint, spec_class_for
-from models.classifier import token_head_tokens
+from models.classifier import (
+    architecture_of,
+    check_score_head,
+    converted_config,
+    is_sequence_classifier,
+    token_head_tokens,
+    unserved_classifier,
+)
 from pipeline.bus import Emit
 from pipeline.config import AUTO, LlmArgs, framework_defaults, freeze, set_field
 from pipeline.context import Context, ModelInfo
@@ -15,10 +22,12 @@ from pipeline.converter import structure
 from pipeline.errors import ConfigError, ModelError, did_you_mean
 from pipeline.events import (
     HfConfigOverridden,
+    ModelConverted,
     ModelDefaultApplied,
     ModelDefaultSkipped,
     ModelResolved,
     ModelSpecFallback,
+    SettingIgnored,
 )
 from pipeline.generation_config import resolve_sampling_defaults
 from pipeline.paths import flatten, get_in, unflatten
@@ -93,6 +102,11 @@ class ApplyModelDefaults:
         hf_config = load_hf_config(checkpoint)
         if ctx.hf_overrides:  # vLLM's hf_overrides: before anything reads the config, as vLLM applies them
             hf_config = self._override(ctx, checkpoint, hf_config, emit)
+        if ctx.convert is not None:  # vLLM's convert="classify": after hf_overrides, as vLLM adapts the model class
+            hf_config = self._convert(ctx, checkpoint, hf_config, emit)
+        unserved = unserved_classifier(hf_config)
+        if unserved is not None:  # before the generic spec reads it as a decoder and the load misses its lm_head
+            raise ModelError(f"{checkpoint.path / 'config.json'}: {unserved}")
         archs = getattr(hf_config, "architectures", None) or []
         arch = archs[0] if archs else None
         spec_cls = spec_class_for(arch) if arch else None
@@ -157,6 +171,30 @@ class ApplyModelDefaults:
         for done in done_all:
             emit(HfConfigOverridden(key=done.key, old=done.old, new=done.new, added=done.added,
                                     source=sources[done.key.split(".", 1)[0]], model=checkpoint.name))
+        return config
+
+    @staticmethod
+    def _convert(ctx: Context, checkpoint: Any, hf_config: Any, emit: Emit) -> Any:
+        """vLLM's ``convert="classify"`` (``as_seq_cls_model``): a causal LM's config read as its
+        ``*ForSequenceClassification``, its weights' ``score.weight`` checked before any load (one
+        ``model_converted``); a classifier already is left as it is (``setting_ignored``); anything else is refused."""
+        key, given = ctx.convert
+        architecture = architecture_of(hf_config)
+        if is_sequence_classifier(hf_config):
+            emit(SettingIgnored(field=key, value=given.value,
+                                reason=f"the checkpoint is a classifier already ({architecture}): a "
+                                       "*ForSequenceClassification one classifies as it is, as vLLM leaves a pooling "
+                                       f"model unconverted (from {given.source})"))
+            return hf_config
+        config = converted_config(hf_config, key)  # refuses an architecture kvload does not classify
+        if checkpoint.kind == "preset" or checkpoint.gguf_file:
+            what = "a preset, with random weights" if checkpoint.kind == "preset" else "a GGUF file, a language model"
+            raise ModelError(f"{key}: {given.value!r}: {checkpoint.name} is {what} and no classifier head "
+                             "(score.weight) to load; give a checkpoint directory whose weights carry score.weight")
+        if token_head_tokens(config) is None:  # the head comes from the weights, not from two tokens of lm_head
+            check_score_head(checkpoint.path, config, key)
+        emit(ModelConverted(given_as=key, value=given.value, old=architecture, new=architecture_of(config),
+                            source=given.source, model=checkpoint.name))
         return config
 
     @staticmethod

@@ -61,7 +61,7 @@ class LoadWeights:
             with _shared_weights(ctx, dtype, seed) as random_dir:
                 loaded = load_weights(ctx.checkpoint, ctx.hf_config, device=device, dtype=dtype, seed=seed,
                                       tp_size=tp, random_dir=random_dir, tokenizer=tokenizer,
-                                      overridden=bool(ctx.hf_overrides))
+                                      overridden=bool(ctx.hf_overrides or ctx.convert))
         except ModelError as exc:  # a vocab_size or hidden_size override reshapes what the weights must fit
             if not ctx.hf_overrides:
                 raise

@@ -16,6 +16,10 @@ from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
 from pipeline.vllm_compat import hf_overrides, take_same_meaning
 
+#: vLLM's ``convert`` (``task``) value that acts: a causal LM made a classifier (``models.classifier.CONVERT_CLASSIFY``;
+#: not imported, this stage loads nothing of models/)
+CONVERT_CLASSIFY = "classify"
+
 _PLACEHOLDER_MODEL = "<model>"
 
 
@@ -42,6 +46,7 @@ class ParseArgs:
                 raise ConfigError(str(exc), path=exc.path, detail=exc.detail, source=req.source) from None
         sources.append((req.source, tree))
         sources = [(label, self._take_hf_overrides(ctx, label, tree, req.config_file, emit)) for label, tree in sources]
+        sources = [(label, self._take_convert(ctx, label, tree)) for label, tree in sources]
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
@@ -96,6 +101,20 @@ class ParseArgs:
                 emit(SourceConflict(field=f"hf_overrides.{key}", kept=value, kept_source=label,
                                     overridden=earlier.value, overridden_source=earlier.source))
             ctx.hf_overrides[key] = UserValue(value, label)
+        return rest
+
+    @staticmethod
+    def _take_convert(ctx: Context, label: str, tree: Any) -> Any:
+        """Take vLLM's ``convert="classify"`` (and ``task="classify"``, which vLLM maps to it for a generative model)
+        out of a source's tree into ``ctx.convert`` (the last one given): ``apply_model_defaults`` makes a causal LM
+        a classifier, or says the setting ignored for a classifier. Other values stay vLLM knobs."""
+        if not isinstance(tree, dict):
+            return tree
+        rest = dict(tree)
+        for key in ("convert", "task"):
+            if rest.get(key) != CONVERT_CLASSIFY:
+                continue
+            ctx.convert = (key, UserValue(rest.pop(key), label))
         return rest
 
     @staticmethod

@@ -25,6 +25,12 @@ def classifier_checkpoint(dest: Path, family: str, architecture: str, num_labels
     cfg.label2id = {f"L{i}": i for i in range(num_labels)}
     for key, value in extra.items():
         setattr(cfg, key, value)
+    return saved_classifier(cfg, dest)
+
+
+def saved_classifier(cfg: Any, dest: Path) -> Path:
+    """A random ``AutoModelForSequenceClassification`` of ``cfg`` saved in ``dest`` with the word-level tokenizer,
+    seeded."""
     torch.manual_seed(0)
     model = transformers.AutoModelForSequenceClassification.from_config(cfg)
     with torch.no_grad():  # a head whose logits differ enough between prompts to tell them apart
@@ -53,10 +59,40 @@ def qwen2_classifier(dest: Path, num_labels: int) -> Path:
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    architectures=["Qwen2ForSequenceClassification"], tie_word_embeddings=True,
                                    num_labels=num_labels)
+    return saved_classifier(cfg, dest)
+
+
+def causal_lm_with_score(dest: Path, family: str, num_labels: int | None, score_rows: int | None) -> Path:
+    """A saved random ``*ForCausalLM`` of ``family``'s tiny preset whose weights also carry a ``score.weight`` of
+    ``score_rows`` rows (None: none), as some fine-tunes save a reward head next to the language-model head;
+    ``num_labels`` written to its config (None: left out, transformers' default 2)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers_config(tiny_config(family))
+    cfg.architectures = [cfg.architectures[0]]
+    if num_labels is not None:
+        cfg.num_labels = num_labels
     torch.manual_seed(0)
-    model = transformers.AutoModelForSequenceClassification.from_config(cfg)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 0.5)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(dest)
+    if score_rows is not None:
+        tensors = load_file(str(dest / "model.safetensors"))
+        tensors["score.weight"] = torch.randn(score_rows, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        tensors["score.weight"] *= 0.5
+        save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     word_tokenizer(VOCAB).save_pretrained(dest)
     return dest
+
+
+def gemma3_multimodal_classifier(dest: Path, num_labels: int) -> Path:
+    """A saved random ``Gemma3ForSequenceClassification`` (a ``Gemma3Config``): the tiny Gemma 3 preset's decoder as its
+    ``text_config``, a one-layer SigLIP vision tower beside it, a ``score`` head of ``num_labels`` rows."""
+    text = transformers_config(tiny_config("gemma3"))
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                    image_token_index=VOCAB - 12, boi_token_index=VOCAB - 14,
+                                    eoi_token_index=VOCAB - 13)
+    cfg.architectures = ["Gemma3ForSequenceClassification"]
+    cfg.num_labels = num_labels
+    return saved_classifier(cfg, dest)

@@ -104,15 +104,16 @@ def test_classify_refuses_a_bad_pooling_params(three_labels):
 
 def test_vllms_classify_task_and_convert_are_taken_for_a_classifier(three_labels):
     """``LLM(model, task="classify")`` and ``runner="pooling", convert="classify"`` (vLLM's spellings) load the
-    classifier, each said ignored (the checkpoint's architecture decides); vLLM's reward task stays refused."""
+    classifier, each said ignored (the checkpoint's architecture decides); vLLM's reward task (its conversion of a
+    causal LM) stays refused."""
     for kwargs in ({"task": "classify"}, {"runner": "pooling", "convert": "classify"}, {"task": "score"}):
         with kvload.LLM(str(three_labels), dtype="float32", **kwargs, **llm_kwargs()) as llm:
             said = {e["field"]: e["reason"] for e in llm.audit.events if e["event"] == "setting_ignored"}
             assert set(kwargs) <= set(said) and "*ForSequenceClassification one classifies" in said[next(iter(kwargs))]
             assert llm.classify(PROMPTS[1])[0].outputs.num_classes == 3
-    with pytest.raises(kvload.ConfigError, match=r"^task: vLLM's setting; .*it runs no reward models .*accepted: "
-                                                 r"'auto' or 'generate' or 'embed' or 'classify' or 'score', got "
-                                                 r"'reward'$"):
+    with pytest.raises(kvload.ConfigError, match=r"^task: vLLM's setting; .*vLLM's reward conversion of a causal "
+                                                 r"LM .*is not served; accepted: 'auto' or 'generate' or 'embed' or "
+                                                 r"'classify' or 'score', got 'reward'$"):
         kvload.LLM(str(three_labels), task="reward", **llm_kwargs())
 
 

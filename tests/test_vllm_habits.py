@@ -131,9 +131,11 @@ def test_vllm_engine_knobs_kvload_has_no_counterpart_for_load_and_are_reported_i
     ({"task": "reward"}, "task: vLLM's setting; kvload serves a checkpoint as its architectures[0] says, so there is "
                          "no runner to choose: a *ForCausalLM one generates and embeds (LLM.embed and kvload serve's "
                          "/v1/embeddings pool the last token's hidden state, as vLLM's runner pooling does for a "
-                         "decoder model), a *ForSequenceClassification one classifies (LLM.classify, POST /classify) "
-                         "and scores pairs through its head; it runs no reward models (vLLM's per-token reward "
-                         "pooling); accepted: 'auto' or 'generate' or 'embed' or 'classify' or 'score', got 'reward'"),
+                         "decoder model), a *ForSequenceClassification one classifies (LLM.classify, POST /classify), "
+                         "scores pairs through its head and each token (LLM.reward) (convert or task 'classify' makes "
+                         "a *ForCausalLM checkpoint carrying score.weight one); vLLM's reward conversion of a causal "
+                         "LM (its per-token hidden states) is not served; accepted: 'auto' or 'generate' or 'embed' or "
+                         "'classify' or 'score', got 'reward'"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb: vLLM's setting; kvload keeps every weight on the device; accepted: 0 "
                             "or 0.0, got 4"),
     ({"hf_overrides": {"to_dict": 1}}, "hf_overrides.to_dict: names a method of transformers' LlamaConfig, not a "
@@ -612,10 +614,10 @@ def test_chat_template_content_format_openai_gives_the_parts_and_auto_reads_the_
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
-    with pytest.raises(AttributeError, match=r"^LLM\.reward: vLLM's, not kvload's: kvload generates text, embeds "
-                                             r"it \(LLM\.embed.*classifies it .*\(LLM\.classify\); it runs no "
-                                             r"per-token pooling or reward heads"):
-        llm.reward("w5")
+    with pytest.raises(AttributeError, match=r"^LLM\.encode: vLLM's, not kvload's: kvload generates text, embeds "
+                                             r"it \(LLM\.embed.*classifies it .*\(LLM\.classify\) and scores each "
+                                             r"of its tokens through that head \(LLM\.reward"):
+        llm.encode("w5")
     with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
                                              r"vLLM's model_config\.max_model_len"):
         _ = llm.model_config.max_model_len

@@ -5,6 +5,8 @@ Each input is pooled as ``/v1/embeddings`` pools it (its prompt's last hidden st
 (``models.classifier``: softmax, sigmoid for one label). The answer is vLLM's ``ClassificationResponse``: per input its
 ``probs``, ``num_classes`` and ``label`` (``id2label`` of the most probable class), and ``usage`` counting the inputs'
 prompt tokens. A generative model has no head: a 400 saying so, as vLLM's "does not support Classification API".
+vLLM's chat form (``ClassificationChatRequest``) takes ``messages`` in place of ``input``: one conversation through the
+chat template, checked and templated as the chat endpoint does it (:func:`chat_ids`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import torch
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.prompts import TEMPLATE_OPTIONS
 from engine.sampling_params import SamplingParams
 from kvload.serve.embeddings import pool_priority, pooling_fields, pooling_route, prefill_params, prompt_list, tokenized
-from kvload.serve.protocol import BadRequest, _need
+from kvload.serve.protocol import BadRequest, _messages, _need, _template
 from kvload.serve.request_body import _load
+from kvload.serve.request_input import _check_template, _messages_error, with_default_template_kwargs
 from kvload.serve.state import ServeState
 from models.classifier import ClassifierHead, head_logits, head_of, no_head
+from pipeline.errors import GenerationError
 
 #: vLLM's switches of the classifier's activation, the first one given deciding (``get_use_activation``: the older
 #: ``softmax`` and ``activation`` are its deprecated spellings)
@@ -32,6 +37,9 @@ ACTIVATION_FIELDS = ("use_activation", "softmax", "activation")
 #: The fields ``/classify`` takes: vLLM's ``ClassificationCompletionRequest``'s.
 FIELDS = frozenset({"input", "model", "user", "truncate_prompt_tokens", "add_special_tokens", "priority",
                     *ACTIVATION_FIELDS})
+#: ... and its chat form's, vLLM's ``ClassificationChatRequest``: ``messages`` in place of ``input``, with the chat
+#: template's options (``add_generation_prompt`` off by default there, vLLM's ``ChatRequestMixin``)
+CHAT_FIELDS = (FIELDS - {"input"}) | {"messages"} | TEMPLATE_OPTIONS
 
 
 @attrs.frozen
@@ -73,16 +81,40 @@ def classify_job(state: ServeState, body: Any) -> ClassifyJob:
             raise BadRequest("normalize: an embedding's switch (POST /v1/embeddings); a classifier takes "
                              "use_activation (false: the logits as computed)", param="normalize")
         body = {k: v for k, v in body.items() if k != "normalize"}  # null, its unset default, asks for nothing
-    body = pooling_fields(state, body, FIELDS)
+    chat = isinstance(body, dict) and "messages" in body
+    if chat and "input" in body:
+        raise BadRequest("messages: give input (texts or token ids) or messages (a conversation), not both",
+                         param="messages")
+    if chat:  # the server's --default-chat-template-kwargs, as the chat endpoint templates a conversation
+        body = with_default_template_kwargs(state, body)
+    body = pooling_fields(state, body, CHAT_FIELDS if chat else FIELDS)
     served_head(state, "/classify")
     _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
     special = body.get("add_special_tokens")
     _need(special is None or isinstance(special, bool), "add_special_tokens", "true or false", special)
     activate = use_activation(body)
     params = prefill_params(body)
-    inputs, wheres = prompt_list(body, "input")
-    prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False)
+    if chat:
+        ids = chat_ids(state, body, special is True)
+        prompts = tokenized(state, [ids], ["messages"], params, "messages")  # cut as asked; it fits
+    else:
+        inputs, wheres = prompt_list(body, "input")
+        prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False)
     return ClassifyJob(prompts, params, activate, pool_priority(state, body))
+
+
+def chat_ids(state: ServeState, body: dict[str, Any], add_special_tokens: bool) -> list[int]:
+    """The token ids of a body's ``messages`` through the chat template, as the chat endpoint templates them (its
+    checks of the messages and the template options, its 400s), the assistant's turn not opened unless
+    ``add_generation_prompt`` says (vLLM's pooling chat default) and no special tokens on top of the template's."""
+    messages = _messages(body)
+    opened = body.get("add_generation_prompt")
+    template = _template({**body, "add_generation_prompt": False if opened is None else opened})
+    _check_template(state, template)
+    try:
+        return state.engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=False)
+    except GenerationError as exc:
+        raise _messages_error(exc, template) from None
 
 
 def classify_answer(state: ServeState, job: ClassifyJob, rows: list[torch.Tensor]) -> dict[str, Any]:
@@ -106,5 +138,5 @@ async def classify_route(state: ServeState, request: Request, gate: asyncio.Lock
                                lambda job, rows: classify_answer(state, job, rows))
 
 
-__all__ = ["ACTIVATION_FIELDS", "FIELDS", "ClassifyJob", "classify_answer", "classify_job", "classify_route",
-           "parse_classify", "served_head", "use_activation"]
+__all__ = ["ACTIVATION_FIELDS", "CHAT_FIELDS", "FIELDS", "ClassifyJob", "chat_ids", "classify_answer", "classify_job",
+           "classify_route", "parse_classify", "served_head", "use_activation"]

@@ -40,14 +40,16 @@ class Pooled:
 
 
 def invocation_kind(body: Any, classifies: bool = False) -> str:
-    """The route a body goes to, by its fields in vLLM's order: ``messages`` a chat completion, ``prompt`` a
-    completion, ``input`` an embedding (a classification when the served model ``classifies``: vLLM picks the
-    pooling request by the model's task), ``query`` with ``documents`` a rerank, a score's pair of sides
-    (``text_1``/``text_2``, ``data_1``/``data_2``, ``queries`` with ``documents`` or ``items``) a score; a body with
-    part of a rerank's or a score's fields goes to that route, which names what is missing. Else a 400."""
+    """The route a body goes to, by its fields in vLLM's order: ``messages`` a chat completion (a classification's
+    chat form when the served model ``classifies``: a classifier has no chat handler, and vLLM's
+    ``ClassificationRequest`` takes the body), ``prompt`` a completion, ``input`` an embedding (a classification when
+    the served model ``classifies``: vLLM picks the pooling request by the model's task), ``query`` with
+    ``documents`` a rerank, a score's pair of sides (``text_1``/``text_2``, ``data_1``/``data_2``, ``queries`` with
+    ``documents`` or ``items``) a score; a body with part of a rerank's or a score's fields goes to that route, which
+    names what is missing. Else a 400."""
     if isinstance(body, dict):
         if "messages" in body:
-            return "chat"
+            return "classify" if classifies else "chat"
         if "prompt" in body:
             return "completion"
         if "input" in body:
@@ -61,9 +63,10 @@ def invocation_kind(body: Any, classifies: bool = False) -> str:
         if any(name in body for pair in SCORE_SIDES for name in pair):
             return "score"
     raise BadRequest("/invocations: the body has none of the fields that pick a route: messages (POST "
-                     "/v1/chat/completions), prompt (POST /v1/completions), input (POST /v1/embeddings; POST /classify "
-                     "for a classifier), query and documents (POST /rerank), or text_1 and text_2, data_1 and data_2, "
-                     "queries and documents or items (POST /score); send the body that route takes")
+                     "/v1/chat/completions; POST /classify for a classifier), prompt (POST /v1/completions), input "
+                     "(POST /v1/embeddings; POST /classify for a classifier), query and documents (POST /rerank), or "
+                     "text_1 and text_2, data_1 and data_2, queries and documents or items (POST /score); send the "
+                     "body that route takes")
 
 
 def prepare_invocation(state: ServeState, run: _Run, raw: bytes | bytearray) -> Pooled | None:

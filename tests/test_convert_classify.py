@@ -1,0 +1,101 @@
+"""vLLM's ``--convert classify`` (``LLM(model, convert="classify")``; the older ``task="classify"``) of a causal LM:
+its ``as_seq_cls_model`` adapter reads the checkpoint as its ``*ForSequenceClassification`` and loads the ``score``
+head its weights carry (a fine-tune's), checked against transformers' ``AutoModelForSequenceClassification`` reading
+the same files; a checkpoint with no such head is refused in one line before any load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvload
+from pipeline.errors import GenerationError, ModelError
+from tests.classify_support import causal_lm_with_score, reference_logits
+from tests.cli_support import run_cli
+from tests.llm_support import llm_kwargs
+
+PROMPTS = [[5, 17, 300, 42, 9, 11, 23, 2, 77, 301, 64, 8, 19], [88, 123, 7]]
+
+
+@pytest.fixture(scope="module")
+def llama_with_score(tmp_path_factory):
+    """A tiny LlamaForCausalLM whose weights carry a three-row score.weight (num_labels 3 in its config)."""
+    return causal_lm_with_score(tmp_path_factory.mktemp("conv") / "llama", "llama", 3, 3)
+
+
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_convert_classify_loads_the_score_head_a_causal_lm_carries(llama_with_score, manager):
+    """The head is the checkpoint's score.weight (not the language-model head): the class probabilities are
+    transformers' AutoModelForSequenceClassification logits through softmax; one model_converted says what changed;
+    the model then classifies only (vLLM's pooling runner does not generate)."""
+    logits = reference_logits(llama_with_score)
+    with kvload.LLM(str(llama_with_score), convert="classify", runner="pooling", dtype="float32",
+                    **llm_kwargs(manager)) as llm:
+        converted = llm.audit.of("model_converted")
+        assert [{k: e[k] for k in ("given_as", "value", "old", "new", "source")} for e in converted] == [
+            {"given_as": "convert", "value": "classify", "old": "LlamaForCausalLM",
+             "new": "LlamaForSequenceClassification", "source": "api"}]
+        ignored = {e["field"] for e in llm.audit.events if e["event"] == "setting_ignored"}
+        assert "convert" not in ignored and "runner" in ignored
+        outs = llm.classify([PROMPTS[0], "w88 w123 w7"])
+        for out, ids in zip(outs, PROMPTS, strict=True):
+            assert out.outputs.num_classes == 3
+            np.testing.assert_allclose(out.outputs.probs, torch.softmax(logits(ids), -1).numpy(), atol=1e-5)
+        with pytest.raises(GenerationError, match=r"sequence-classification model \(LlamaForSequenceClassification"):
+            llm.generate([PROMPTS[1]])
+
+
+def test_task_classify_converts_too_and_a_one_label_head_is_a_cross_encoder(tmp_path):
+    """vLLM maps task="classify" on a generative model to convert="classify"; a one-label score head (its config
+    leaving num_labels to a key set by hf_overrides) is a reward model's sigmoid and a cross-encoder's score."""
+    path = causal_lm_with_score(tmp_path / "qwen3", "qwen3", None, 1)
+    logits = reference_logits_with(path, num_labels=1)
+    with kvload.LLM(str(path), task="classify", hf_overrides={"num_labels": 1}, dtype="float32",
+                    **llm_kwargs()) as llm:
+        assert llm.audit.of("model_converted")[0]["given_as"] == "task"
+        out = llm.classify(PROMPTS[0])[0]
+        np.testing.assert_allclose(out.outputs.probs, torch.sigmoid(logits(PROMPTS[0])).numpy(), atol=1e-5)
+        score = llm.score("w5 w17 w300", "w88 w123 w7")[0].outputs.score
+        assert score == pytest.approx(float(torch.sigmoid(logits([5, 17, 300, 88, 123, 7]))[0]), abs=1e-5)
+
+
+def reference_logits_with(path, **config):
+    """transformers' classifier of the checkpoint with config keys set (what hf_overrides sets in kvload)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(str(path), **config)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(path), config=cfg, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def logits(ids):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+    return logits
+
+
+def test_a_causal_lm_without_a_score_head_is_refused_naming_what_would_work(tmp_path, capsys):
+    """vLLM's adapter would leave the head uninitialised (its loader raises on it): one line, before any load,
+    naming score.weight and the two ways that work; a head of another number of rows than num_labels names
+    num_labels; the CLI's --convert classify the same, exit 2 and no traceback."""
+    bare = causal_lm_with_score(tmp_path / "bare", "llama", None, None)
+    line = (r"^convert: 'classify': .*bare has no classifier head to load \(no score\.weight in its weights\); give a "
+            r"checkpoint whose weights carry score\.weight .*hf_overrides \{\"method\": \"from_2_way_softmax\", "
+            r"\"classifier_from_token\": \[false token, true token\]\}$")
+    with pytest.raises(ModelError, match=line):
+        kvload.LLM(str(bare), convert="classify", **llm_kwargs())
+    r = run_cli(capsys, "plan", str(bare), "--convert", "classify")
+    assert r.code == 2 and "no score.weight in its weights" in r.err and "Traceback" not in r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+    rows = causal_lm_with_score(tmp_path / "rows", "llama", None, 3)  # num_labels left at transformers' 2
+    with pytest.raises(ModelError, match=r"^convert: 'classify': .*rows's score\.weight has 3 rows \(labels\) and its "
+                                         r"config's num_labels is 2; set hf_overrides \{\"num_labels\": 3\}"):
+        kvload.LLM(str(rows), convert="classify", **llm_kwargs())
+    with pytest.raises(ModelError, match=r"^convert: 'classify': tiny-llama is a preset, with random weights and no "
+                                         r"classifier head \(score\.weight\) to load"):
+        kvload.LLM("tiny-llama", convert="classify", **llm_kwargs())
+    with pytest.raises(ModelError, match=r"^task: 'classify' makes a classifier of a causal LM of the families kvload "
+                                         r"classifies \(LlamaForCausalLM, .*Gemma3ForCausalLM\); the checkpoint is "
+                                         r"DeepseekV3ForCausalLM"):
+        kvload.plan("tiny-deepseek-v3", task="classify", log=False)
