@@ -14,7 +14,7 @@ from tests.cli_support import ENV, REPO
 
 def _run(tmp_path, code_or_argv, **env):
     tmp = tmp_path / "tmp"
-    tmp.mkdir(exist_ok=True)
+    tmp.mkdir(parents=True, exist_ok=True)
     full = {**ENV, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp), "KVLOAD_CACHE": str(tmp_path / "cache"), **env}
     full.pop("TORCHINDUCTOR_CACHE_DIR", None) if "TORCHINDUCTOR_CACHE_DIR" not in env else None
     argv = ["-m", "kvload", *code_or_argv] if isinstance(code_or_argv, list) else ["-c", code_or_argv]
@@ -25,19 +25,16 @@ def _run(tmp_path, code_or_argv, **env):
 GENERATE = ["generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu"]
 
 
-def test_generate_leaves_nothing_in_tmpdir_and_keeps_inductors_cache_in_kvloads(tmp_path):
-    r, tmp = _run(tmp_path, GENERATE)
+def test_generate_leaves_nothing_in_tmpdir_and_keeps_inductors_cache_in_kvloads_or_the_users(tmp_path):
+    r, tmp = _run(tmp_path / "default", GENERATE)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp)) == []  # was ['torchinductor_root']
-    assert (tmp_path / "cache" / "torchinductor").is_dir()
-
-
-def test_a_users_inductor_cache_dir_stands(tmp_path):
+    assert (tmp_path / "default" / "cache" / "torchinductor").is_dir()
     mine = tmp_path / "mine"
-    r, tmp = _run(tmp_path, GENERATE, TORCHINDUCTOR_CACHE_DIR=str(mine))
+    r, tmp = _run(tmp_path / "set", GENERATE, TORCHINDUCTOR_CACHE_DIR=str(mine))
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(tmp)) == [] and mine.is_dir()
-    assert not (tmp_path / "cache" / "torchinductor").exists()
+    assert sorted(os.listdir(tmp)) == [] and mine.is_dir()  # the user's own stands
+    assert not (tmp_path / "set" / "cache" / "torchinductor").exists()
 
 
 def test_the_compiled_paths_headers_go_under_the_cache_too(tmp_path):

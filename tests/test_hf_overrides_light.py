@@ -39,12 +39,17 @@ def test_a_preset_plan_with_plain_overrides_of_any_kind_imports_neither_torch_no
 
 
 def _both(monkeypatch, preset, given):
-    """``plan`` through the light view and through transformers' config, each a result or its ConfigError."""
+    """``plan`` through the light view and through transformers' config, each a result or its ConfigError; the first
+    must build no transformers config."""
     import models.config_view
 
+    built = []
+    real_config = models.config_view.transformers_config
+    monkeypatch.setattr(models.config_view, "transformers_config", lambda cfg: built.append(cfg) or real_config(cfg))
     out = []
     for light in (True, False):
         if not light:
+            assert built == []  # the light view answered alone
             monkeypatch.setattr(models.config_view, "takes_overrides", lambda cfg, overrides: False)
         try:
             out.append(kvload.plan(preset, log=False, hf_overrides=copy.deepcopy(given)))
@@ -72,7 +77,6 @@ REFUSED = [
                                             "rope_theta per layer type in rope_parameters"),
     ("tiny-llama", {"hidden_act": "nosuch"}, "hf_overrides.hidden_act: 'nosuch' is not an activation transformers "
                                              "has; accepted: "),
-    ("tiny-llama", {"to_dict": "x"}, "hf_overrides.to_dict: names a method of transformers' LlamaConfig"),
 ]
 
 
