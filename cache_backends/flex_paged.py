@@ -76,6 +76,9 @@ def buckets_up_to(max_tokens: int) -> tuple[int, ...]:
 @functools.cache
 def compiled_flex() -> Callable[..., torch.Tensor]:
     """``torch.compile(flex_attention)``, built once per process (graphs are cached per shape inside it)."""
+    from models.compile_cache import compile_cache_for_flex
+
+    compile_cache_for_flex()  # graphs and headers go to kvload's cache (or the user's), never $TMPDIR
     import torch._dynamo.config as dynamo_config
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, VLLM_LIST_FLAGS, VLLM_STORE_TRUE_FLAGS
-from kvload.cli.values import integer, json_object, number, size, token_count
+from kvload.cli.values import integer, json_object, json_or_text, number, size
 from pipeline.vllm_compat import (
     DIFFERENT_MEANING,
     IGNORED,
@@ -29,7 +29,7 @@ from pipeline.vllm_compat import (
     REFUSED,
     SAME_MEANING,
     TAKEN_ELSEWHERE,
-    VLLM_ENGINE_ARGS,
+    VLLM_ONLY,
     different_meaning,
 )
 
@@ -46,6 +46,8 @@ OTHER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("kv_cache_memory_bytes", size, "BYTES"),
     ("seed", integer, "N"),
     ("kv_events_config", json_object, "JSON"),
+    ("reasoning_parser", str, "NAME"),
+    ("guided_decoding_backend", str, "NAME"),
 )
 
 #: vLLM's one-dash spellings: ``kvload run``'s, and ``-O`` for ``--compilation-config`` (vLLM's ``-O3``)
@@ -61,6 +63,9 @@ OWN_HELP = {
                          "it serves run transformers' built-in classes)",
     "hf_overrides": "a JSON object of config.json keys set on the checkpoint's config before the model is built "
                     "(each reported as hf_config_overridden)",
+    "reasoning_parser": "accepted, reported setting_ignored: kvload.LLM returns the whole reply (kvload serve "
+                        "--reasoning-parser splits out the reasoning)",
+    "guided_decoding_backend": "accepted, reported setting_ignored: kvload's structured outputs run on xgrammar",
     "speculative_config": "speculative decoding: {\"method\": \"ngram\", \"num_speculative_tokens\": N} is "
                           "kvload's n-gram drafts (max_draft_len); other methods are refused",
 }
@@ -91,6 +96,10 @@ def _help(name: str) -> str:
         text = f"only {' or '.join(map(repr, accepted))}: {why}"
     elif name in REFUSED:
         text = f"refused: {REFUSED[name]}"
+    elif name in VLLM_ONLY:
+        row = VLLM_ONLY[name]
+        said = "accepted, reported setting_ignored" if row.policy == "ignore" else "refused (not implemented)"
+        text = f"{said}: {row.why}"
     else:
         text = f"refused: {different_meaning(name, lambda p: p) or TAKEN_ELSEWHERE.get(name, '')}"
     return text.replace("%", "%%")  # argparse formats help with %
@@ -188,7 +197,7 @@ def _engine_args_class(cls: type) -> type:
     """``cls`` made the dataclass of ``model`` and every vLLM engine argument kvload knows (each None unless set)."""
     names = dict.fromkeys(("model", *SAME_MEANING, *SAME_NAME, *(n for n, _, _ in OTHER_FLAGS), "served_model_name",
                            *(key for _, key, _, _ in VLLM_KNOB_FLAGS), *DIFFERENT_MEANING, *IGNORED, *NO_OP_ONLY,
-                           *REFUSED, *TAKEN_ELSEWHERE, *sorted(VLLM_ENGINE_ARGS)))
+                           *REFUSED, *TAKEN_ELSEWHERE, *VLLM_ONLY))
     cls.__annotations__ = dict.fromkeys(names, Any)
     for name in names:
         setattr(cls, name, None)
@@ -260,7 +269,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         for i, arg in enumerate(given):
             if arg.startswith("-O") and arg != "-O" and not arg.startswith("-O."):
                 level = arg[3:] if arg[2:3] == "=" else arg[2:]
-                out += ["-O", json.dumps({"level": _json_or_text(level)})]
+                out += ["-O", json.dumps({"level": json_or_text(level)})]
             elif arg == "-O" and given[i + 1:i + 2] and given[i + 1] in ("0", "1", "2", "3"):
                 out.append("-O")
                 given[i + 1] = json.dumps({"level": int(given[i + 1])})
@@ -288,7 +297,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
             keys = path.removesuffix("+").split(".")
             if not all(keys):
                 self.error(f"argument {key}: a dotted flag names keys, {head}.KEY[.KEY...] VALUE")
-            _merge(objects.setdefault(head, {}), keys, _json_or_text(item))
+            _merge(objects.setdefault(head, {}), keys, json_or_text(item))
         for head, obj in objects.items():
             out += [head, json.dumps(obj)]
         return out
@@ -347,18 +356,6 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
             else:
                 flags += [flag, str(value)]
         return flags
-
-
-def _json_or_text(text: str) -> Any:
-    """A dotted flag's value as vLLM reads it: JSON, else a token count (``80k``), else the text itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    try:
-        return token_count(text)
-    except (ValueError, argparse.ArgumentTypeError):
-        return text
 
 
 def _merge(obj: dict[str, Any], keys: list[str], value: Any) -> None:

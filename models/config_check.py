@@ -53,6 +53,19 @@ ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 KNOWN_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3"})
 
 
+#: Activations transformers has had for years (``ACT2FN``): a ``hidden_act`` among them needs no import of
+#: transformers (and through it torch) to be accepted.
+KNOWN_ACTIVATIONS = frozenset({"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "quick_gelu", "relu", "relu6",
+                               "sigmoid", "silu", "swish", "tanh", "linear"})
+
+
+def activations() -> list[str]:
+    """The activation names this transformers has (``ACT2FN``), sorted."""
+    from transformers.activations import ACT2FN
+
+    return sorted(ACT2FN)
+
+
 def rope_types() -> list[str]:
     """The RoPE types this transformers has ("default" and its ``ROPE_INIT_FUNCTIONS``), sorted after "default"."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

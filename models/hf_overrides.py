@@ -41,11 +41,17 @@ def _into_rope_parameters(config: Any, key: str, value: Any, where: str, source:
     if not isinstance(params, dict):  # an older config reads the key itself
         return current
     if any(isinstance(v, Mapping) for v in params.values()):
-        raise ConfigError(f"{where}: transformers' {type(config).__name__} keeps {key} per layer type in "
+        raise ConfigError(f"{where}: transformers' {config_class_name(config)} keeps {key} per layer type in "
                           f"rope_parameters ({', '.join(params)}); override rope_parameters instead", path=where,
                           detail="per layer type", source=source)
     config.rope_parameters = {**params, key: copy.deepcopy(value)}
     return params.get(key, current)
+
+
+def config_class_name(config: Any) -> str:
+    """The name of transformers' config class of ``config`` (a light view names the class it stands for)."""
+    named = getattr(config, "transformers_class_name", None)
+    return named if isinstance(named, str) else type(config).__name__
 
 
 def _is_config(value: Any) -> bool:
@@ -74,12 +80,12 @@ def apply_overrides(config: Any, overrides: Mapping[str, Any], sources: Mapping[
             done += apply_overrides(current, value, sources, f"{dotted}.")
             continue
         if callable(current) and not _is_config(current):
-            raise ConfigError(f"{where}: names a method of transformers' {type(config).__name__}, not a config key",
+            raise ConfigError(f"{where}: names a method of transformers' {config_class_name(config)}, not a config key",
                               path=where, detail="not a config key", source=source)
         try:
             setattr(config, key, copy.deepcopy(value))
         except Exception as exc:  # a property without a setter, a strict config's own check
-            raise ConfigError(f"{where}: transformers' {type(config).__name__} does not take {short(value)}: "
+            raise ConfigError(f"{where}: transformers' {config_class_name(config)} does not take {short(value)}: "
                               f"{first_line(exc)}", path=where, detail="cannot be set",
                               source=source) from None
         if key in _INTO_ROPE_PARAMETERS:
@@ -95,15 +101,14 @@ def check_overridden(before: Mapping[str, Any], after: Mapping[str, Any], source
     ``num_hidden_layers: 1e9`` (kvload then built a billion layer records, a hang), ``vocab_size: 0`` or
     ``sliding_window: -1`` and fails later naming neither. A problem the config had before (``before``) is not the
     overrides'."""
-    from models.config_check import check_fields
+    from models.config_check import KNOWN_ACTIVATIONS, activations, check_fields
 
     act = after.get("hidden_act")
-    if isinstance(act, str) and act != before.get("hidden_act"):
-        from transformers.activations import ACT2FN
-
-        if act not in ACT2FN:  # transformers failed the weights' load as "'nosuch'", naming nothing
+    if isinstance(act, str) and act != before.get("hidden_act") and act not in KNOWN_ACTIVATIONS:
+        accepted = activations()
+        if act not in accepted:  # transformers failed the weights' load as "'nosuch'", naming nothing
             raise ConfigError(f"hf_overrides.hidden_act: {short(act)} is not an activation transformers has; "
-                              f"accepted: {', '.join(sorted(ACT2FN))}", path="hf_overrides.hidden_act",
+                              f"accepted: {', '.join(accepted)}", path="hf_overrides.hidden_act",
                               detail="unknown activation", source=sources.get("hidden_act"))
     try:
         check_fields(after, "hf_overrides", sep=".")

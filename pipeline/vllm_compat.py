@@ -20,7 +20,7 @@ Checked against vLLM's engine arguments (``vllm/engine/arg_utils.py``, ``vllm/co
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from pipeline.config import AUTO, LlmArgs, describe
 from pipeline.converter import structure
@@ -215,27 +215,163 @@ TAKEN_ELSEWHERE: dict[str, str] = {
     "served_model_name": "the model name vLLM's server answers to; kvload serve --served-model-name takes it",
 }
 
-#: vLLM's ``EngineArgs`` fields (``vllm/engine/arg_utils.py``) kvload has no field, alias or ignored entry for:
-#: refused as vLLM's, not offered a kvload field spelled alike
-VLLM_ENGINE_ARGS = frozenset({
-    "hf_config_path", "enable_prompt_embeds", "allowed_local_media_path", "allowed_media_domains",
-    "safetensors_load_strategy", "config_format", "master_addr", "master_port", "nnodes", "node_rank",
-    "decode_context_parallel_size", "dcp_kv_cache_interleave_size", "data_parallel_rank", "data_parallel_start_rank",
-    "data_parallel_size_local", "data_parallel_address", "data_parallel_rpc_port", "data_parallel_hybrid_lb",
-    "data_parallel_external_lb", "data_parallel_backend", "enable_dbo", "eplb_config", "enable_eplb",
-    "expert_placement_strategy", "num_redundant_experts", "prefix_caching_hash_algo", "disable_sliding_window",
-    "aggregate_engine_logging", "code_revision", "interleave_mm_strings", "media_io_kwargs",
-    "disable_mm_preprocessor_cache", "mm_processor_cache_gb", "mm_processor_cache_type", "mm_encoder_tp_mode",
-    "io_processor_plugin", "skip_mm_profiling", "enable_lora_bias", "default_mm_loras", "lora_extra_vocab_size",
-    "ray_workers_use_nsight", "num_lookahead_slots", "model_loader_extra_config", "ignore_patterns",
-    "disable_chunked_mm_input", "disable_hybrid_kv_cache_manager", "structured_outputs_config",
-    "logits_processor_pattern", "scheduler_cls", "pooler_config", "override_pooler_config", "worker_cls",
-    "worker_extension_cls", "ec_transfer_config", "override_attention_dtype", "calculate_kv_scales",
-    "mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_block_size", "additional_config", "use_tqdm_on_load",
-    "pt_load_map_location", "enable_multimodal_encoder_data_parallel", "logits_processors",
-    "kv_sharing_fast_prefill", "kv_offloading_size", "kv_offloading_backend", "tokens_only",
-    "disable_log_requests", "enable_log_requests",
-})
+class VllmOnly(NamedTuple):
+    """One vLLM engine argument kvload implements no counterpart for: what kvload does with it, why, its flag."""
+
+    #: ``"ignore"``: accepted at any value and reported ``setting_ignored`` (it concerns only vLLM's internals, or
+    #: inputs kvload never takes); ``"refuse"``: one line naming it, unless given its ``default`` (reported ignored)
+    policy: Literal["ignore", "refuse"]
+    #: why, and what kvload offers instead where it has an equivalent
+    why: str
+    #: its flag's shape in vLLM's ``add_cli_args``: ``switch`` (--X / --no-X), ``store_true`` (--X alone), ``value``,
+    #: ``values`` (one or more); None: no flag (an ``EngineArgs`` field only, or a flag of ``vllm serve``'s own)
+    shape: Literal["switch", "store_true", "value", "values"] | None = "value"
+    #: vLLM's default, which asks for nothing (a switch's is False; None is always taken as unset)
+    default: Any = None
+    #: vLLM's one-dash spellings (``-dcp``)
+    short: tuple[str, ...] = ()
+
+
+_MULTIMODAL = "multimodal inputs: kvload serves text-only models (a prompt's multi_modal_data is refused)"
+_DATA_PARALLEL = ("data parallelism: kvload runs one engine per process (data_parallel_size 1); instead, start one "
+                  "kvload serve per replica behind a load balancer")
+_EPLB = ("MoE expert load balancing across GPUs: kvload splits a model by tensor parallel only (instead: "
+         "tensor_parallel_size)")
+_OWN_CODE = "kvload runs its own workers and scheduler (kv_cache_config.use_kv_cache_manager_v2 picks the KV cache " \
+            "manager, scheduling_policy the order); no class of yours is loaded"
+_LOADER = "kvload reads the checkpoint's own files as they are (safetensors, .bin or .gguf), every one of them"
+_SWITCH, _STORE_TRUE, _VALUES = "switch", "store_true", "values"
+
+#: vLLM's engine arguments (``EngineArgs`` fields and the flags of ``EngineArgs.add_cli_args``,
+#: ``vllm/engine/arg_utils.py``) kvload implements no counterpart for → :class:`VllmOnly`, one row each: the Python
+#: API (``kvload.LLM``, ``plan``, a YAML file), the ``kvload`` commands' flags (``kvload.cli.flags``) and
+#: ``kvload.EngineArgs.add_cli_args`` all read it, so such a flag is never argparse's "unrecognized arguments".
+VLLM_ONLY: dict[str, VllmOnly] = {
+    # -- refused: each would change what is loaded or how it runs, and kvload cannot honour it
+    "hf_config_path": VllmOnly("refuse", "kvload reads config.json from the model's own directory; instead, give "
+                                         "a directory holding it, or hf_overrides={...} to change its keys"),
+    "config_format": VllmOnly("refuse", "kvload reads a checkpoint's config.json, or a .gguf file's metadata",
+                              default="auto"),
+    "code_revision": VllmOnly("refuse", "kvload never runs a checkpoint's own code (trust_remote_code is ignored)"),
+    "enable_prompt_embeds": VllmOnly("refuse", "kvload takes prompts as text or token ids, not embeddings", _SWITCH),
+    "disable_sliding_window": VllmOnly("refuse", "kvload runs each layer's attention window as the checkpoint's "
+                                                 "config.json sets it", _SWITCH),
+    "override_attention_dtype": VllmOnly("refuse", "kvload runs attention in the model's dtype; instead, dtype sets "
+                                                   "the whole model's"),
+    **dict.fromkeys(("pooler_config", "override_pooler_config"), VllmOnly(
+        "refuse", "kvload pools as vLLM's LAST pooling does; instead, kvload.PoolingParams per call (normalize, "
+                  "truncate_prompt_tokens, use_activation) with LLM.embed / classify / score")),
+    "logits_processor_pattern": VllmOnly("refuse", "kvload runs no custom logits processors; instead, "
+                                                   "SamplingParams' own fields (logit_bias, allowed_token_ids, ...)"),
+    "logits_processors": VllmOnly("refuse", "kvload runs no custom logits processors; instead, SamplingParams' own "
+                                            "fields (logit_bias, allowed_token_ids, ...)", _VALUES),
+    "io_processor_plugin": VllmOnly("refuse", "kvload loads no input/output processor plugins"),
+    "model_loader_extra_config": VllmOnly("refuse", _LOADER, default={}),
+    "ignore_patterns": VllmOnly("refuse", _LOADER, _VALUES),
+    **dict.fromkeys(("guided_decoding_disable_fallback", "guided_decoding_disable_any_whitespace",
+                     "guided_decoding_disable_additional_properties"), VllmOnly(
+        "refuse", "vLLM's deprecated engine-wide structured-output switches; kvload's structured outputs run on "
+                  "xgrammar, set per request (SamplingParams(structured_outputs=...), response_format)")),
+    "structured_outputs_config": VllmOnly("refuse", "kvload's structured outputs run on xgrammar; instead, set them "
+                                                    "per request (SamplingParams(structured_outputs=...), "
+                                                    "response_format)"),
+    "decode_context_parallel_size": VllmOnly("refuse", "kvload splits attention heads by tensor parallel only "
+                                                       "(instead: tensor_parallel_size)", default=1,
+                                             short=("-dcp",)),
+    "dcp_kv_cache_interleave_size": VllmOnly("refuse", "decode context parallelism: kvload splits attention heads "
+                                                       "by tensor parallel only (instead: tensor_parallel_size)",
+                                             default=1),
+    "data_parallel_rank": VllmOnly("refuse", _DATA_PARALLEL, short=("-dpn",)),
+    "data_parallel_start_rank": VllmOnly("refuse", _DATA_PARALLEL, short=("-dpr",)),
+    "data_parallel_size_local": VllmOnly("refuse", _DATA_PARALLEL, short=("-dpl",)),
+    "data_parallel_address": VllmOnly("refuse", _DATA_PARALLEL, short=("-dpa",)),
+    "data_parallel_rpc_port": VllmOnly("refuse", _DATA_PARALLEL, short=("-dpp",)),
+    "data_parallel_backend": VllmOnly("refuse", _DATA_PARALLEL, default="mp", short=("-dpb",)),
+    "data_parallel_hybrid_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH),
+    "data_parallel_external_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH),
+    **dict.fromkeys(("master_addr", "master_port", "nnodes", "node_rank"), VllmOnly(
+        "refuse", "multi-node serving: kvload's ranks run on one machine (tensor_parallel_size processes, started "
+                  "by torchrun or by the kvload CLI itself)")),
+    "enable_dbo": VllmOnly("refuse", "dual-batch overlap: kvload runs each step as one batch", _SWITCH),
+    "enable_eplb": VllmOnly("refuse", _EPLB, _SWITCH),
+    "eplb_config": VllmOnly("refuse", _EPLB, default={}),
+    "expert_placement_strategy": VllmOnly("refuse", _EPLB, default="linear"),
+    **dict.fromkeys(("num_redundant_experts", "eplb_window_size", "eplb_step_interval"), VllmOnly("refuse", _EPLB)),
+    "eplb_log_balancedness": VllmOnly("refuse", _EPLB, _SWITCH),
+    **dict.fromkeys(("worker_cls", "worker_extension_cls", "scheduler_cls"), VllmOnly("refuse", _OWN_CODE)),
+    "additional_config": VllmOnly("refuse", "vLLM platform plugins' settings: kvload loads no platform plugins",
+                                  default={}),
+    "calculate_kv_scales": VllmOnly("refuse", "kvload's fp8 KV cache (kv_cache_dtype fp8) casts values without "
+                                              "calibrated scales", _SWITCH),
+    "kv_sharing_fast_prefill": VllmOnly("refuse", "kvload prefills every layer of every prompt token (no "
+                                                  "cross-layer KV sharing)", _SWITCH),
+    "disable_hybrid_kv_cache_manager": VllmOnly("refuse", "kvload's route picks the KV cache manager; instead: "
+                                                          "kv_cache_config.use_kv_cache_manager_v2", _SWITCH),
+    **dict.fromkeys(("kv_offloading_size", "kv_offloading_backend"), VllmOnly(
+        "refuse", "vLLM's KV offloading connector; instead, kvload's host tier: kv_cache_config.host_cache_size "
+                  "(V2 only)")),
+    "ec_transfer_config": VllmOnly("refuse", "encoder-cache transfer between instances: kvload serves text-only "
+                                             "models on one instance"),
+    "default_mm_loras": VllmOnly("refuse", "LoRA adapters are not served by kvload (it runs the base weights)"),
+    "tokens_only": VllmOnly("refuse", "kvload's engine detokenizes its outputs itself", _SWITCH),
+    # vllm serve's (AsyncEngineArgs) flags: kvload serve takes them and reports them ignored; an LLM has no requests log
+    **dict.fromkeys(("enable_log_requests", "disable_log_requests"), VllmOnly(
+        "refuse", "vllm serve's request logging: kvload serve takes the flag (kvload records each request in its "
+                  "audit log)", None)),
+    # -- ignored: only vLLM's internals, or inputs kvload never takes; any value asks for nothing kvload does
+    "tokenizer_revision": VllmOnly("ignore", "kvload loads the checkpoint's own tokenizer and files, from the local "
+                                             "directory or cache"),
+    "use_tqdm_on_load": VllmOnly("ignore", "vLLM's weight-loading progress bar: kvload logs its load stages as "
+                                           "events", _SWITCH),
+    **dict.fromkeys(("safetensors_load_strategy", "pt_load_map_location"), VllmOnly("ignore", _LOADER)),
+    "ray_workers_use_nsight": VllmOnly("ignore", "Ray workers' profiling: kvload runs no Ray workers", _SWITCH),
+    "aggregate_engine_logging": VllmOnly("ignore", "statistics per data-parallel engine: kvload runs one engine per "
+                                                   "process", _STORE_TRUE),
+    "disable_nccl_for_dp_synchronization": VllmOnly("ignore", "data-parallel plumbing: kvload runs one engine per "
+                                                              "process", _SWITCH),
+    "all2all_backend": VllmOnly("ignore", "MoE expert parallelism's all-to-all: kvload splits a model by tensor "
+                                          "parallel only (tensor_parallel_size)"),
+    **dict.fromkeys(("dbo_decode_token_threshold", "dbo_prefill_token_threshold"), VllmOnly(
+        "ignore", "dual-batch overlap's thresholds (--enable-dbo): kvload runs each step as one batch")),
+    "prefix_caching_hash_algo": VllmOnly("ignore", "kvload keys cached prefix blocks by its own hash of their tokens "
+                                                   "(kv_cache_config.enable_block_reuse turns reuse on or off)"),
+    "num_lookahead_slots": VllmOnly("ignore", "speculative decoding's slot reservation: kvload's n-gram drafts "
+                                              "reserve their own blocks (max_draft_len)"),
+    "cudagraph_capture_sizes": VllmOnly("ignore", "CUDA graphs / torch.compile: kvload runs the forward eagerly",
+                                        _VALUES),
+    **dict.fromkeys(("mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_block_size"), VllmOnly(
+        "ignore", "Mamba (state-space) layers' cache: kvload serves no model with such layers")),
+    **dict.fromkeys(("enable_lora_bias", "lora_extra_vocab_size"), VllmOnly(
+        "ignore", "LoRA adapters: kvload runs the base weights, no adapter is loaded (lora_modules and a "
+                  "lora_request are refused)")),
+    **dict.fromkeys(("allowed_local_media_path", "media_io_kwargs", "mm_processor_cache_gb", "mm_processor_cache_type",
+                     "mm_shm_cache_max_object_size_mb", "mm_encoder_tp_mode", "mm_encoder_attn_backend",
+                     "video_pruning_rate"), VllmOnly("ignore", _MULTIMODAL)),
+    "allowed_media_domains": VllmOnly("ignore", _MULTIMODAL, _VALUES),
+    **dict.fromkeys(("enable_mm_embeds", "interleave_mm_strings", "skip_mm_profiling", "disable_chunked_mm_input"),
+                    VllmOnly("ignore", _MULTIMODAL, _SWITCH)),
+    **dict.fromkeys(("disable_mm_preprocessor_cache", "enable_multimodal_encoder_data_parallel"),
+                    VllmOnly("ignore", _MULTIMODAL, _STORE_TRUE)),
+}
+
+#: the names :data:`VLLM_ONLY` refuses (vLLM's engine arguments named as vLLM's, never offered a kvload field spelled
+#: alike)
+VLLM_ENGINE_ARGS = frozenset(name for name, row in VLLM_ONLY.items() if row.policy == "refuse")
+
+
+def vllm_only(name: str, value: Any) -> str | None:
+    """Why :data:`VLLM_ONLY`'s ``name`` does nothing here (reported ``setting_ignored``), None for a name not in it;
+    ``ConfigError`` naming it for a refused one given other than its default."""
+    row = VLLM_ONLY.get(name)
+    if row is None:
+        return None
+    if row.policy == "ignore":
+        return row.why
+    default = False if row.shape in ("switch", "store_true") else row.default
+    if value is None or (value == default and type(value) is type(default)):
+        return f"vLLM's default {short(value)} asks for nothing (kvload does not implement it: {row.why})"
+    detail = f"a vLLM engine argument kvload does not implement: {row.why}"
+    raise ConfigError(f"{name}: {detail}", path=name, detail=detail)
 
 
 def not_taken(name: str) -> str | None:
@@ -244,13 +380,16 @@ def not_taken(name: str) -> str | None:
     if name in TAKEN_ELSEWHERE:
         return TAKEN_ELSEWHERE[name]
     if name in VLLM_ENGINE_ARGS:
-        return "vLLM's engine argument, which kvload has no counterpart for (README \"Coming from vLLM\")"
+        return f"a vLLM engine argument kvload does not implement: {VLLM_ONLY[name].why}"
     return None
 
 
 def vllm_knob(name: str, value: Any) -> str | None:
     """Why vLLM's engine knob ``name`` does nothing in kvload (reported as ``setting_ignored``), or None for a name
-    that is not one; ``ConfigError`` for a knob given a value kvload cannot honour (``quantization="awq"``)."""
+    that is not one; ``ConfigError`` for a knob given a value kvload cannot honour (``quantization="awq"``) or one
+    kvload does not implement (:data:`VLLM_ONLY`)."""
+    if name in VLLM_ONLY:
+        return vllm_only(name, value)
     if name in REFUSED:
         if value is None or value == []:
             return f"{REFUSED[name]} (none was given)"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_backends.layout import cannot_generate
+from models.compile_cache import use_kvload_compile_cache
 from models.weights import has_tokenizer, load_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
@@ -50,6 +51,7 @@ class LoadWeights:
                                   "be tokenized; give token ids with --prompt-ids")
         seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
+        use_kvload_compile_cache()  # before transformers' model code imports torch._dynamo, which makes the folder
         problem = device_problem(device)  # build_kv_manager's check, before torch fails inside the weights' .to()
         if problem is not None:
             raise KvBuildError(problem)

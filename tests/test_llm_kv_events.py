@@ -129,7 +129,8 @@ def test_a_taken_endpoint_fails_before_the_model_loads():
      "kv_events_config: vLLM's KV cache event publisher; kvload.LLM(kv_events_config={...}) and kvload serve "
      "--kv-events-config take it"),
     ("seed", 3, "seed: vLLM's sampling seed; kvload.LLM(seed=N) and kvload serve --seed take it"),
-    ("kv_offloading_size", 4, "kv_offloading_size: vLLM's engine argument, which kvload has no counterpart for"),
+    ("kv_offloading_size", 4, "kv_offloading_size: a vLLM engine argument kvload does not implement: vLLM's KV "
+                              "offloading connector; instead, kvload's host tier: kv_cache_config.host_cache_size"),
 ])
 def test_plan_names_where_a_vllm_engine_argument_is_taken_not_a_lookalike_field(key, value, expected):
     """Before: ``kv_events_config: unknown key; did you mean 'kv_cache_config'?`` and ``seed: ... 'weights_seed'``:

@@ -173,5 +173,6 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
         if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path else None
     if knob is not None:  # vLLM's flag refused (--quantization awq, -dp 2): named as typed, not as its key
         spellings = (knob, _underscored(knob), *VLLM_KNOB_SHORT.get(knob, ()))
-        return f"{typed_spelling(spellings, argv)}: {str(exc).removeprefix(exc.path + ': ')}"
+        detail = str(exc).removeprefix(exc.path + ": ").replace("a vLLM engine argument", "a vLLM engine flag", 1)
+        return f"{typed_spelling(spellings, argv)}: {detail}"
     return str(exc)

@@ -13,6 +13,7 @@ from kvload.cli.values import (
     integer,
     json_object,
     json_object_like,
+    json_or_text,
     number,
     size,
     token_count,
@@ -21,6 +22,7 @@ from kvload.cli.values import (
 )
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
 from pipeline.paths import set_in
+from pipeline.vllm_compat import VLLM_ONLY
 
 
 @attrs.frozen
@@ -114,6 +116,11 @@ FLAGS: tuple[Flag, ...] = (
          "torchrun); plan alone shows rank 0's view", field_integer,
          metavar="N", aliases=("--tensor_parallel_size", "-tp")),
 )
+def compilation_config(text: str) -> dict[str, Any]:
+    """vLLM's ``-O``/``--compilation-config``: a JSON object, or a level (``-O3``: ``{"level": 3}``)."""
+    return {"level": int(text)} if text.isdigit() else json_object(text)
+
+
 #: vLLM's engine flags kvload has no counterpart for (a launch script copied from ``vllm serve``): each goes into the
 #: command line's tree under vLLM's key, where ``pipeline.trtllm_compat.split_ignored`` reports it as
 #: ``setting_ignored`` with the reason (``pipeline.vllm_compat``), or refuses a value kvload cannot honour
@@ -122,7 +129,7 @@ FLAGS: tuple[Flag, ...] = (
 VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None], ...] = (
     ("--enforce-eager", "enforce_eager", None, None),
     ("--max-seq-len-to-capture", "max_seq_len_to_capture", integer, "N"),
-    ("--compilation-config", "compilation_config", json_object, "JSON"),
+    ("--compilation-config", "compilation_config", compilation_config, "JSON"),
     ("--disable-log-stats", "disable_log_stats", None, None),
     ("--async-scheduling", "async_scheduling", None, None),
     ("--enable-sleep-mode", "enable_sleep_mode", None, None),
@@ -182,16 +189,27 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
     # acts: its n-gram method is kvload's drafts (pipeline.vllm_compat.speculative_config); other methods refused
     ("--speculative-config", "speculative_config",
      json_object_like('{"method": "ngram", "num_speculative_tokens": 4}'), "JSON"),
+    # vLLM's engine flags kvload does not implement (pipeline.vllm_compat.VLLM_ONLY: each ignored or refused, a value
+    # read as vLLM's parser reads a dotted one)
+    *(("--" + key.replace("_", "-"), key, None if row.shape in ("switch", "store_true") else json_or_text,
+       None if row.shape in ("switch", "store_true") else "VALUE")
+      for key, row in VLLM_ONLY.items() if row.shape is not None),
 )
 #: vLLM's one-dash spellings of some of them (``vllm/engine/arg_utils.py``)
-VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {"--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),
-                                               "--quantization": ("-q",)}
+VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {
+    "--compilation-config": ("-O",), "--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),
+    "--quantization": ("-q",),
+    **{"--" + key.replace("_", "-"): row.short for key, row in VLLM_ONLY.items() if row.short}}
 
-#: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either)
-VLLM_STORE_TRUE_FLAGS = frozenset({"--disable-log-stats", "--enable-expert-parallel", "--use-v2-block-manager"})
+#: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either;
+#: ``--enable-expert-parallel`` was one before vLLM made it a config boolean, ``--X/--no-X``)
+VLLM_STORE_TRUE_FLAGS = frozenset({
+    "--disable-log-stats", "--use-v2-block-manager",
+    *("--" + k.replace("_", "-") for k, r in VLLM_ONLY.items() if r.shape == "store_true")})
 #: the ``VLLM_KNOB_FLAGS`` vLLM takes one or more values of (``--lora-modules a=/x b=/y``): all of them, so the flag's
 #: own line answers, not "unrecognized arguments: b=/y"
-VLLM_LIST_FLAGS = frozenset({"--lora-modules", "--cuda-graph-sizes"})
+VLLM_LIST_FLAGS = frozenset({"--lora-modules", "--cuda-graph-sizes",
+                             *("--" + k.replace("_", "-") for k, r in VLLM_ONLY.items() if r.shape == "values")})
 
 
 def _knob_dest(key: str) -> str:

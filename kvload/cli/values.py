@@ -147,6 +147,18 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected {SIZE_HELP} (at most 2**63 - 1), got {short_text(text)}") from None
 
 
+def json_or_text(text: str) -> Any:
+    """A value as vLLM's parser reads a dotted flag's: JSON, else a token count (``80k``), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return token_count(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        return text
+
+
 def json_object(text: str) -> dict[str, Any]:
     """A JSON object (``'{"temperature": 0.5}'``): standard JSON only (no NaN), each key once."""
     return _json_object(text, "")

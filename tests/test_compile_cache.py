@@ -1,0 +1,54 @@
+"""torch.compile's on-disk cache lives under kvload's cache (``$KVLOAD_CACHE/torchinductor``), or the user's
+``TORCHINDUCTOR_CACHE_DIR``: a ``generate`` leaves nothing in ``$TMPDIR`` (it left ``torchinductor_<user>``, which
+``scripts/cli_sweep.py`` flagged), and a later process finds the graphs an earlier one compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.cli_support import ENV, REPO
+
+
+def _run(tmp_path, code_or_argv, **env):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    full = {**ENV, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp), "KVLOAD_CACHE": str(tmp_path / "cache"), **env}
+    full.pop("TORCHINDUCTOR_CACHE_DIR", None) if "TORCHINDUCTOR_CACHE_DIR" not in env else None
+    argv = ["-m", "kvload", *code_or_argv] if isinstance(code_or_argv, list) else ["-c", code_or_argv]
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=full)
+    return r, tmp
+
+
+GENERATE = ["generate", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu"]
+
+
+def test_generate_leaves_nothing_in_tmpdir_and_keeps_inductors_cache_in_kvloads_or_the_users(tmp_path):
+    r, tmp = _run(tmp_path / "default", GENERATE)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp)) == []  # was ['torchinductor_root']
+    assert (tmp_path / "default" / "cache" / "torchinductor").is_dir()
+    mine = tmp_path / "mine"
+    r, tmp = _run(tmp_path / "set", GENERATE, TORCHINDUCTOR_CACHE_DIR=str(mine))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp)) == [] and mine.is_dir()  # the user's own stands
+    assert not (tmp_path / "set" / "cache" / "torchinductor").exists()
+
+
+def test_the_compiled_paths_headers_go_under_the_cache_too(tmp_path):
+    """Inductor puts its precompiled C++ headers in ``$TMPDIR/torchinductor_<user>`` whatever
+    ``TORCHINDUCTOR_CACHE_DIR`` says; the compiled paged attention moves them under the cache in use."""
+    r, tmp = _run(tmp_path, """
+import json, os
+from cache_backends.flex_paged import compiled_flex
+compiled_flex()
+import torch._inductor.codecache as codecache
+print(json.dumps([os.environ["TORCHINDUCTOR_CACHE_DIR"], codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR]))
+""")
+    assert r.returncode == 0, r.stderr
+    cache, headers, locks = json.loads(r.stdout.strip().splitlines()[-1])
+    assert cache == str(tmp_path / "cache" / "torchinductor")
+    assert headers == os.path.join(cache, "precompiled_headers") and locks == os.path.join(headers, "locks")
+    assert sorted(os.listdir(tmp)) == []
