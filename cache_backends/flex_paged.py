@@ -44,6 +44,7 @@ shape is timed into :attr:`FlexPagedAttention.warmup_s`, apart from generation t
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,12 +74,26 @@ def buckets_up_to(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _headers_under_inductor_cache() -> None:
+    """Inductor's precompiled C++ headers under ``TORCHINDUCTOR_CACHE_DIR`` when one is set (weight loading sets
+    kvload's, ``models.compile_cache``), not in ``$TMPDIR``, where torch puts them whatever that variable says."""
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache:
+        return
+    import torch._inductor.codecache as codecache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.join(default_cache_dir(), "precompiled_headers")
+    # module globals read at each precompile; absent in another torch, whose layout then stands as it is
+    if getattr(codecache, "_HEADER_DIR", None) == default and hasattr(codecache, "_HEADER_LOCK_DIR"):
+        codecache._HEADER_DIR = os.path.join(cache, "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = os.path.join(cache, "precompiled_headers", "locks")
+
+
 @functools.cache
 def compiled_flex() -> Callable[..., torch.Tensor]:
     """``torch.compile(flex_attention)``, built once per process (graphs are cached per shape inside it)."""
-    from models.compile_cache import compile_cache_for_flex
-
-    compile_cache_for_flex()  # graphs and headers go to kvload's cache (or the user's), never $TMPDIR
+    _headers_under_inductor_cache()
     import torch._dynamo.config as dynamo_config
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -7,7 +7,8 @@ directory, and the compiled paged attention (``cache_backends.flex_paged``) keep
 ``~/.cache/vllm``: a later process reuses the graphs an earlier one compiled. A ``TORCHINDUCTOR_CACHE_DIR`` the user
 set (or torch chose, once ``torch._dynamo`` was imported before kvload's first load) stands. Inductor's precompiled
 C++ headers ignore that variable (``torch._inductor.codecache`` puts them in ``$TMPDIR/torchinductor_<user>`` on
-purpose, to outlive its ``fresh_cache``): :func:`compile_cache_for_flex` moves them under the cache in use as well.
+purpose, to outlive its ``fresh_cache``): ``cache_backends.flex_paged.compiled_flex`` moves them under the cache in
+use as well (the backends sit below this layer, so they read the variable this module set).
 """
 
 from __future__ import annotations
@@ -27,18 +28,3 @@ def use_kvload_compile_cache() -> Path:
     if not chosen:
         chosen = os.environ[INDUCTOR_CACHE_ENV] = str(cache_root() / "torchinductor")
     return Path(chosen)
-
-
-def compile_cache_for_flex() -> Path:
-    """:func:`use_kvload_compile_cache`, and inductor's precompiled headers under it too (where torch's default put
-    them in ``$TMPDIR``); the cache directory in use. Imports inductor: only what compiles calls it."""
-    cache = use_kvload_compile_cache()
-    import torch._inductor.codecache as codecache
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    default = os.path.join(default_cache_dir(), "precompiled_headers")
-    # module globals read at each precompile; absent in another torch, whose layout then stands as it is
-    if getattr(codecache, "_HEADER_DIR", None) == default and hasattr(codecache, "_HEADER_LOCK_DIR"):
-        codecache._HEADER_DIR = str(cache / "precompiled_headers")
-        codecache._HEADER_LOCK_DIR = str(cache / "precompiled_headers" / "locks")
-    return cache

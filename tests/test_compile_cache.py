@@ -42,6 +42,8 @@ def test_the_compiled_paths_headers_go_under_the_cache_too(tmp_path):
     ``TORCHINDUCTOR_CACHE_DIR`` says; the compiled paged attention moves them under the cache in use."""
     r, tmp = _run(tmp_path, """
 import json, os
+from models.compile_cache import use_kvload_compile_cache
+use_kvload_compile_cache()  # what weight loading does first
 from cache_backends.flex_paged import compiled_flex
 compiled_flex()
 import torch._inductor.codecache as codecache
