@@ -13,17 +13,17 @@ from kvload.serve.embeddings import pooling_run
 from kvload.serve.invocations import Pooled, prepare_invocation
 from kvload.serve.messages_output import message_document, message_events
 from kvload.serve.parse_gate import ParseGate
-from kvload.serve.request_body import CLIENT_CLOSED, _read_body, _shutting_down
+from kvload.serve.request_body import CLIENT_CLOSED, Body, _shutting_down
 from kvload.serve.request_run import _Run
 from kvload.serve.responses_output import response_document, response_events
 from kvload.serve.state import ServeState
-from kvload.serve.worker import _on_worker
+from kvload.serve.worker import _on_worker, _read
 
 
 async def _serve(state: ServeState, request: Request, kind: str, gate: ParseGate,
                  stopping: asyncio.Event) -> Response:
     try:
-        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+        raw = await _read(request, state, gate, stopping)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
     run = _Run(state, request, asyncio.get_running_loop())
@@ -35,7 +35,7 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: ParseGate
 
 
 async def _answer(state: ServeState, request: Request, kind: str, gate: ParseGate, stopping: asyncio.Event,
-                  run: _Run, raw: bytearray) -> Response:
+                  run: _Run, raw: Body) -> Response:
     """``_serve`` once the body is in: parsed and queued under the gate, then answered whole or streamed."""
     # Parsing, tokenizing and checking a body of up to --max-request-bytes takes seconds of CPU: done on a worker
     # thread, so other streams and /health go on meanwhile (a fast tokenizer releases the GIL while it encodes).
@@ -78,7 +78,7 @@ async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: 
     on a worker thread under the same gate as their parsing and tokenizing (a big body's encode would stall the
     event loop, and the tokenizer is used by one request at a time)."""
     try:
-        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+        raw = await _read(request, state, gate, stopping)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
     async with gate.turn():
