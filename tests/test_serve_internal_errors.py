@@ -166,3 +166,54 @@ def test_a_messages_request_that_fails_is_answered_in_anthropics_error_document(
                                                "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 500
     assert r.json() == {"type": "error", "error": {"type": "api_error", "message": MESSAGE}}
+
+
+class _Engine:
+    """What ``_Failures`` reads of a serving engine: a loop that runs, taking the records it is handed."""
+
+    alive = True
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def notify(self, *records) -> None:
+        self.records.extend(records)
+
+
+@pytest.mark.parametrize("path, events", [
+    ("/v1/messages", [("error", {"type": "error", "error": {"type": "api_error", "message": MESSAGE}})]),
+    ("/v1/responses", [("error", {"type": "error", "code": "internal_server_error", "message": MESSAGE,
+                                  "param": None})]),
+    ("/v1/chat/completions", [(None, {"error": ERROR}), (None, "[DONE]")]),
+])
+def test_a_stream_under_way_ends_in_its_apis_error_event(path, events):
+    """Each API's stream ends in the error event its clients read (Anthropic's ``event: error``, the Responses API's
+    ``error`` event, chat's error chunk then ``[DONE]``), its body ended, one ``request_failed`` record handed on."""
+    import asyncio
+    import types
+
+    from kvload.serve.failures import _Failures
+
+    async def app(scope, receive, send):  # a stream whose second chunk fails
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        raise RuntimeError(INJECTED)
+
+    engine = _Engine()
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": []}
+    asyncio.run(_Failures(app, types.SimpleNamespace(engine=engine))(scope, None, send))
+    assert sent[-1]["more_body"] is False
+    got = []
+    for block in sent[-1]["body"].decode().split("\n\n")[:-1]:
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        data = lines["data"]
+        got.append((lines.get("event"), data if data == "[DONE]" else json.loads(data)))
+    assert got == events
+    (record,) = engine.records
+    assert (record.path, record.error, record.message) == (path, "RuntimeError", INJECTED)

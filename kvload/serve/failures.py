@@ -79,8 +79,8 @@ class _Failures:
                                         (b"content-length", str(len(payload)).encode())]})
                 await send({"type": "http.response.body", "body": payload, "more_body": False})
             elif stream:
-                done = f"data: {json.dumps(error.body(), separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
-                await send({"type": "http.response.body", "body": done, "more_body": False})
+                await send({"type": "http.response.body", "body": _stream_end(route_path(scope), error),
+                            "more_body": False})
             else:
                 raise
 
@@ -97,6 +97,18 @@ class _Failures:
         else:
             with contextlib.suppress(Exception):  # reporting must not turn the 500 into a dropped connection
                 engine.executor._event(record)
+
+
+def _stream_end(path: str, error: BadRequest) -> bytes:
+    """The events that end a stream under way with ``error``, in its API's words: Anthropic's ``error`` event under
+    /v1/messages, the Responses API's ``error`` event under /v1/responses, else OpenAI's error chunk and ``[DONE]``
+    (what an engine failure ends a chat or completion stream with)."""
+    if path.startswith("/v1/messages"):  # error: already Anthropic's document, {"type": "error", "error": {...}}
+        return f"event: error\ndata: {json.dumps(error.body(), separators=(',', ':'))}\n\n".encode()
+    if path.startswith("/v1/responses"):
+        doc = {"type": "error", "code": error.code, "message": error.message, "param": None}
+        return f"event: error\ndata: {json.dumps(doc, separators=(',', ':'))}\n\n".encode()
+    return f"data: {json.dumps(error.body(), separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
 
 
 __all__ = ["internal_error"]
