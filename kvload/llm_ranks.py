@@ -197,7 +197,7 @@ class SpawnedRanks:
         env = rank_env(0, self.world, self.addr, self.port)
         names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                  LAUNCHER_ENV)
-        with _environ({k: env[k] for k in names}), before_rendezvous(self._joining):
+        with _environ({k: env[k] for k in names}), before_rendezvous(self._joining, watch=self._watch):
             yield
 
     def _joining(self) -> None:
@@ -208,6 +208,15 @@ class SpawnedRanks:
             reply = self._reply(r, "LLM")
             if reply[0] != "joining":
                 self._fail("LLM", f"rank {r.rank} (pid {r.proc.pid}) failed to load: {reply[2]}")
+
+    def _watch(self) -> None:
+        """While rank 0 waits in the process group's rendezvous (every rank said it joins): ``RankError`` naming a rank
+        whose process ended meanwhile, its pid and how (a signal, an exit status); the rendezvous is then ended
+        (``pipeline.ranks._hosted_init``), not waited out to the collective timeout."""
+        for r in self.ranks:
+            gone = r.gone()
+            if gone is not None:
+                self._fail("LLM", gone)
 
     def loaded(self) -> None:
         """Rank 0 loaded: wait (bounded) until every other rank says it did too."""

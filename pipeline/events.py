@@ -499,6 +499,18 @@ class EngineLoopFailed(Event):
     requests: int  # requests the failure ended
 
 
+@event("request_failed", level="error")
+class RequestFailed(Event):
+    """An HTTP request of ``kvload serve`` raised where nothing expected it (a bug in a handler): answered HTTP 500,
+    its engine requests aborted, the connection kept; the traceback is in ``exception`` (structlog's key)."""
+
+    method: str
+    path: str
+    error: str  # the exception's class name
+    message: str
+    exception: str  # the formatted traceback
+
+
 # --- KV cache ------------------------------------------------------------------------------
 
 

@@ -35,9 +35,12 @@ _groups: dict[str, Any] = {}
 _T = TypeVar("_T")
 #: How often the main thread wakes while a collective runs (signal handlers run only then)
 _POLL_S = 0.1
+#: How long an aborted rendezvous is given to end once its store is gone (it ends within a second).
+ABORT_S = 30.0
 
 
-def interruptible(call: Callable[[], _T]) -> _T:
+def interruptible(call: Callable[[], _T], watch: Callable[[], None] | None = None,
+                  abort: Callable[[], None] | None = None) -> _T:
     """``call()`` (a rendezvous, a collective) run so that SIGTERM and SIGINT still act while it blocks.
 
     CPython runs signal handlers in the main thread between bytecodes only, so a main thread blocked inside gloo's
@@ -47,8 +50,12 @@ def interruptible(call: Callable[[], _T]) -> _T:
     ``KeyboardInterrupt`` is raised there, the usual cleanup runs, and the blocked thread ends with the process.
     One long-lived thread, not one per call: generation makes a collective every step (~30 µs a handoff against
     ~90 µs to start a thread).
+
+    ``watch()`` runs at each slice of the wait (on any thread, then the call runs on the collectives thread too): what
+    it raises ends the wait, after ``abort()`` (which makes the call end: its rendezvous gone) and the call's end,
+    awaited up to :data:`ABORT_S`, so the collectives thread is free for the next call.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() and watch is None:
         return call()
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -63,7 +70,14 @@ def interruptible(call: Callable[[], _T]) -> _T:
 
     _worker().put(job)
     while not done.wait(_POLL_S):
-        pass
+        if watch is not None:
+            try:
+                watch()
+            except BaseException:
+                if abort is not None:
+                    abort()
+                done.wait(ABORT_S)
+                raise
     if "error" in box:
         error = box["error"]
         lost = lost_rank_message(error)
@@ -96,21 +110,28 @@ def lost_rank_message(exc: BaseException) -> str | None:
 _jobs: queue.SimpleQueue[Callable[[], None]] | None = None
 #: Called once just before this process joins the process group's rendezvous (see :func:`before_rendezvous`).
 _before_rendezvous: Callable[[], None] | None = None
+#: Called at each slice of rank 0's wait in the rendezvous (see :func:`before_rendezvous`).
+_rendezvous_watch: Callable[[], None] | None = None
 
 
 @contextlib.contextmanager
-def before_rendezvous(call: Callable[[], None]) -> Iterator[None]:
+def before_rendezvous(call: Callable[[], None], watch: Callable[[], None] | None = None) -> Iterator[None]:
     """While the block runs, ``call()`` runs just before this process joins the process group's rendezvous, and what
     it raises ends the load there. ``kvload.LLM``'s rank 0 waits in it until every rank it started is about to join
     (each says so), noticing one that died first: once in torch's rendezvous it could only wait for the rank until
     the collective timeout (``KVLOAD_DIST_TIMEOUT_S``), and a rendezvous given up on leaves torch unable to start
-    another group in the process."""
-    global _before_rendezvous
+    another group in the process.
+
+    ``watch`` (rank 0 only): run every tenth of a second while this process waits in the rendezvous itself; what
+    it raises (a rank that died in the handshake) ends the rendezvous at once (:func:`_hosted_init`), not at the
+    timeout."""
+    global _before_rendezvous, _rendezvous_watch
     before, _before_rendezvous = _before_rendezvous, call
+    watched, _rendezvous_watch = _rendezvous_watch, watch
     try:
         yield
     finally:
-        _before_rendezvous = before
+        _before_rendezvous, _rendezvous_watch = before, watched
 
 
 def _worker() -> queue.SimpleQueue[Callable[[], None]]:
@@ -268,7 +289,10 @@ def object_group() -> Any:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         try:  # the rendezvous waits for every rank: interruptible, so kill acts while one never comes
-            interruptible(init)
+            if _rendezvous_watch is not None:
+                _hosted_init("nccl" if cuda else "gloo", _rendezvous_watch)
+            else:
+                interruptible(init)
         except (RuntimeError, ValueError) as exc:
             if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
                 # rank 0 listens there for the rendezvous; "launch the ranks with torchrun" sent a user who did to
@@ -286,8 +310,48 @@ def object_group() -> Any:
     return _groups["objects"]
 
 
+def _hosted_init(backend: str, watch: Callable[[], None]) -> None:
+    """Rank 0's ``init_process_group`` with the rendezvous's store hosted here, so that it can be ended: ``watch()``
+    runs while the group forms, and what it raises (a rank that died mid-handshake, with its pid and signal) ends the
+    wait at once. torch's own ``env://`` rendezvous could only wait for the rank until the collective timeout: its
+    store lives inside the call. Here rank 0 holds the store's server (the other ranks reach it at MASTER_ADDR:
+    MASTER_PORT as before, as clients) and joins through a client of its own; dropping the server ends every wait on
+    it, so the call fails within a second and leaves no port listening. The server is kept while the group lives
+    (:func:`shutdown` lets it go): the group's later rendezvous (``new_group``) use it."""
+    import torch
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world, timeout = int(os.environ["WORLD_SIZE"]), _timedelta()
+    server = [dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
+                            multi_tenant=False)]
+    client = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout, wait_for_workers=False)
+
+    def init() -> None:
+        if backend == "nccl":  # the current device is per thread: set where the group starts too
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # the prefix torch's env:// rendezvous (the other ranks') puts before the group's keys
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", client), rank=0, world_size=world,
+                                timeout=timeout)
+
+    from torch.distributed import distributed_c10d
+
+    count = distributed_c10d._world.group_count
+    try:
+        interruptible(init, watch=watch, abort=server.clear)  # clear: the server's only reference goes
+    except BaseException:
+        server.clear()
+        if not dist.is_initialized():
+            # the call named a group that never formed: the next one would be named apart from its ranks' (their
+            # rendezvous keys differ, and it waited for the timeout), so the count goes back
+            distributed_c10d._world.group_count = count
+        raise
+    _groups["server"] = server[0]
+
+
 def shutdown() -> None:
-    """Destroy the process group this module started (run at exit)."""
+    """Destroy the process group this module started (run at exit), and the rendezvous store rank 0 hosted."""
+    server = _groups.pop("server", None)
     _groups.clear()
     try:
         import torch.distributed as dist
@@ -295,6 +359,7 @@ def shutdown() -> None:
         return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    del server  # after the group: its last store operations reach it
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "object_group",

@@ -582,6 +582,65 @@ def test_a_dead_engine_loop_ends_the_server_with_exit_1_after_answering_its_requ
     assert not (tmp_path / "audit.jsonl").exists()  # a failed run publishes no audit, as every command's
 
 
+#: A sitecustomize for the server's process: its first answer's collection raises, as a bug in a handler would.
+HANDLER_FAULT_HOOK = """import importlib.abc, importlib.machinery, sys
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "kvload.serve.request_run":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+        def exec_module(module):
+            load(module)
+            real, calls = module._Run.collect, []
+            async def collect(self):
+                calls.append(None)
+                if len(calls) == 1:
+                    raise RuntimeError("injected: a bug in the handler")
+                return await real(self)
+            module._Run.collect = collect
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, Hook())
+"""
+
+
+def test_a_handler_bug_is_one_request_failed_record_with_its_traceback_and_the_connection_serves_on(tmp_path):
+    """A bug in a handler was logged by uvicorn ("Exception in ASGI application", a traceback outside kvload's log
+    format) and the client's connection closed. Now the operator's log has one ``request_failed`` line (error) with
+    the traceback under it, the client a 500, and its next request on the same connection is answered."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANDLER_FAULT_HOOK)
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "serve", "tiny-llama", "--port", "0", "--max_tokens",
+                             "1024"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them, cwd=REPO,
+                            env={**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"})
+    try:
+        url = ready_url(_ready_line(proc))
+        ports = set()
+        with httpx.Client(base_url=url, timeout=60) as http:
+            body = {"prompt": [1, 2, 3], "max_tokens": 2}
+            for expected in (500, 200):
+                r = http.post("/v1/completions", json=body, extensions={"trace": lambda name, info: ports.add(
+                    info["return_value"].get_extra_info("socket").getsockname()[1])
+                    if name == "connection.connect_tcp.complete" else None})
+                assert r.status_code == expected, r.text
+        assert len(ports) == 1  # one connection: the 500 left it open
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()
+    finally:
+        reap(proc)
+    assert r.json()["usage"]["completion_tokens"] == 2
+    (record,) = [line for line in err.splitlines() if "request_failed" in line]
+    assert "[error" in record and "path=/v1/completions" in record and "error=RuntimeError" in record, record
+    assert err.count("Traceback (most recent call last):") == 1 and "Exception in ASGI application" not in err, err
+    after = err.splitlines()[err.splitlines().index(record) + 1:]
+    assert after[0] == "Traceback (most recent call last):" and "RuntimeError: injected: a bug in the handler" in after
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
      "error: --tool-call-parser: no tool-call parser 'mistral' in kvload; it has: hermes, llama3_json, pythonic, "

@@ -355,3 +355,73 @@ def test_a_rank_that_dies_before_the_process_group_forms_is_named_at_once_and_le
     assert report["took"] < DIST_TIMEOUT_S  # a bound, not a speed: no wait for the collective timeout
     assert report["left"] == [] and report["workers"] == []
     assert len(report["after"]) == 3
+
+
+HANDSHAKE_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    import kvload
+    import kvload.llm_ranks as llm_ranks
+    from pipeline.errors import RankError
+
+    def kids():
+        out = set()
+        for t in os.listdir(f"/proc/{os.getpid()}/task"):
+            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
+        return out
+
+    def listening(port):
+        found = []
+        for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in open(name).read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.append(local)
+        return found
+
+    kw = dict(tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
+    report = {}
+    shm = set(os.listdir("/dev/shm"))
+    joining = llm_ranks.SpawnedRanks._joining
+
+    def joined(self):  # every rank said it is about to join; rank 1 is then in torch's rendezvous, reaching for
+        joining(self)  # rank 0's store, which rank 0 opens once this returns
+        victim, report["port"] = self.ranks[0].proc.pid, self.port
+        report["victim"] = victim
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGSTOP)  # held mid-handshake: rank 0 now joins and waits for it
+
+        def kill():
+            time.sleep(1.0)  # rank 0 waits in the rendezvous by now
+            report["killed_at"] = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    llm_ranks.SpawnedRanks._joining = joined
+    try:
+        kvload.LLM("tiny-llama", **kw)
+    except RankError as exc:
+        report["error"] = str(exc)
+    report["took"] = time.monotonic() - report["killed_at"]
+    report["left"], report["listening"] = sorted(kids()), listening(report["port"])
+    report["shm"] = sorted(set(os.listdir("/dev/shm")) - shm)
+    llm_ranks.SpawnedRanks._joining = joining
+    with kvload.LLM("tiny-llama", **kw) as llm:  # the same process starts a group again
+        report["after"] = llm.generate([[1, 2, 3]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
+    report["workers"] = sorted(kids())
+    print(json.dumps(report), flush=True)
+""")
+
+
+def test_a_rank_killed_while_rank_0_waits_in_the_rendezvous_is_named_at_once_and_leaves_nothing(tmp_path):
+    """Every rank said it joins, rank 0 entered torch's rendezvous, and rank 1 died there (held mid-handshake by
+    SIGSTOP, then SIGKILL while rank 0 waits): rank 0 waited inside ``init_process_group`` until the collective
+    timeout (``KVLOAD_DIST_TIMEOUT_S``). Now it watches its ranks while the group forms: one ``RankError`` naming the
+    rank, its pid and the signal, soon after the kill; no process left, the rendezvous port no longer listening, no
+    shared memory; a new LLM then starts in the same process."""
+    report = _script_report(tmp_path, HANDSHAKE_SCRIPT)
+    assert report.get("error", "").startswith(f"LLM: tensor_parallel_size=2: rank 1 (pid {report['victim']}) was "
+                                              "killed by SIGKILL"), report
+    assert report["took"] < DIST_TIMEOUT_S / 2  # a bound, not a speed: no wait for the collective timeout
+    assert report["left"] == [] and report["listening"] == [] and report["shm"] == []
+    assert report["workers"] == [] and len(report["after"]) == 3

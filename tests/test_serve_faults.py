@@ -500,3 +500,52 @@ def test_a_small_request_is_parsed_between_two_prompts_of_a_many_prompt_one(serv
     assert seen.index(SMALL[0]) < seen.index(BIG[1][0])  # parsed before the big one's second prompt
     assert [s for s in seen if s != SMALL[0]][:len(BIG)] == [p[0] for p in BIG]  # the big one's in order, each once
     _served_normally(served)
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1}, 200),
+    ("/v1/embeddings", {"input": [PROMPT]}, 200),
+    ("/detokenize", {"tokens": PROMPT}, 400),  # tiny-llama has no tokenizer: refused in its turn, as before
+])
+def test_a_small_request_is_answered_while_a_big_bodys_json_is_read(served, monkeypatch, path, body, status):
+    """A big body's JSON was read in its turn at the parse gate: 20 MB of token ids took seconds of ``json.loads``
+    and every request sent meanwhile, a one-token completion too, waited for all of it. Now a body past 64 KiB is read
+    before its turn (one at a time, in the gate's body lane): the big one's read is held until a small request has
+    been answered; then it is answered too, and a big body that is no JSON is refused in the same words as before."""
+    gate = served.server.server.config.app.state.parse_gate
+    entered, release, real = threading.Event(), threading.Event(), json.loads
+    padding = " " * 100_000  # JSON's whitespace: a body past 64 KiB that any route takes
+
+    def held(text, *args, **kwargs):
+        if len(text) > 65536:
+            entered.set()
+            release.wait(TIMEOUT)  # gives up in the end: a failure, not a hang
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", held)
+    answers: dict[str, httpx.Response] = {}
+
+    def send_big() -> None:
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            answers["big"] = http.post(path, content=json.dumps(body) + padding,
+                                       headers={"Content-Type": "application/json"})
+
+    big = threading.Thread(target=send_big)
+    big.start()
+    try:
+        assert entered.wait(TIMEOUT)
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:  # main: a ReadTimeout here
+            small = http.post(path, json=body)
+        assert small.status_code == status, small.text
+        assert not release.is_set() and big.is_alive() and gate.waiting() == 0
+    finally:
+        release.set()
+        big.join(TIMEOUT)
+    assert answers["big"].status_code == status and answers["big"].json().keys() == small.json().keys()
+    if status != 200:
+        assert answers["big"].json() == small.json()
+    refused = served.http.post(path, content="{" + padding, headers={"Content-Type": "application/json"})
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+        "the request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column "
+        "100002 (char 100001)")
+    _served_normally(served)

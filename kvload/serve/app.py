@@ -10,7 +10,8 @@ goes away (a closed stream, or a dropped connection while waiting) has its reque
 frees their KV blocks. Every refusal is HTTP 400 with OpenAI's error body naming the field (a body
 over ``--max-request-bytes`` is 413, refused before it is read; one not all in within
 ``--request-read-timeout`` is 408; an unknown path 404 and a wrong method 405, in the same body); an error
-inside the engine is 500 for that request only — the server keeps serving.
+inside the engine is 500 for that request only — the server keeps serving; so is any failure nothing expected (a
+bug: ``failures``), answered on the same keep-alive connection.
 
 The routes are here; what they share lives in modules named for it: ``state`` (``ServeState``), ``admission``,
 ``request_body``, ``request_input``, ``handlers`` (a request's way through a route), ``request_run`` (its engine
@@ -33,6 +34,7 @@ from kvload.serve.admission import _Admission
 from kvload.serve.auth import ApiKeyGate, route_path
 from kvload.serve.classify import classify_route
 from kvload.serve.embeddings import embeddings_route
+from kvload.serve.failures import _Failures, internal_error
 from kvload.serve.handlers import _serve, _tokenizer_call
 from kvload.serve.messages_input import AnthropicError
 from kvload.serve.parse_gate import ParseGate
@@ -58,6 +60,8 @@ def create_app(state: ServeState) -> FastAPI:
     # vLLM's --root-path (its app.root_path): behind a proxy that keeps the prefix, /PREFIX/v1/models is served;
     # /v1/models still is (Starlette strips the prefix only where the path has it)
     app.root_path = state.root_path
+    # innermost: an unexpected exception is answered (500) before any other middleware sees the answer go by
+    app.add_middleware(_Failures, state=state)
     app.add_middleware(_Admission, state=state)
     if state.api_key_digests:  # added last, so outermost: a request without the key takes no admission slot
         app.add_middleware(ApiKeyGate, digests=state.api_key_digests, metrics=state.metrics)
@@ -89,9 +93,10 @@ def create_app(state: ServeState) -> FastAPI:
                             status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
-    async def failure(_: Request, exc: Exception) -> JSONResponse:  # never a dead server over one request
-        return JSONResponse(BadRequest(f"{type(exc).__name__}: {exc}", status=500, kind="server_error").body(),
-                            status_code=500)
+    async def failure(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette's last resort, for a failure outside _Failures (in an outer middleware): it raises the exception
+        # on to uvicorn afterwards, which closes the connection; a handler's failure never gets here
+        return JSONResponse(_shaped(route_path(request.scope), internal_error(exc)).body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:

@@ -39,10 +39,10 @@ from kvload.serve.protocol import (
     _prompts,
     _token_ids,
 )
-from kvload.serve.request_body import CLIENT_CLOSED, _load, _read_body, _shutting_down
+from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down
 from kvload.serve.request_input import _check_model
 from kvload.serve.state import ServeState
-from kvload.serve.worker import _on_daemon_thread, _on_worker
+from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
 from pipeline.errors import GenerationError, KvBuildError, first_line
 from pipeline.limits import MAX_INT
 
@@ -163,7 +163,7 @@ async def pooling_route(state: ServeState, request: Request, gate: ParseGate, st
     are, every input queued as one request (all in one batch, sharing steps), then ``answer(job, rows)`` with each
     input's captured last hidden row, in order."""
     try:
-        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+        raw = await _read(request, state, gate, stopping)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
     async with gate.turn():

@@ -13,20 +13,30 @@ from kvload.serve.embeddings import pooling_run
 from kvload.serve.invocations import Pooled, prepare_invocation
 from kvload.serve.messages_output import message_document, message_events
 from kvload.serve.parse_gate import ParseGate
-from kvload.serve.request_body import CLIENT_CLOSED, _read_body, _shutting_down
+from kvload.serve.request_body import CLIENT_CLOSED, Body, _shutting_down
 from kvload.serve.request_run import _Run
 from kvload.serve.responses_output import response_document, response_events
 from kvload.serve.state import ServeState
-from kvload.serve.worker import _on_worker
+from kvload.serve.worker import _on_worker, _read
 
 
 async def _serve(state: ServeState, request: Request, kind: str, gate: ParseGate,
                  stopping: asyncio.Event) -> Response:
     try:
-        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+        raw = await _read(request, state, gate, stopping)
     except ClientDisconnect:  # hung up mid-upload: the client's doing, not a server error with a traceback
         return Response(status_code=CLIENT_CLOSED)
     run = _Run(state, request, asyncio.get_running_loop())
+    try:
+        return await _answer(state, request, kind, gate, stopping, run, raw)
+    except BaseException:  # a refusal, a failure (a bug: _Failures answers it 500), a stop: nothing stays queued
+        run.cancel()
+        raise
+
+
+async def _answer(state: ServeState, request: Request, kind: str, gate: ParseGate, stopping: asyncio.Event,
+                  run: _Run, raw: Body) -> Response:
+    """``_serve`` once the body is in: parsed and queued under the gate, then answered whole or streamed."""
     # Parsing, tokenizing and checking a body of up to --max-request-bytes takes seconds of CPU: done on a worker
     # thread, so other streams and /health go on meanwhile (a fast tokenizer releases the GIL while it encodes).
     # One request at a time (vLLM's API server tokenizes on a single worker thread too): no two encodes share
@@ -37,11 +47,7 @@ async def _serve(state: ServeState, request: Request, kind: str, gate: ParseGate
             raise _shutting_down()
         if await request.is_disconnected():  # left while it queued here: its parse (seconds for a big body) is
             return Response(status_code=CLIENT_CLOSED)  # work for no one, ahead of every request queued behind it
-        try:
-            pooled = await _on_worker(stopping, run.cancel, _prepare, state, run, raw, kind)
-        except asyncio.CancelledError:  # the server is stopping: what the worker submitted, or still does, ends
-            run.cancel()
-            raise
+        pooled = await _on_worker(stopping, run.cancel, _prepare, state, run, raw, kind)
     if pooled is not None:  # an /invocations body for /v1/embeddings, /rerank or /score: answered as they answer
         return await pooling_run(state, request, pooled.job, pooled.answer)
     if run.job.stream:
@@ -72,7 +78,7 @@ async def _tokenizer_call(state: ServeState, request: Request, work: Any, gate: 
     on a worker thread under the same gate as their parsing and tokenizing (a big body's encode would stall the
     event loop, and the tokenizer is used by one request at a time)."""
     try:
-        raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+        raw = await _read(request, state, gate, stopping)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
     async with gate.turn():

@@ -1,5 +1,6 @@
 """The server's parse gate: one request's body parsed and tokenized at a time, in arrival order, and a request of many
-prompts hands its turn to those waiting between two prompts, so a small request is not parsed after all of them."""
+prompts hands its turn to those waiting between two prompts, so a small request is not parsed after all of them. A big
+body's JSON is read before its turn, in the gate's body lane, so a small request does not wait for that either."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class ParseGate:
     doing the parse calls :func:`pass_turn` between prompts, which lets every request then waiting go first."""
 
     def __init__(self) -> None:
+        #: the body lane: a big body is read as JSON under it, one at a time in arrival order, before its turn here
+        #: (kvload.serve.worker._read), so its JSON (seconds for 20 MB of token ids) holds no small request back
+        self.bodies = asyncio.Lock()
         self._lock = threading.Lock()  # the event loop and parse threads both hand turns over
         self._holder: _Turn | None = None
         self._queue: deque[_Turn] = deque()

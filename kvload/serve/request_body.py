@@ -87,10 +87,38 @@ def _too_large(limit: int, got: str) -> BadRequest:
                       f"sets it), got {got}", status=413, code="request_too_large", headers={"Connection": "close"})
 
 
-def _load(raw: bytes | bytearray) -> Any:
+class LoadedBody:
+    """A request body already read as JSON (:func:`_load` of it, done ahead, off the parse gate): its size, and its
+    value or the refusal ``_load`` raised, raised again when the parse under the gate asks for it (so a big body's
+    refusal comes where a small one's does, in the same words). The raw bytes are not kept."""
+
+    __slots__ = ("error", "size", "value")
+
+    def __init__(self, raw: bytes | bytearray) -> None:
+        self.size = len(raw)
+        self.value: Any = None
+        self.error: Exception | None = None
+        try:
+            self.value = _load(raw)
+        except Exception as exc:  # a refusal (or a failure): the parse raises it in its turn
+            self.error = exc
+
+    def __len__(self) -> int:
+        return self.size
+
+
+#: A request body as a route's parse takes it: the bytes read, or those bytes already loaded as JSON.
+Body = bytes | bytearray | LoadedBody
+
+
+def _load(raw: Body) -> Any:
     """A request body's JSON, in UTF-8, UTF-16 or UTF-32 (a BOM or none: RFC 4627's detection by the first bytes'
     zeros, what ``json.loads`` of bytes, so vLLM's FastAPI, reads); ``BadRequest`` for one that is not text in its
-    encoding, nested too deeply, not JSON, or with a key given twice."""
+    encoding, nested too deeply, not JSON, or with a key given twice. A :class:`LoadedBody`: what loading it gave."""
+    if isinstance(raw, LoadedBody):
+        if raw.error is not None:
+            raise raw.error
+        return raw.value
     encoding = json.detect_encoding(raw)
     try:
         # decoded here, strictly (json.loads of bytes lets UTF-8-encoded surrogates through), then depth-checked as

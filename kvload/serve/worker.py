@@ -9,7 +9,28 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvload.serve.request_body import _shutting_down
+from kvload.serve.parse_gate import ParseGate
+from kvload.serve.request_body import Body, LoadedBody, _read_body, _shutting_down
+from kvload.serve.state import ServeState
+
+#: Bodies of at most this many bytes are read as JSON in their turn at the parse gate (a millisecond or so); a bigger
+#: one is read first, in the gate's body lane (:func:`_read`).
+SMALL_BODY = 64 << 10
+
+
+async def _read(request: Any, state: ServeState, gate: ParseGate, stopping: asyncio.Event) -> Body:
+    """The request's body, as a route's parse takes it. One of more than :data:`SMALL_BODY` bytes is read as JSON here
+    (:class:`LoadedBody`), on a worker thread, in the gate's body lane (one such body at a time, in arrival order),
+    holding no turn at the gate: 20 MB of token ids took seconds of ``json.loads`` in its turn, and every request that
+    came meanwhile, a one-token completion too, waited for all of it. A flood of big bodies still reads one at a
+    time. ``ClientDisconnect`` and the refusals of :func:`_read_body` as it raises them."""
+    raw = await _read_body(request, state.max_request_bytes, state.read_timeout_s, stopping)
+    if len(raw) <= SMALL_BODY:
+        return raw
+    async with gate.bodies:
+        if stopping.is_set():  # queued here when the stop came: no JSON read for a request that is refused
+            raise _shutting_down()
+        return await _on_worker(stopping, lambda: None, LoadedBody, raw)
 
 
 async def _on_worker(stopping: asyncio.Event, on_stop: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
