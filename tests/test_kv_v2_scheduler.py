@@ -671,6 +671,30 @@ def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_
     assert list(waiting) == [fresh] and running == [follow]
 
 
+@pytest.mark.parametrize(("others", "waited", "first"), [(4, 3, "fresh"), (3, 3, "turn1"), (4, 2, "turn1")])
+def test_the_last_first_turn_goes_ahead_of_a_cached_history_once_few_wait_beside_the_batch(monkeypatch, others,
+                                                                                          waited, first):
+    # A first turn (no cached prefix) that waited LPM_CARRY steps beside a batch at least four times as many as the
+    # first turns waiting (LPM_FEW) goes in among the aged, ahead of a later turn whose history is cached: its
+    # conversation has every turn still to run, and admitted last it ran them alone at the end (tiny-llama multi-turn
+    # at half the budget: 1.18x V1's steps; with 96-token answers or 3 turns at a quarter, 1.07-1.09x). While more
+    # first turns wait, or it waited less, the cached history goes first (longest prefix first, as before).
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    monkeypatch.setattr(scheduler, "LPM_CARRY", 3)
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=others + 1, max_num_tokens=64, init_ratio=0.0)  # one slot free
+    fresh, follow = _cached_and_two_waiting(m)
+    running = [Request(f"other{i}", [400 + 10 * i + j for j in range(8)], 4, arrival=-1) for i in range(others)]
+    for r in running:
+        prefill(m, r)
+        r.state = RequestState.RUNNING
+    s._steps, fresh.queued_at, follow.queued_at = 10, 11 - waited, 10  # admitted at step 11, `waited` steps on
+    out = s.step(deque([fresh, follow]), running)
+    assert [r.req_id for r in out.admitted] == [first]
+
+
 def test_under_pressure_one_whole_prompt_is_admitted_per_step_and_cached_hits_join_it(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 
@@ -803,7 +827,7 @@ def test_a_turn_carries_the_wait_of_its_own_conversation_s_latest_turn(monkeypat
     assert s._carry_of(turn) == 3
 
 
-def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list[Request]:
+def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running: int = 0) -> list[Request]:
     """The "fcfs" admission order as one Python pass over the window computes it (the reference)."""
     import itertools
 
@@ -812,7 +836,7 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list
     if len(waiting) < 2 or s.manager.reuse_off_reason is not None:
         return list(waiting)
     now, m = s._steps, s.manager
-    aged, young = [], []
+    ranked = []
     for r in itertools.islice(waiting, scheduler.LPM_WINDOW):
         if r.state is not RequestState.WAITING:
             continue
@@ -826,9 +850,19 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request]) -> list
             rank = hit if hit >= scheduler.LPM_MIN_HIT else 1
         else:
             rank = 0
+        ranked.append((rank, r))
+    # the first turns waiting (the queue beyond the window counted among them) are few beside the running requests:
+    # those that waited LPM_CARRY steps go in among the aged (this layout has no sliding windows)
+    tail = max(0, len(waiting) - scheduler.LPM_WINDOW)
+    cold = sum(1 for rank, _ in ranked if rank == 0)
+    last = cold > 0 and cold + tail <= scheduler.LPM_FEW * running
+    aged, young = [], []
+    for rank, r in ranked:
+        waited = now - r.queued_at
+        is_aged = waited >= scheduler.LPM_AGE or (last and rank == 0 and waited >= scheduler.LPM_CARRY)
         if now - r.queued_at > 2 * scheduler.LPM_AGE:  # starved: before every aged one, in arrival order
             rank = float("inf")
-        (aged if now - r.queued_at >= scheduler.LPM_AGE else young).append((rank, r))
+        (aged if is_aged else young).append((rank, r))
     aged.sort(key=lambda e: e[0], reverse=True)
     young.sort(key=lambda e: e[0], reverse=True)
     return [r for _, r in aged + young] + list(itertools.islice(waiting, scheduler.LPM_WINDOW, None))
@@ -840,10 +874,11 @@ _STATES = [RequestState.WAITING] * 6 + [RequestState.SUSPENDED]
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12), st.sampled_from(_STATES), st.integers(-1, 16),
                           st.integers(-1, 6)), min_size=0, max_size=12),
-       st.lists(st.integers(0, 3), min_size=1, max_size=6))
-def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_window_gives(queue, evictions):
+       st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(0, 12))
+def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_window_gives(queue, evictions, running):
     # Queues longer and shorter than the window, requests joining it (no clock yet), aged ones, suspended ones
-    # skipped, hints unknown / none / found, cached prefixes that go stale as fresh prompts evict them between steps.
+    # skipped, hints unknown / none / found, cached prefixes that go stale as fresh prompts evict them between steps,
+    # running batches beside which the first turns waiting are few or not.
     # Both orders are taken step after step from twin queues (the same requests' copies): the orders and what each
     # leaves on the requests (their clocks and hints) must match.
     from unittest import mock
@@ -867,11 +902,11 @@ def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_windo
     fast_q, loop_q = deque(t[0] for t in twins), deque(t[1] for t in twins)
     fast_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
     loop_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
-    with mock.patch.multiple(scheduler, LPM_WINDOW=5, LPM_AGE=3, LPM_MIN_HIT=8):
+    with mock.patch.multiple(scheduler, LPM_WINDOW=5, LPM_AGE=3, LPM_MIN_HIT=8, LPM_CARRY=2):
         for step, evict in enumerate(evictions):
             fast_s._steps = loop_s._steps = step + 2
-            fast = [r.req_id for r in fast_s._cache_aware(fast_q)]
-            loop = [r.req_id for r in _cache_aware_by_loop(loop_s, loop_q)]
+            fast = [r.req_id for r in fast_s._cache_aware(fast_q, running)]
+            loop = [r.req_id for r in _cache_aware_by_loop(loop_s, loop_q, running)]
             assert fast == loop
             assert [(r.queued_at, r.cached_hint) for r in fast_q] == [(r.queued_at, r.cached_hint) for r in loop_q]
             for k in range(evict):  # fresh prompts take the pool's room: the oldest cached blocks are evicted

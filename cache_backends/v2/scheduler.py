@@ -45,6 +45,16 @@ One :meth:`~KVCacheV2Scheduler.step`:
    request that has waited more than ``2 * LPM_AGE`` steps goes before every aged one, in arrival order: by cached
    prefix alone, an aged request without a hit was overtaken by each turn of a conversation that joined aged with its
    history cached, for as long as the conversation went on.
+   **The last to start**: once the requests waiting without a cached prefix (first turns; the queue beyond the window
+   counted among them) number at most ``LPM_FEW`` of the running requests, those that waited ``LPM_CARRY`` steps go
+   in among the aged. Why: a first turn's conversation has every turn still to run, the longest chain left, and
+   longest prefix first puts it behind every live history; when a run is short beside ``LPM_AGE`` (96-token answers,
+   three turns, half the budget) the last conversations started after waiting 500-950 steps and ran their turns
+   alone at the end (tiny-llama ``multi-turn``: 1.07-1.18x V1's steps; now 1.00-1.02x, BENCHMARKS.md "The last
+   conversations to start"). Few: while many first turns wait, putting them first is strict arrival order again,
+   which loses the hits. Not while sliding windows free room (``held_back``): V2 then runs more requests at once
+   than V1, and a waiting turn's history, whose window blocks go within steps, is what a first turn put ahead costs
+   (tiny-gemma3 ``multi-turn`` at a quarter of the budget: 72.5% -> 70.8% reused, no step saved).
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
    request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
@@ -117,7 +127,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from operator import attrgetter, gt, is_, itemgetter, le, lt, not_
+from operator import and_, attrgetter, gt, is_, itemgetter, le, lt, not_, or_
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
@@ -140,6 +150,11 @@ LPM_WINDOW, LPM_AGE, LPM_MIN_HIT = 128, 1024, 512
 #: that few prompts are kept; 1, 256, 512 and 768 gave the same grid and variant figures (BENCHMARKS.md, "A
 #: conversation's wait carries"). At most ``LPM_WINDOW`` prompts are kept, the oldest dropped first.
 LPM_CARRY = 256
+#: The first turns waiting (requests that found no cached prefix, the queue beyond the window counted as such) go in
+#: among the aged once they number at most this share of the running requests (module docstring, "the last to
+#: start"): any share from a quarter to nearly a half gave the same variant figures (BENCHMARKS.md, "The last
+#: conversations to start").
+LPM_FEW = 0.25
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
 
@@ -276,7 +291,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if suspended:
                     budget = self._resume(suspended, waiting, running, out, chunks, budget, reasons)
                 if not any(r.state is RequestState.SUSPENDED for r in suspended):
-                    order = (self._cache_aware(waiting) if len(running) < self.max_batch_size and budget
+                    order = (self._cache_aware(waiting, len(running)) if len(running) < self.max_batch_size and budget
                              else list(waiting))
                     self._admit(order, waiting, running, out, chunks, budget, reasons)
 
@@ -384,7 +399,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                     return
             i = j
 
-    def _cache_aware(self, waiting: deque[Request]) -> list[Request]:
+    def _cache_aware(self, waiting: deque[Request], running: int = 0) -> list[Request]:
         """The "fcfs" admission order: of the first ``LPM_WINDOW`` waiting requests, those waiting ``LPM_AGE`` steps
         or longer in arrival order, then the rest by their cached prefix now, longest first; a request whose prefix
         was evicted since it joined goes behind every live hit but ahead of those that never had one (ties and the
@@ -423,8 +438,18 @@ class KVCacheV2Scheduler(SchedulerBase):
                 ranks[i] = hit if hit >= LPM_MIN_HIT else 1
         aged: list[Request] = []
         old = now - LPM_AGE
-        if min(queued) <= old:  # waited LPM_AGE steps or longer: first, by their cached prefix, then in arrival order
+        # the last first turns, few beside the running requests, go in among the aged once they waited LPM_CARRY
+        # steps: their conversations have every turn still to run (module docstring, "the last to start"); not while
+        # sliding windows free room (held_back answers a list): V2 then runs more at once than V1 and a turn's
+        # history, its window blocks let go within steps, is what a first turn put ahead of it costs
+        cold = ranks.count(0)
+        last = (bool(cold) and cold + len(tail) <= LPM_FEW * running
+                and m.held_back(0.0, self._longest) is None)
+        if last or min(queued) <= old:  # waited LPM_AGE steps or longer: first, by their cached prefix, then arrival
             mask = list(map(le, queued, itertools.repeat(old)))
+            if last:
+                mask = list(map(or_, mask, map(and_, map(not_, ranks),
+                                               map(le, queued, itertools.repeat(now - LPM_CARRY)))))
             # but those that waited more than twice LPM_AGE go before them, in arrival order: a conversation's turns
             # join aged (the wait they carry), each with its history cached, and by prefix alone they overtook an aged
             # request without a hit turn after turn

@@ -1,0 +1,100 @@
+"""V1 against V2 over the ``multi-turn`` workload's variants, side by side: steps and prefix reuse.
+
+The table of BENCHMARKS.md "A conversation's wait carries": tiny-llama ``multi-turn``
+(``make_workload("multi-turn", None, 0, **args)``) at a quarter of each variant's default budget unless said, and
+"Cache-aware admission"'s two-turn case at 3,072-6,144 tokens of KV. V1's
+figures do not depend on V2's scheduler, so ``--v1-cache FILE`` keeps them between runs (a probe of a V2 rule then
+runs V2 only)::
+
+    python -m bench.probe_mt_variants                        # every variant, both managers
+    python -m bench.probe_mt_variants --only turns3,half --v1-cache /tmp/v1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+CPU = {"device": "cpu", "log": False, "progress": False}
+#: label -> (workload arguments, share of the variant's default budget)
+VARIANTS: dict[str, tuple[dict[str, int], float]] = {
+    "default": ({}, 0.25),
+    "turns3": ({"turns": 3}, 0.25),
+    "turns5": ({"turns": 5}, 0.25),
+    "turns6": ({"turns": 6}, 0.25),
+    "first640": ({"first_len": 640}, 0.25),
+    "first384": ({"first_len": 384}, 0.25),
+    "answer96": ({"answer_len": 96}, 0.25),
+    "user128": ({"user_len": 128}, 0.25),
+    "half": ({}, 0.5),
+}
+#: "Cache-aware admission"'s tail case: 16 two-turn conversations of 640-token prompts, 32-token turns and answers, at
+#: a budget in tokens (``max_tokens``) -> the budget
+TWO_TURNS = {"user_len": 32, "answer_len": 32, "turns": 2, "first_len": 640}
+VARIANTS.update({f"2turn-{n}": (TWO_TURNS, float(n)) for n in (3072, 4096, 5120, 6144)})
+
+
+def run_variant(label: str, model: str, v1: dict[str, Any] | None) -> dict[str, Any]:
+    """Both managers (V1 from ``v1`` when given) on one variant: steps, hit rate, ideal hit rate."""
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    args, share = VARIANTS[label]
+    two = label.startswith("2turn-")
+    wl = make_workload("multi-turn", 32 if two else None, 0, **args)
+    if v1 is None:
+        kv: dict[str, Any] = ({"max_tokens": int(share)} if two
+                              else {"max_gpu_total_bytes": int(simulate(model, wl, **CPU).budget.bytes * share)})
+        report = simulate(model, wl, compare=True, kv_cache_config=kv, **CPU)
+        m1, m2 = report.results["KVCacheManager"].metrics, report.results["KVCacheManagerV2"].metrics
+        v1 = {"steps": m1.steps, "hit": m1.hit_rate, "kv": kv}
+    else:
+        kv = {**v1["kv"], "use_kv_cache_manager_v2": True}
+        report = simulate(model, wl, kv_cache_config=kv, **CPU)
+        m2 = report.results["KVCacheManagerV2"].metrics
+    return {"v1": v1, "v2": {"steps": m2.steps, "hit": m2.hit_rate, "ideal": m2.ideal_hit_rate}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the variants and print one line each."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--v1-cache", default=None, help="JSON file of V1's figures: read where present, else written")
+    p.add_argument("--json", default=None, help="write the figures here")
+    a = p.parse_args(argv)
+    labels = a.only.split(",")
+    unknown = [x for x in labels if x not in VARIANTS]
+    if unknown:
+        p.error(f"--only: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    cache: dict[str, Any] = {}
+    if a.v1_cache and os.path.exists(a.v1_cache):
+        with open(a.v1_cache) as f:
+            cache = json.load(f)
+    out: dict[str, Any] = {}
+    print("| variant | V1 steps | V2 steps | V2/V1 | hit V1 | hit V2 (of ideal) |")
+    print("|---|--:|--:|--:|--:|--:|")
+    for label in labels:
+        start = time.perf_counter()
+        key = f"{a.model}:{label}"
+        r = run_variant(label, a.model, cache.get(key))
+        cache[key] = r["v1"]
+        out[label] = r
+        v1, v2 = r["v1"], r["v2"]
+        print(f"| {label} | {v1['steps']:,} | {v2['steps']:,} | {v2['steps'] / v1['steps']:.3f} | {v1['hit']:.1%} | "
+              f"{v2['hit']:.1%} ({v2['hit'] / v2['ideal']:.0%}) |", flush=True)
+        print(f"  {label}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if a.v1_cache:
+        with open(a.v1_cache, "w") as f:
+            json.dump(cache, f, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
