@@ -106,6 +106,11 @@ from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
 Prompt = str | Sequence[int]
 
 
+#: A pooled request as a refusal names it, by the call that makes it (``LLM.classify``, ``LLM.reward``; an
+#: embedding otherwise: ``LLM.embed``, ``LLM.score``'s embeddings)
+POOLED = {"embed": "an embedding", "classify": "a classification", "reward": "a reward (every token's scores)"}
+
+
 class StreamLeft(GenerationError):
     """A stream's consumer on rank 0 left: raised on every rank after the same step (``stream_stop``)."""
 
@@ -1045,7 +1050,8 @@ class GenerationExecutor:
         offsets = list(itertools.accumulate(keep, initial=0))
         # pooling requests: the output projection's input at the prompt's last token (embed, classify), or at each of
         # its tokens as the prompt's chunks are computed (reward)
-        pooling = [(s.request.req_id, offsets[i], offsets[i + 1], ends) for i, s in enumerate(out.scheduled)
+        pooling = [(s.request.req_id, s.request.num_computed_tokens, offsets[i], offsets[i + 1], ends)
+                   for i, s in enumerate(out.scheduled)
                    if self.pooled.wanted(s.request.req_id)
                    and ((ends := s.request.num_computed_tokens + s.num_tokens >= s.request.num_prompt_tokens)
                         or self.pooled.every_token(s.request.req_id))] \
@@ -1229,16 +1235,18 @@ class GenerationExecutor:
             items.append((said[i].text, prompt))  # a TokensPrompt's own text, if it gave one (vLLM's)
         return self._check_items(items) if checked else items
 
-    def _check_items(self, items: list[tuple[str | None, list[int]]], *,
-                     pool: bool = False) -> list[tuple[str | None, list[int]]]:
+    def _check_items(self, items: list[tuple[str | None, list[int]]], *, pool: bool = False,
+                     what: str | None = None) -> list[tuple[str | None, list[int]]]:
         """``items`` unchanged once every prompt's ids are non-empty, in the vocabulary and leave room to generate
-        (``pool``, an embedding's: fit in ``max_seq_len``, vLLM's ``max_model_len``, nothing being generated)."""
+        (``pool``, an embedding's: fit in ``max_seq_len``, vLLM's ``max_model_len``, nothing being generated).
+        ``what``: the pooled request as the refusal names it; None: as the call running names it (:data:`POOLED`)."""
+        what = what or POOLED.get(self._caller, POOLED["embed"])
         for i, (_, ids) in enumerate(items):
             if not ids:
                 raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
             self._check_vocab(f"prompt {i}", ids)
             if pool and len(ids) > self.max_seq_len:
-                raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens; an embedding takes at most "
+                raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens; {what} takes at most "
                                       f"max_seq_len={self.max_seq_len} (vLLM's max_model_len); shorten it, keep its "
                                       "last tokens (truncate_prompt_tokens) or raise max_seq_len")
             if not pool and len(ids) >= self.max_seq_len:

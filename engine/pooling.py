@@ -184,8 +184,9 @@ class PooledRows:
 
     def __init__(self) -> None:
         self._rows: dict[str, torch.Tensor | None] = {}
-        #: per-token requests: the rows captured so far, one tensor per computed chunk of the prompt
-        self._parts: dict[str, list[torch.Tensor]] = {}
+        #: per-token requests: the rows captured so far, one (its first token's position, its rows) per computed chunk
+        #: of the prompt
+        self._parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._rows)
@@ -212,11 +213,12 @@ class PooledRows:
         return self._rows.pop(req_id, None)
 
     @contextlib.contextmanager
-    def capture(self, model: Any, rows: Sequence[tuple[str, int, int, bool]]) -> Iterator[None]:
-        """Around one forward: ``rows`` (request id, first and past-the-last index of its rows among the logits rows,
-        whether its prompt ends in this step) get the output projection's input at those rows: the last one of a
-        last-row request, every one of a per-token request (kept until its prompt ends); nothing is hooked when
-        ``rows`` is empty."""
+    def capture(self, model: Any, rows: Sequence[tuple[str, int, int, int, bool]]) -> Iterator[None]:
+        """Around one forward: ``rows`` (request id, the position in its prompt of the step's first token of it, first
+        and past-the-last index of its rows among the logits rows, whether its prompt ends in this step) get the
+        output projection's input at those rows: the last one of a last-row request, every one of a per-token request
+        (kept until its prompt ends; a chunk computed again, as a preempted request's prompt is from token 0, replaces
+        the rows it had); nothing is hooked when ``rows`` is empty."""
         if not rows:
             yield
             return
@@ -231,14 +233,17 @@ class PooledRows:
             raise GenerationError(f"embed: the model's output projection ran {len(seen)} times in one forward; "
                                   "its pooled hidden states cannot be told apart")
         hidden = seen[0].reshape(-1, seen[0].shape[-1])
-        for req_id, first, stop, ends in rows:
+        for req_id, start, first, stop, ends in rows:
             parts = self._parts.get(req_id)
             if parts is None:
                 self._rows[req_id] = hidden[stop - 1].detach().to("cpu", copy=True)
                 continue
-            parts.append(hidden[first:stop].detach().to("cpu", copy=True))
+            # rows of positions from start on were computed before the request was preempted: this chunk's replace them
+            kept = [(at, part[:start - at]) for at, part in parts if at < start]
+            kept.append((start, hidden[first:stop].detach().to("cpu", copy=True)))
+            self._parts[req_id] = kept
             if ends:
-                self._rows[req_id] = torch.cat(parts)
+                self._rows[req_id] = torch.cat([part for _, part in kept])
 
 
 @attrs.frozen

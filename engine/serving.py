@@ -52,7 +52,7 @@ from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.driver import Driver, StalledError, StepStats, at_length
-from engine.executor import GenerationExecutor
+from engine.executor import POOLED, GenerationExecutor
 from engine.penalties import penalize
 from engine.prompts import apply_template, check_text, missing_template
 from engine.sampling import sample_rows, top_logprobs
@@ -385,19 +385,21 @@ class ServingEngine:
         return ids
 
     def encode_messages(self, messages: list[dict[str, str]], template: Mapping[str, Any] | None = None, *,
-                        add_special_tokens: bool = False, room: bool = True) -> list[int]:
+                        add_special_tokens: bool = False, room: bool = True,
+                        instead: str = "use /v1/completions with token ids") -> list[int]:
         """Token ids of a chat conversation through the chat template (the tokenizer's, or
         ``template["chat_template"]``), ready for the reply. ``template``: ``engine.prompts.template_options``'
         keywords (vLLM's add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs);
         ``add_special_tokens``: the tokenizer's BOS on top of what the template writes (vLLM's, off by default);
-        ``room``: refuse a conversation that leaves no room to generate (off for /tokenize)."""
+        ``room``: refuse a conversation that leaves no room to generate (off for /tokenize); ``instead``: what the
+        refusal of a tokenizer without a chat template offers (the endpoint's own field for a prompt)."""
         template = dict(template or {})
         for j, m in enumerate(messages):  # a lone surrogate would reach the tokenizer as a TypeError
             check_text(f"messages[{j}].content", m["content"])
         tok = self.tokenizer
         missing = missing_template(tok, template, self.executor.name)
         if missing is not None:
-            raise GenerationError(f"messages: {missing}; use /v1/completions with token ids")
+            raise GenerationError(f"messages: {missing}; {instead}")
         # what apply_chat_template(tokenize=True) does (and LLM.chat): the text, then its ids with no special
         # tokens of the tokenizer's own unless asked (the template already holds them)
         text = apply_template(tok, "messages", messages, tokenize=False, content_format=self.content_format, **template)
@@ -422,14 +424,15 @@ class ServingEngine:
                                   f"this tokenizer covering at most {per_token}) leave no room to generate "
                                   f"under max_seq_len={limit}; shorten it or raise max_seq_len")
 
-    def check_embedding_chars(self, where: str, text: str) -> None:
-        """As :meth:`_check_chars` for an embedding's input, which may fill ``max_seq_len`` (nothing is generated):
-        worded as the executor words one past it."""
+    def check_embedding_chars(self, where: str, text: str, what: str = POOLED["embed"]) -> None:
+        """As :meth:`_check_chars` for an embedding's input (``what``: the pooled request, as
+        ``engine.executor.POOLED`` names it), which may fill ``max_seq_len`` (nothing is generated): worded as the
+        executor words one past it."""
         fewest, per_token = self._fewest_tokens(text)
         limit = self.executor.max_seq_len
         if fewest > limit:
             raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of this "
-                                  f"tokenizer covering at most {per_token}); an embedding takes at most "
+                                  f"tokenizer covering at most {per_token}); {what} takes at most "
                                   f"max_seq_len={limit} (vLLM's max_model_len); shorten it, keep its last tokens "
                                   "(truncate_prompt_tokens) or raise max_seq_len")
 
@@ -515,15 +518,17 @@ class ServingEngine:
         """Tokens a request with this prompt may generate before ``max_seq_len``."""
         return self.executor.max_seq_len - len(prompt_token_ids)
 
-    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, pool: bool = False) -> Request:
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams, *, pool: bool = False,
+              what: str | None = None) -> Request:
         """The request these would make, its prompt cut to ``params.truncate_prompt_tokens`` as ``generate`` cuts it;
         ``GenerationError``/``KvBuildError`` when it could never run. It reports nothing: a cut that keeps one token
         fewer than asked is said once, by the submit that queues the request (a server checks, then submits).
-        ``pool``: an embedding's prefill (``Request.prefill_only``), whose prompt may fill ``max_seq_len``."""
-        return self._check(prompt_token_ids, params, [], pool=pool)
+        ``pool``: an embedding's prefill (``Request.prefill_only``), whose prompt may fill ``max_seq_len``; ``what``:
+        the pooled request as a refusal names it (``engine.executor.POOLED``)."""
+        return self._check(prompt_token_ids, params, [], pool=pool, what=what)
 
     def _check(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               notes: list[tuple[str, Any, str]], *, pool: bool = False) -> Request:
+               notes: list[tuple[str, Any, str]], *, pool: bool = False, what: str | None = None) -> Request:
         """:meth:`check`, ``notes`` getting the ``setting_ignored`` (field, value, reason) of its cut, if any."""
         executor = self.executor
         if not pool:
@@ -531,7 +536,8 @@ class ServingEngine:
         items = executor._prompts([[int(t) for t in prompt_token_ids]], False, checked=False)
         # cut to params.truncate_prompt_tokens first, as generate does (kvload serve cuts before: no field set), then
         # the vocabulary and the length are checked
-        ((_, ids),) = executor._check_items(executor._truncated(items, [params], notes, pool=pool), pool=pool)
+        ((_, ids),) = executor._check_items(executor._truncated(items, [params], notes, pool=pool), pool=pool,
+                                            what=what)
         executor._params(params, {}, 1)  # the same checks as generate: stop ids in the vocabulary, logprobs
         request = Request(f"srv-{next(self._ids)}", ids, 1 if pool else min(params.max_new_tokens, self.room(ids)),
                           prefill_only=pool)  # an embedding's one token is dropped (its KV never written)

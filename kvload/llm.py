@@ -53,7 +53,7 @@ from models.classifier import ClassifierHead, head_logits, head_of, no_head, not
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
-from pipeline.errors import ConfigError, GenerationError, OutputError, retitled, unknown_argument
+from pipeline.errors import ConfigError, GenerationError, KvBuildError, OutputError, retitled, unknown_argument
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, plain_scalar, short
 from pipeline.thread_end import EndingThread
@@ -120,10 +120,11 @@ _OTHER_TASKS_SWITCH = {"use_activation": "a classifier's switch (LLM.classify); 
 
 @contextlib.contextmanager
 def _named(call: str) -> Iterator[None]:
-    """Errors the shared executor titles ``generate:`` name the call the user made (``chat:``, ``beam_search:``)."""
+    """Errors the shared executor titles ``generate:`` name the call the user made (``chat:``, ``beam_search:``,
+    ``reward:``), a prompt the KV pools cannot hold (``KvBuildError``) too."""
     try:
         yield
-    except GenerationError as e:
+    except (GenerationError, KvBuildError) as e:
         if e.args and isinstance(e.args[0], str):
             e.args = (retitled(e.args[0], call), *e.args[1:])
         raise
@@ -634,7 +635,7 @@ class LLM:
         return [PoolingRequestOutput(
             request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
             num_cached_tokens=out.num_cached_tokens,
-            outputs=PoolingOutput(head.probs(head_logits(model, list(tokens)), p.use_activation is not False)))
+            outputs=PoolingOutput(head.probs(head_logits(model, tokens), p.use_activation is not False)))
             for out, tokens, p in zip(outputs, rows, pooling, strict=True)]
 
     @_keywords

@@ -190,6 +190,19 @@ def classifier_of(architecture: str) -> str | None:
     return CONVERTED.get(architecture)
 
 
+def convertible(hf_config: Any, given_as: str) -> str:
+    """The ``*ForSequenceClassification`` architecture a causal LM's config converts to (:func:`classifier_of`),
+    read off the config as it is (nothing imported); ``ModelError`` naming ``given_as`` for one kvload does not
+    classify."""
+    architecture = architecture_of(hf_config)
+    made = classifier_of(architecture)
+    if made is None:
+        families = ", ".join(CONVERTED)
+        raise ModelError(f"{given_as}: {CONVERT_CLASSIFY!r} makes a classifier of a causal LM of the families kvload "
+                         f"classifies ({families}); the checkpoint is {architecture or 'of no architecture'}")
+    return made
+
+
 def converted_config(hf_config: Any, given_as: str) -> Any:
     """A copy of a causal LM's transformers config as vLLM's ``as_seq_cls_model`` reads it: ``architectures[0]`` its
     ``*ForSequenceClassification`` (:func:`classifier_of`), so the weights load with a ``score`` head of
@@ -199,12 +212,7 @@ def converted_config(hf_config: Any, given_as: str) -> Any:
 
     from models.config_view import transformers_config
 
-    architecture = architecture_of(hf_config)
-    made = classifier_of(architecture)
-    if made is None:
-        families = ", ".join(CONVERTED)
-        raise ModelError(f"{given_as}: {CONVERT_CLASSIFY!r} makes a classifier of a causal LM of the families kvload "
-                         f"classifies ({families}); the checkpoint is {architecture or 'of no architecture'}")
+    made = convertible(hf_config, given_as)
     config = copy.deepcopy(transformers_config(hf_config))
     config.architectures = [made]
     return config
@@ -316,15 +324,17 @@ def not_one_score(call: str, head: ClassifierHead) -> str | None:
             "class probabilities")
 
 
-def head_logits(model: Any, rows: list[Any]) -> Any:
+def head_logits(model: Any, rows: Any) -> Any:
     """The classifier head (the loaded model's output projection, its ``score`` Linear) applied once to the pooled
-    rows (``engine.pooling.PooledRows``) stacked: a ``(rows, labels)`` float32 tensor on the CPU, one copy back."""
+    rows (``engine.pooling.PooledRows``; a list of rows, or a ``(tokens, hidden)`` tensor of one prompt's) stacked: a
+    ``(rows, labels)`` float32 tensor on the CPU, one copy each way."""
     import torch
 
     head = model.get_output_embeddings()
     with torch.no_grad():
-        stacked = torch.stack([row.to(device=head.weight.device, dtype=head.weight.dtype) for row in rows])
-        return head(stacked).float().cpu()
+        # stacked where the rows are, then moved once (a copy per row was one device transfer per token for reward)
+        stacked = rows if isinstance(rows, torch.Tensor) else torch.stack(list(rows))
+        return head(stacked.to(device=head.weight.device, dtype=head.weight.dtype)).float().cpu()
 
 
 def no_head(call: str, model: str, architecture: str) -> str:
@@ -344,6 +354,6 @@ def not_generative(call: str, head: ClassifierHead) -> str:
 
 __all__ = ["CONVERTED", "CONVERT_CLASSIFY", "FROM_TWO_TOKENS", "GEMMA3_CLASSIFIER", "GEMMA3_CLASSIFIERS",
            "HEAD_ATTRIBUTE", "LLAMA_CLASSIFIERS", "SCORE_ACTIVATIONS", "SEQUENCE_CLASSIFIERS", "ClassifierHead",
-           "architecture_of", "as_causal_shell", "check_score_head", "classifier_of", "converted_config",
+           "architecture_of", "as_causal_shell", "check_score_head", "classifier_of", "converted_config", "convertible",
            "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative", "not_one_score",
            "pair_ids", "pair_length", "token_head_tokens", "unserved_classifier", "with_token_head"]

@@ -11,6 +11,7 @@ from models.classifier import (
     architecture_of,
     check_score_head,
     converted_config,
+    convertible,
     is_sequence_classifier,
     token_head_tokens,
     unserved_classifier,
@@ -186,11 +187,12 @@ class ApplyModelDefaults:
                                        "*ForSequenceClassification one classifies as it is, as vLLM leaves a pooling "
                                        f"model unconverted (from {given.source})"))
             return hf_config
-        config = converted_config(hf_config, key)  # refuses an architecture kvload does not classify
-        if checkpoint.kind == "preset" or checkpoint.gguf_file:
+        convertible(hf_config, key)  # refuses an architecture kvload does not classify, importing nothing
+        if checkpoint.kind == "preset" or checkpoint.gguf_file:  # before converted_config imports transformers
             what = "a preset, with random weights" if checkpoint.kind == "preset" else "a GGUF file, a language model"
             raise ModelError(f"{key}: {given.value!r}: {checkpoint.name} is {what} and no classifier head "
                              "(score.weight) to load; give a checkpoint directory whose weights carry score.weight")
+        config = converted_config(hf_config, key)
         if token_head_tokens(config) is None:  # the head comes from the weights, not from two tokens of lm_head
             check_score_head(checkpoint.path, config, key)
         emit(ModelConverted(given_as=key, value=given.value, old=architecture, new=architecture_of(config),

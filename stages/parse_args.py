@@ -46,7 +46,7 @@ class ParseArgs:
                 raise ConfigError(str(exc), path=exc.path, detail=exc.detail, source=req.source) from None
         sources.append((req.source, tree))
         sources = [(label, self._take_hf_overrides(ctx, label, tree, req.config_file, emit)) for label, tree in sources]
-        sources = [(label, self._take_convert(ctx, label, tree)) for label, tree in sources]
+        sources = self._take_convert(ctx, sources, emit)
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
@@ -104,18 +104,44 @@ class ParseArgs:
         return rest
 
     @staticmethod
-    def _take_convert(ctx: Context, label: str, tree: Any) -> Any:
+    def _take_convert(ctx: Context, sources: list[tuple[str, Any]], emit: Emit) -> list[tuple[str, Any]]:
         """Take vLLM's ``convert="classify"`` (and ``task="classify"``, which vLLM maps to it for a generative model)
-        out of a source's tree into ``ctx.convert`` (the last one given): ``apply_model_defaults`` makes a causal LM
-        a classifier, or says the setting ignored for a classifier. Other values stay vLLM knobs."""
-        if not isinstance(tree, dict):
-            return tree
-        rest = dict(tree)
-        for key in ("convert", "task"):
-            if rest.get(key) != CONVERT_CLASSIFY:
+        out of the sources' trees into ``ctx.convert``: ``apply_model_defaults`` makes a causal LM a classifier, or
+        says the setting ignored for a classifier. A later source's other value of the same key wins (a
+        ``source_conflict``) and stays a vLLM knob; ``classify`` with a runner or task ``generate`` is refused (vLLM
+        has no conversion for its generate runner, ``_RUNNER_CONVERTS["generate"]`` is empty: a classifier pools)."""
+        taken: list[tuple[str, Any]] = []
+        last: dict[str, UserValue] = {}  # convert / task / runner -> the last source's value
+        for label, tree in sources:
+            if not isinstance(tree, dict):
+                taken.append((label, tree))
                 continue
-            ctx.convert = (key, UserValue(rest.pop(key), label))
-        return rest
+            rest = dict(tree)
+            for key in ("convert", "task", "runner"):
+                if key not in rest:
+                    continue
+                value = rest[key]
+                earlier = last.get(key)
+                if key != "runner" and earlier is not None and CONVERT_CLASSIFY in (earlier.value, value) \
+                        and earlier.value != value:
+                    # the other leaf of the conflict never reaches the merge (one of them is popped here)
+                    emit(SourceConflict(field=key, kept=value, kept_source=label, overridden=earlier.value,
+                                        overridden_source=earlier.source))
+                last[key] = UserValue(value, label)
+                if key != "runner" and value == CONVERT_CLASSIFY:
+                    rest.pop(key)
+            taken.append((label, rest))
+        classify = [key for key in ("convert", "task") if key in last and last[key].value == CONVERT_CLASSIFY]
+        if classify:
+            generate = [key for key in ("task", "runner") if key in last and last[key].value == "generate"]
+            if generate:
+                key, other = classify[0], generate[0]
+                raise ConfigError(f"{key}: {CONVERT_CLASSIFY!r} makes a classifier, which pools, and {other} "
+                                  f"{last[other].value!r} (from {last[other].source}) does not pool; drop one (runner "
+                                  "'pooling' or 'auto' with convert 'classify')", path=key,
+                                  source=last[key].source)
+            ctx.convert = (classify[-1], last[classify[-1]])
+        return taken
 
     @staticmethod
     def _drop_ignored(label: str, tree: dict[str, Any], config_file: str | None, emit: Emit) -> dict[str, Any]:

@@ -271,3 +271,46 @@ def test_a_classifier_refuses_normalize_and_an_embedding_use_activation_before_a
     with kvload.LLM(str(cross_encoder), dtype="float32", **llm_kwargs()) as llm, \
             pytest.raises(GenerationError, match=r"^score: pooling_params' normalize is an embedding's switch"):
         llm.score("w5", "w6", pooling_params=kvload.PoolingParams(normalize=False))
+
+
+def test_classify_and_reward_refusals_name_the_call_and_what_it_makes(three_labels):
+    """A prompt past max_seq_len is named as the request it would be (a classification, a reward), not an embedding;
+    a prompt the KV pools cannot hold is titled by the call made (reward:), not generate:."""
+    from pipeline.errors import KvBuildError
+
+    with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs()) as llm:
+        with pytest.raises(GenerationError, match=r"^classify: prompt 0: 65 tokens; a classification takes at most "
+                                                  r"max_seq_len=64"):
+            llm.classify([[1] * 65])
+        with pytest.raises(GenerationError, match=r"^reward: prompt 0: 65 tokens; a reward \(every token's scores\) "
+                                                  r"takes at most max_seq_len=64"):
+            llm.reward([[1] * 65])
+        with pytest.raises(GenerationError, match=r"^embed: prompt 0: 65 tokens; an embedding takes at most"):
+            llm.embed([[1] * 65])
+    with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs(max_tokens=16)) as llm, \
+            pytest.raises(KvBuildError, match=r"^reward: prompt 0: 40 prompt tokens \+ nothing generated need "):
+        llm.reward([[1] * 40])
+
+
+
+def test_reward_rows_of_a_preempted_prompt_are_its_tokens_once(three_labels):
+    """A per-token request the V2 manager preempts is computed again from token 0: its rows are the prompt's, one per
+    token, as LLM.reward computes it alone (the first attempt's rows were kept before the second's: 116 for 60)."""
+    from engine.sampling_params import SamplingParams
+    from models.classifier import head_logits
+
+    a = [(7 * i + 5) % 500 + 1 for i in range(60)]
+    b = [(5 * i + 3) % 500 + 1 for i in range(60)]
+    kwargs = {**llm_kwargs("v2", max_tokens=64, host_cache_size=0), "max_num_tokens": 8}
+    with kvload.LLM(str(three_labels), dtype="float32", scheduling_policy="priority", **kwargs) as llm:
+        with llm.result.running() as executor:
+            outs = executor.run([a, b], SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), pool=True,
+                                every_token=True, priority=[5, 0], arrival_steps=[0, 3])
+            rows = [executor.pooled.take(o.request_id) for o in outs]
+        assert llm.result.kv_manager.counters["preemptions"] > 0  # b's arrival preempted a, which then ran again
+        assert [r.shape[0] for r in rows] == [60, 60]
+        head = llm._head("reward")
+        for got, ids in zip(rows, (a, b), strict=True):
+            want = llm.reward([ids])[0].outputs.data
+            torch.testing.assert_close(head.probs(head_logits(llm.result.hf_model, got), True), want,
+                                       atol=1e-5, rtol=1e-4)

@@ -99,3 +99,46 @@ def test_a_causal_lm_without_a_score_head_is_refused_naming_what_would_work(tmp_
                                          r"classifies \(LlamaForCausalLM, .*Gemma3ForCausalLM\); the checkpoint is "
                                          r"DeepseekV3ForCausalLM"):
         kvload.plan("tiny-deepseek-v3", task="classify", log=False)
+
+
+@pytest.mark.parametrize("value", ["none", "embed"])
+def test_the_command_line_overrides_a_config_files_convert_classify(llama_with_score, tmp_path, capsys, value):
+    """CLI beats config file for convert as for any field: a YAML ``convert: classify`` under ``--convert none``
+    leaves the causal LM unconverted, the override one source_conflict (not ``setting_ignored "(from cli)"``); the
+    same source's classify stays what converts."""
+    config = tmp_path / "c.yaml"
+    config.write_text("convert: classify\n")
+    plan = kvload.plan(str(llama_with_score), config_file=str(config), convert=value, log=False)
+    assert plan.audit.of("model_converted") == []
+    assert [(e["field"], e["kept"], e["kept_source"], e["overridden"], e["overridden_source"])
+            for e in plan.audit.of("source_conflict")] == [("convert", value, "api", "classify", "config_file")]
+    r = run_cli(capsys, "plan", str(llama_with_score), "--config", str(config), "--convert", value)
+    assert r.code == 0 and "LlamaForSequenceClassification" not in r.out + r.err
+    kept = kvload.plan(str(llama_with_score), config_file=str(config), log=False)
+    assert [e["new"] for e in kept.audit.of("model_converted")] == ["LlamaForSequenceClassification"]
+
+
+@pytest.mark.parametrize("flag", ["--task", "--runner"])
+def test_convert_classify_with_a_runner_that_does_not_pool_is_refused_in_one_line(llama_with_score, capsys, flag):
+    """vLLM refuses a conversion for a runner that does not pool: ``--convert classify --task generate`` (or
+    ``--runner generate``) is one line naming both, exit 2, nothing loaded."""
+    r = run_cli(capsys, "plan", str(llama_with_score), "--convert", "classify", flag, "generate")
+    assert r.code == 2 and "Traceback" not in r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+    assert "convert: 'classify'" in r.err and f"{flag[2:]} 'generate'" in r.err
+
+
+def test_a_presets_task_classify_is_refused_before_torch_or_transformers_is_imported():
+    """A plan stays quick: ``kvload plan tiny-llama --task classify`` is refused (a preset has no score head to
+    load) before anything imports torch or transformers, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvload", "plan", "tiny-llama", "--task",
+                           "classify"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "kvload.cli" in imported and not imported & {"torch", "transformers"}
+    assert "a preset, with random weights" in done.stderr

@@ -76,7 +76,10 @@ def test_classify_answers_vllms_classification_response_as_transformers_computes
                                                        "classifier takes use_activation"),
     ({"input": [[1, 2], "w1 w2", 99999]}, "input[2]", "input[2]: expected"),
     ({"input": [[1, 2], [3, 99999]]}, "input", "input[1]"),
-    ({"input": " ".join(["w1"] * 65)}, "input", "max_seq_len"),
+    ({"input": " ".join(["w1"] * 65)}, "input", "input: 65 tokens; a classification takes at most max_seq_len=64"),
+    ({"input": [[1] * 65]}, "input", "input[0]: 65 tokens; a classification takes at most max_seq_len=64"),
+    # the tokenizer has no chat template: the field that takes a prompt here is input, not /v1/completions
+    ({"messages": [{"role": "user", "content": "w1"}]}, "messages", "; give input (texts or token ids) instead"),
 ])
 def test_bad_classify_bodies_are_a_400_naming_the_field(served, body, param, says):
     r = served.http.post("/classify", json=body)

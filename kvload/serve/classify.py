@@ -21,6 +21,7 @@ import torch
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.executor import POOLED
 from engine.prompts import TEMPLATE_OPTIONS
 from engine.sampling_params import SamplingParams
 from kvload.serve.embeddings import pool_priority, pooling_fields, pooling_route, prefill_params, prompt_list, tokenized
@@ -96,10 +97,12 @@ def classify_job(state: ServeState, body: Any) -> ClassifyJob:
     params = prefill_params(body)
     if chat:
         ids = chat_ids(state, body, special is True)
-        prompts = tokenized(state, [ids], ["messages"], params, "messages")  # cut as asked; it fits
+        prompts = tokenized(state, [ids], ["messages"], params, "messages",  # cut as asked; it fits
+                            what=POOLED["classify"])
     else:
         inputs, wheres = prompt_list(body, "input")
-        prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False)
+        prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False,
+                            what=POOLED["classify"])
     return ClassifyJob(prompts, params, activate, pool_priority(state, body))
 
 
@@ -112,7 +115,8 @@ def chat_ids(state: ServeState, body: dict[str, Any], add_special_tokens: bool) 
     template = _template({**body, "add_generation_prompt": False if opened is None else opened})
     _check_template(state, template)
     try:
-        return state.engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=False)
+        return state.engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=False,
+                                            instead="give input (texts or token ids) instead")
     except GenerationError as exc:
         raise _messages_error(exc, template) from None
 

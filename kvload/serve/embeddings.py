@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+from engine.executor import POOLED
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
@@ -99,9 +100,10 @@ def prompt_list(body: dict[str, Any], field: str) -> tuple[list[Any], list[str]]
 
 
 def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: SamplingParams, param: str,
-              add_special_tokens: bool = True) -> list[list[int]]:
-    """Each text tokenized (token ids as given), cut as ``params`` asks and checked to fit an embedding; a
-    ``BadRequest`` with ``param`` whose message names the item (``wheres[i]``) otherwise."""
+              add_special_tokens: bool = True, what: str = POOLED["embed"]) -> list[list[int]]:
+    """Each text tokenized (token ids as given), cut as ``params`` asks and checked to fit ``what`` (an embedding,
+    ``engine.executor.POOLED``); a ``BadRequest`` with ``param`` whose message names the item (``wheres[i]``)
+    otherwise."""
     engine = state.engine
     prompts = []
     for i, (item, where) in enumerate(zip(items, wheres, strict=True)):
@@ -109,10 +111,11 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
             raise _shutting_down()
         try:
             if isinstance(item, str) and params.truncate_prompt_tokens is None:  # past max_seq_len by its characters
-                engine.check_embedding_chars(where, item)  # alone: refused untokenized
+                engine.check_embedding_chars(where, item, what)  # alone: refused untokenized
             ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
                 if isinstance(item, str) else item
-            ids = engine.check(ids, params, pool=True).prompt_token_ids  # cut as asked; in the vocabulary; it fits
+            # cut as asked; in the vocabulary; it fits
+            ids = engine.check(ids, params, pool=True, what=what).prompt_token_ids
         except (GenerationError, KvBuildError) as exc:
             message = first_line(exc, "").removeprefix("generate: ").removeprefix("prompt 0: ")  # the one checked
             raise BadRequest(message if message.startswith(where) else f"{where}: {message}", param=param) from None
