@@ -54,7 +54,8 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   else holds device blocks, since waiting could not help then.
 * **Eviction.** Cached blocks nobody owns are evicted lowest priority first (the priority of the
   last request that held them), then least recently released; a request's blocks are released tail
-  first, so the tail of a cached prefix goes before its head.
+  first, so the tail of a cached prefix goes before its head. At a finish, the blocks a window let go that a
+  whole-block hit on the finished history still reads are requeued as released then (``_refresh_window_head``).
 
 **Forks.** ``fork(parent, child)`` admits a sample of the same prompt (``n > 1``) holding the parent's
 prompt KV the moment the parent's prefill is committed: in every group the blocks wholly inside the prompt
