@@ -32,6 +32,7 @@ from tests.kv_v2_support import (
     make_manager,
     next_token,
     prefill,
+    split_sliding_layers,
     write_kv,
 )
 
@@ -600,3 +601,44 @@ def test_the_usual_finishes_of_lazily_keyed_caches_take_the_one_pass_path():
     fast, took = _finish_run(requests, True, 8, 2)
     assert took == 6  # every request pending (distinct first tokens), each with full blocks: none fell back
     assert fast == _finish_run(requests, False, 8, 2)[0]
+
+
+@pytest.mark.parametrize("arena", [True, False], ids=["one-arena", "pools-per-group"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["lazily-keyed", "keyed"])
+def test_a_finished_window_keeps_what_its_next_turns_hit_reads_ahead_of_younger_window_leavings(keyed, arena):
+    """A conversation's turn ends with 15 tokens committed: its next turn's hit is the whole blocks, 12 tokens, and
+    the window at 12 reads from token 5, block 1, which the window let go at the last commit (15 reads from 8).
+    Another request's window lets go of its block 0 after that, which no hit reads. When the pool then has to evict
+    (the turn's block 0 and that one, or z's too) the younger, useless leavings must go and the history's block 1
+    stay: else the history's every hit is gone (a shorter one reads block 0, older still)."""
+    if arena:  # pages: what the requests below hold, and 2 free when the turn has finished
+        pages = 56 if keyed else 50
+        m = make_manager(gemma_like(window=8), {name: pages for name in _names()}, enable_partial_reuse=False)
+        sliding, c_len = _names()[0], 16 if keyed else 12
+    else:  # the window group's pool: what the requests below hold, 1 free when the turn has finished unless keyed
+        m = make_manager(split_sliding_layers(window=8), {"full": 40, "sliding_w8": 8}, enable_partial_reuse=False)
+        sliding, c_len = "sliding_w8", 12
+    if keyed:  # a cached block starting with the turn's first token: the turn is keyed as it goes, not lazily
+        z = Request("z", [1, 900, 901, 902], 0)
+        prefill(m, z)
+        m.free(z)
+    a = Request("a", list(range(1, 15)), 4)
+    prefill(m, a)  # 14 tokens: the window (from 7) lets go of block 0
+    assert (m.cache(a).pending is None) == keyed
+    a.output_token_ids.append(next_token(a))
+    compute(m, a, 1)  # 15: the window (from 8) lets go of block 1, which a hit at 12 reads
+    b = Request("b", list(range(100, 114)), 4)
+    prefill(m, b)  # b's window lets go of its block 0: younger than a's block 1, and no hit reads it
+    m.free(a)
+    history = a.all_token_ids
+    c = Request("c", list(range(200, 200 + c_len)), 0)
+    prefill(m, c)  # takes the free pages and evicts the oldest cached ones: z's, a's block 0 and b's block 0
+    assert m.stats().groups[sliding].free == 0
+    turn = Request("a2", [*history, 40, 41, 42, 43], 0)
+    admit(m, turn)
+    assert turn.num_computed_tokens == 12, "the history's hit lost the window block it reads"
+    m.free(b)
+    m.free(c)
+    compute(m, turn, turn.num_tokens - turn.num_computed_tokens)
+    check_kv(m, turn)
+    m.check_invariants()

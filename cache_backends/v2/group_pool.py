@@ -250,6 +250,19 @@ class EvictionQueue:
             self.num_shared += n_shared
             self._demote_stale()
 
+    def refresh(self, blocks: Iterable[int]) -> None:
+        """Move each of ``blocks`` that is queued to the young end of its bucket, as if released now: its priority and
+        sharedness kept; one not queued is skipped. A finish on a sliding window requeues this way the blocks its
+        window let go that a hit on its history still needs (``KVCacheManagerV2._refresh_window_head``)."""
+        by_key, keys, clock = self._by_key, self._key, self._clock
+        for b in blocks:
+            bucket = by_key.get(keys[b])
+            if bucket is not None and b in bucket:
+                del bucket[b]
+                bucket[b] = clock
+                clock += 1
+        self._clock = clock
+
     def pop(self) -> int:
         """The next block to evict; ``IndexError`` when empty."""
         return self.pop_many(1)[0]

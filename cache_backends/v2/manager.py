@@ -54,7 +54,8 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   else holds device blocks, since waiting could not help then.
 * **Eviction.** Cached blocks nobody owns are evicted lowest priority first (the priority of the
   last request that held them), then least recently released; a request's blocks are released tail
-  first, so the tail of a cached prefix goes before its head.
+  first, so the tail of a cached prefix goes before its head. At a finish, the blocks a window let go that a
+  whole-block hit on the finished history still reads are requeued as released then (``_refresh_window_head``).
 
 **Forks.** ``fork(parent, child)`` admits a sample of the same prompt (``n > 1``) holding the parent's
 prompt KV the moment the parent's prefill is committed: in every group the blocks wholly inside the prompt
@@ -86,7 +87,7 @@ from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
 from cache_backends.stats import GroupStats, HostStats, ManagerStats, ReuseStats
-from cache_backends.v2.group_pool import GroupPool
+from cache_backends.v2.group_pool import EvictionQueue, GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
 from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
@@ -546,6 +547,7 @@ class KVCacheManagerV2:
         if cache is None:
             return
         self._active_requests.discard(request)
+        pending, active = cache.pending, cache.is_active  # (the release below clears cache.pending)
         if cache.pending is not None and self._one_owner is not None and cache.is_active \
                 and self._finish_parked(cache):
             pass  # parked and let go in one pass
@@ -562,9 +564,54 @@ class KVCacheManagerV2:
                 self.host.free(name, slots)
             cache.host = None
             self.num_on_host -= 1
+        if active and self._sliding and self._reuse and self.options.enable_swa_scratch_reuse:
+            self._refresh_window_head(cache, pending)
         if cache.last is not None:
             self._tree.leave(cache.last)
             cache.last = None
+
+    def _refresh_window_head(self, cache: SequenceCache, pending: PendingPrefix | None) -> None:
+        """At a finish, requeue at the young end of the eviction queue the blocks each window let go that a hit on the
+        finished history's whole blocks still reads: positions ``[(m - window + 1) // tpb, released)``, ``m`` its
+        committed tokens rounded down to the reuse unit.
+
+        Why: the window lets a block go as soon as the next query no longer reads it, so the block holding
+        ``m - window + 1`` leaves at the last commits before the finish (the partial last block is not cached, so the
+        hit stops at ``m``, below ``committed``). Queued then, it would be evicted before the blocks other requests'
+        windows let go after it, which no hit needs, and losing it loses every length of the history's hit (a shorter
+        one needs older window blocks, evicted earlier). vLLM's sliding-window manager has the same ordering; on
+        tiny-gemma3 ``multi-turn`` at a quarter of the budget one of six lost histories was this (BENCHMARKS.md)."""
+        unit = self.reuse_unit or self.T
+        m = cache.committed // unit * unit
+        if not m or (pending is None and cache.last is None):
+            return
+        T = self.T
+        queues: dict[int, tuple[EvictionQueue, list[int]]] = {}
+        for g in self._sliding:
+            tpb = g.tokens_per_block
+            lo = max(0, m - g.window + 1) // tpb  # type: ignore[operator]
+            hi = cache.released[g.name]
+            if lo >= hi:
+                continue
+            step = tpb // T  # group block j sits at token-block position (j + 1) * step - 1
+            pool = self._pool[g.name]
+            ref, queue = pool.ref, pool.evictable
+            got = queues.setdefault(id(queue), (queue, []))[1]
+            along = pending.blocks.get(g.name, []) if pending is not None else None
+            for j in range(hi - 1, lo - 1, -1):  # tail first, as a release queues: the head goes last
+                p = (j + 1) * step - 1
+                if along is not None:
+                    b = along[p] if p < len(along) else -1
+                elif p < cache.keyed:
+                    run, i = self._tree.position(cache.last, p)  # type: ignore[arg-type]
+                    b = run.blocks[g.name][i]
+                else:
+                    continue
+                if b >= 0 and not ref[b]:
+                    got.append(b)
+        for queue, blocks in queues.values():
+            if blocks:
+                queue.refresh(blocks)
 
     def preempt(self, request: Request) -> None:
         """Drop ``request``'s cache so it is recomputed later (its prefix stays cached for reuse); what it loses is
