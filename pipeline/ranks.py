@@ -304,8 +304,11 @@ def object_group() -> Any:
             raise RankError(f"torch.distributed cannot start ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
                             "launch the ranks with torchrun") from exc
         atexit.register(shutdown)
+    # on NCCL the init does not wait for the ranks (no barrier without a device_id): this rendezvous does, so it is
+    # watched as the init is, and dropping the hosted store ends it
     group = None if dist.get_backend() == "gloo" else interruptible(
-        lambda: dist.new_group(backend="gloo", timeout=_timedelta()))
+        lambda: dist.new_group(backend="gloo", timeout=_timedelta()), watch=_rendezvous_watch,
+        abort=(lambda: _groups.pop("server", None)) if _rendezvous_watch is not None else None)
     _groups["objects"] = group if group is not None else dist.group.WORLD
     return _groups["objects"]
 

@@ -425,3 +425,64 @@ def test_a_rank_killed_while_rank_0_waits_in_the_rendezvous_is_named_at_once_and
     assert report["took"] < DIST_TIMEOUT_S / 2  # a bound, not a speed: no wait for the collective timeout
     assert report["left"] == [] and report["listening"] == [] and report["shm"] == []
     assert report["workers"] == [] and len(report["after"]) == 3
+
+
+NCCL_GROUP_SCRIPT = textwrap.dedent("""
+    import json, os, signal, threading, time
+    import torch.distributed as dist
+    import kvload
+    import kvload.llm_ranks as llm_ranks
+    import pipeline.ranks as ranks
+    from pipeline.errors import RankError
+
+    def kids():
+        out = set()
+        for t in os.listdir(f"/proc/{os.getpid()}/task"):
+            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
+        return out
+
+    kw = dict(tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
+    report, seen = {}, {}
+    rank_zero, hosted, backend = llm_ranks.SpawnedRanks.rank_zero, ranks._hosted_init, dist.get_backend
+
+    def spy(self):
+        seen["ranks"] = self
+        return rank_zero(self)
+
+    def then_as_on_cuda(*args):  # the group formed; on NCCL rank 0 then makes its gloo group, a rendezvous of its own
+        hosted(*args)
+        dist.get_backend = lambda *a: "nccl"
+        victim = report["victim"] = seen["ranks"].ranks[0].proc.pid
+
+        def kill():
+            time.sleep(1.0)  # rank 0 waits in new_group's rendezvous by now
+            report["killed_at"] = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    llm_ranks.SpawnedRanks.rank_zero, ranks._hosted_init = spy, then_as_on_cuda
+    try:
+        kvload.LLM("tiny-llama", **kw)
+    except RankError as exc:
+        report["error"] = str(exc)
+    report["took"] = time.monotonic() - report["killed_at"]
+    report["left"] = sorted(kids())
+    llm_ranks.SpawnedRanks.rank_zero, ranks._hosted_init, dist.get_backend = rank_zero, hosted, backend
+    with kvload.LLM("tiny-llama", **kw) as llm:
+        report["after"] = llm.generate([[1, 2, 3]], max_tokens=3, ignore_eos=True)[0].outputs[0].token_ids
+    print(json.dumps(report), flush=True)
+""")
+
+
+def test_a_rank_killed_while_rank_0_forms_its_object_group_on_nccl_is_named_at_once(tmp_path):
+    """On CUDA the NCCL init does not wait for the ranks (torch's barrier is off without a device id); rank 0's next
+    rendezvous, the gloo group it passes objects on, does, and it was not watched: a rank killed there was waited for
+    until the collective timeout, then named by no rank. Emulated on CPU (rank 0 takes the NCCL branch after its
+    group formed): one ``RankError`` naming rank 1 and the signal, soon after the kill; nothing left; a new LLM then
+    starts."""
+    report = _script_report(tmp_path, NCCL_GROUP_SCRIPT)
+    assert report.get("error", "").startswith(f"LLM: tensor_parallel_size=2: rank 1 (pid {report['victim']}) was "
+                                              "killed by SIGKILL"), report
+    assert report["took"] < DIST_TIMEOUT_S / 2  # a bound, not a speed: no wait for the collective timeout
+    assert report["left"] == [] and len(report["after"]) == 3
