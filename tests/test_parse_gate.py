@@ -97,3 +97,37 @@ def test_a_parse_whose_handler_let_go_while_it_waited_for_its_turn_back_is_told_
 
 def test_outside_a_served_request_passing_the_turn_does_nothing():
     assert pass_turn() is True  # the Python API's encode: no gate held
+
+
+def test_a_big_body_whose_client_left_while_it_queued_in_the_body_lane_is_not_read(monkeypatch):
+    """Big bodies are read as JSON one at a time in the gate's body lane, seconds each at 20 MB; one whose client
+    hung up while it queued there was read all the same, ahead of every big body behind it. Now it ends as the
+    client's disconnect, unread."""
+    from starlette.requests import ClientDisconnect
+
+    import kvload.serve.worker as worker
+
+    raw = b"[" + b"1," * worker.SMALL_BODY + b"1]"
+    read = []
+
+    async def body(*args):
+        return raw
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    class State:
+        max_request_bytes, read_timeout_s = 1 << 30, 60.0
+
+    monkeypatch.setattr(worker, "_read_body", body)
+    monkeypatch.setattr(worker, "LoadedBody", lambda data: read.append(len(data)))
+
+    async def main() -> str:
+        try:
+            await worker._read(Gone(), State(), ParseGate(), asyncio.Event())
+        except ClientDisconnect:
+            return "disconnect"
+        return "read"
+
+    assert asyncio.run(main()) == "disconnect" and read == []

@@ -182,13 +182,14 @@ class _Engine:
 
 @pytest.mark.parametrize("path, events", [
     ("/v1/messages", [("error", {"type": "error", "error": {"type": "api_error", "message": MESSAGE}})]),
-    ("/v1/responses", [("error", {"type": "error", "code": "internal_server_error", "message": MESSAGE,
-                                  "param": None})]),
+    ("/v1/responses", [("error", {"type": "error", "sequence_number": 2, "code": "internal_server_error",
+                                  "message": MESSAGE, "param": None})]),
     ("/v1/chat/completions", [(None, {"error": ERROR}), (None, "[DONE]")]),
 ])
 def test_a_stream_under_way_ends_in_its_apis_error_event(path, events):
     """Each API's stream ends in the error event its clients read (Anthropic's ``event: error``, the Responses API's
-    ``error`` event, chat's error chunk then ``[DONE]``), its body ended, one ``request_failed`` record handed on."""
+    ``error`` event, numbered after the stream's last, as OpenAI's ``ResponseErrorEvent`` has it; chat's error chunk
+    then ``[DONE]``), its body ended, one ``request_failed`` record handed on."""
     import asyncio
     import types
 
@@ -197,7 +198,10 @@ def test_a_stream_under_way_ends_in_its_apis_error_event(path, events):
     async def app(scope, receive, send):  # a stream whose second chunk fails
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
-        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        for n, kind in enumerate(("response.created", "response.in_progress")):  # the Responses API numbers them
+            event = json.dumps({"type": kind, "sequence_number": n}, separators=(",", ":"))
+            await send({"type": "http.response.body", "body": f"event: {kind}\ndata: {event}\n\n".encode(),
+                        "more_body": True})
         raise RuntimeError(INJECTED)
 
     engine = _Engine()

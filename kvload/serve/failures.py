@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import traceback
 from typing import Any
 
@@ -52,6 +53,7 @@ class _Failures:
             await self.app(scope, receive, send)
             return
         started, ended, stream = False, False, False
+        numbered = [-1]  # the Responses API's last sequence_number sent: its error event takes the next
 
         async def sending(message: dict[str, Any]) -> None:
             nonlocal started, ended, stream
@@ -59,8 +61,10 @@ class _Failures:
                 started = True
                 stream = any(k.lower() == b"content-type" and v.lower().startswith(b"text/event-stream")
                              for k, v in message.get("headers", ()))
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                ended = True
+            elif message["type"] == "http.response.body":
+                ended = not message.get("more_body", False)
+                if stream and (found := _SEQUENCE.findall(message.get("body", b""))):
+                    numbered[0] = int(found[-1])
             await send(message)
 
         try:
@@ -79,8 +83,8 @@ class _Failures:
                                         (b"content-length", str(len(payload)).encode())]})
                 await send({"type": "http.response.body", "body": payload, "more_body": False})
             elif stream:
-                await send({"type": "http.response.body", "body": _stream_end(route_path(scope), error),
-                            "more_body": False})
+                end = _stream_end(route_path(scope), error, numbered[0] + 1)
+                await send({"type": "http.response.body", "body": end, "more_body": False})
             else:
                 raise
 
@@ -99,14 +103,19 @@ class _Failures:
                 engine.executor._event(record)
 
 
-def _stream_end(path: str, error: BadRequest) -> bytes:
+#: a Responses API event's number, as its stream writes it (json.dumps' default separators)
+_SEQUENCE = re.compile(rb'"sequence_number": ?(\d+)')
+
+
+def _stream_end(path: str, error: BadRequest, sequence: int = 0) -> bytes:
     """The events that end a stream under way with ``error``, in its API's words: Anthropic's ``error`` event under
     /v1/messages, the Responses API's ``error`` event under /v1/responses, else OpenAI's error chunk and ``[DONE]``
     (what an engine failure ends a chat or completion stream with)."""
     if path.startswith("/v1/messages"):  # error: already Anthropic's document, {"type": "error", "error": {...}}
         return f"event: error\ndata: {json.dumps(error.body(), separators=(',', ':'))}\n\n".encode()
     if path.startswith("/v1/responses"):
-        doc = {"type": "error", "code": error.code, "message": error.message, "param": None}
+        doc = {"type": "error", "sequence_number": sequence, "code": error.code, "message": error.message,
+               "param": None}
         return f"event: error\ndata: {json.dumps(doc, separators=(',', ':'))}\n\n".encode()
     return f"data: {json.dumps(error.body(), separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
 

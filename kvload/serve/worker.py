@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 from kvload.serve.parse_gate import ParseGate
 from kvload.serve.request_body import Body, LoadedBody, _read_body, _shutting_down
 from kvload.serve.state import ServeState
@@ -30,6 +32,8 @@ async def _read(request: Any, state: ServeState, gate: ParseGate, stopping: asyn
     async with gate.bodies:
         if stopping.is_set():  # queued here when the stop came: no JSON read for a request that is refused
             raise _shutting_down()
+        if await request.is_disconnected():  # left while it queued in the lane: seconds of parse for no one, ahead
+            raise ClientDisconnect()  # of every big body behind it (the gate's own check comes after the parse)
         return await _on_worker(stopping, lambda: None, LoadedBody, raw)
 
 
