@@ -242,9 +242,9 @@ class SpawnedRanks:
                 time.sleep(_POLL_S)
             for r in self.ranks:
                 if r.proc.poll() is not None and r.proc.returncode != 0:
-                    reason = self._said(r) or r.gone()
-                    return RankError(f"LLM: tensor_parallel_size={self.world}: rank {r.rank} (pid {r.proc.pid}) "
-                                     f"failed to load: {reason}")
+                    said = self._said(r)  # its own words; else how it ended, which names it already
+                    return RankError(f"LLM: tensor_parallel_size={self.world}: " + (
+                        f"rank {r.rank} (pid {r.proc.pid}) failed to load: {said}" if said else f"{r.gone()}"))
             return exc
         finally:  # the others may be mid-load, in a collective: no use asking them to close
             self.closed = self.stopping = True
