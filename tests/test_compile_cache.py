@@ -68,3 +68,12 @@ def test_an_uncreatable_kvload_cache_leaves_torchs_default_and_says_so(tmp_path)
     assert r.returncode == 0, r.stderr
     warned = [line for line in r.stderr.splitlines() if "field=KVLOAD_CACHE" in line]
     assert len(warned) == 1 and "cannot be created" in warned[0] and "torch's default" in warned[0], r.stderr
+
+
+def test_simulate_leaves_nothing_in_tmpdir(tmp_path):
+    """``kvload simulate`` counts the weights with transformers' model code (``models.cost``), which imports
+    ``torch._dynamo``: it left ``$TMPDIR/torchinductor_<user>``."""
+    r, tmp = _run(tmp_path, ["simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "2"])
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp)) == []  # was ['torchinductor_root']
+    assert (tmp_path / "cache" / "torchinductor").is_dir()
