@@ -30,6 +30,7 @@ from the load's own events.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import random
 import threading
@@ -186,6 +187,9 @@ class GenerationExecutor:
         #: fresh randomness each call); ``llm_seed`` is the seed it started from, for the audit
         self.call_seeds: random.Random | None = None
         self.llm_seed: int | None = None
+        #: ``kvload.LLM(reasoning_parser=...)``: vLLM's engine-wide reasoning parser, taken by each request's structured
+        #: outputs that name none of their own (their grammar holds only the answer after the thinking)
+        self.reasoning_parser: str | None = None
         self._caller = "generate"  # the user's call (:meth:`called_as`), which titles the audit's generation_failed
         self._live: dict[str, _Live] = {}
         self._forks: dict[str, list[_Live]] = {}  # run's: a prompt's samples forked from its first one
@@ -702,6 +706,7 @@ class GenerationExecutor:
             params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults)] * max(count, 1)
         for p in {id(p): p for p in params}.values():  # a list changed in place since it was built (vLLM's habit)
             p.recheck()
+        params = self._with_reasoning_parser(params)
         for p in params:
             if p.stop and self.tokenizer is None:
                 raise GenerationError(f"generate: stop: stop strings are matched on the text, but {self.name} has no "
@@ -719,6 +724,22 @@ class GenerationExecutor:
             if p.structured_outputs is not None:  # compiled now: a bad schema is refused before anything runs
                 self.grammars().compile(p.structured_outputs)
         return params
+
+    def _with_reasoning_parser(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """``params`` with the LLM's reasoning parser on each structured outputs that names none (vLLM's engine-wide
+        ``structured_outputs_config.reasoning_parser``): copies, so the caller's SamplingParams stay as given."""
+        if self.reasoning_parser is None:
+            return params
+        done: dict[int, SamplingParams] = {}
+        for p in params:
+            wanted = p.structured_outputs
+            if id(p) in done or wanted is None or wanted.reasoning_parser is not None:
+                continue
+            gated = copy.copy(p)
+            gate = attrs.evolve(wanted, reasoning_parser=self.reasoning_parser)
+            object.__setattr__(gated, "structured_outputs", gate)
+            done[id(p)] = gated
+        return [done.get(id(p), p) for p in params]
 
     @staticmethod
     def _fitted(params: list[SamplingParams], per_prompt: bool, count: int,

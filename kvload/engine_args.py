@@ -63,8 +63,9 @@ OWN_HELP = {
                          "it serves run transformers' built-in classes)",
     "hf_overrides": "a JSON object of config.json keys set on the checkpoint's config before the model is built "
                     "(each reported as hf_config_overridden)",
-    "reasoning_parser": "accepted, reported setting_ignored: kvload.LLM returns the whole reply (kvload serve "
-                        "--reasoning-parser splits out the reasoning)",
+    "reasoning_parser": "deepseek_r1 or qwen3: the reasoning parser of requests' structured outputs that name none "
+                        "(their grammar holds only the answer after the thinking); kvload.LLM returns the whole reply "
+                        "(kvload serve --reasoning-parser splits out the reasoning)",
     "guided_decoding_backend": "accepted, reported setting_ignored: kvload's structured outputs run on xgrammar",
     "speculative_config": "speculative decoding: {\"method\": \"ngram\", \"num_speculative_tokens\": N} is "
                           "kvload's n-gram drafts (max_draft_len); other methods are refused",

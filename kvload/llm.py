@@ -45,6 +45,7 @@ from engine.pooling import (
     score_pairs,
 )
 from engine.prompts import check_tree, is_conversation, is_token_id, non_json_in
+from engine.reasoning import PARSERS
 from engine.sampling_params import SamplingParams, check_keywords, is_int
 from kvload.api import LoadResult, api_request, execute
 from kvload.llm_ranks import SpawnedRanks, spawn_size
@@ -259,6 +260,7 @@ class LLM:
             detail = f"expected an integer in [0, 2**63 - 1] or None, got {short(seed)}"
             raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")
         events = _kv_events(llm_args.pop("kv_events_config", None), llm_args.get("kv_cache_config"))
+        reasoning_parser = _reasoning_parser(llm_args.pop("reasoning_parser", None))
         request = api_request(model, config_file, True, llm_args)
         request.generates = True  # a model kvload cannot generate for is refused before its weights load
         # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit
@@ -281,7 +283,8 @@ class LLM:
         ranks = None
         if world:
             ranks = SpawnedRanks(world, model, {"config_file": config_file, "audit_log": audit_log, "seed": seed,
-                                                "subscribers": subscribers, "log": log, **llm_args})
+                                                "subscribers": subscribers, "log": log,
+                                                "reasoning_parser": reasoning_parser, **llm_args})
             ranks.start()
         self._ranks = ranks
         publisher = None
@@ -328,6 +331,7 @@ class LLM:
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
             executor.call_seeds, executor.llm_seed = random.Random(seed), int(seed)
+        self.result.executor.reasoning_parser = reasoning_parser
 
     def _start_publishing(self, events: Any, publisher: Any) -> None:
         """Hand the manager's KV events to ``publisher`` until :meth:`close` (detached and closed before the pools
@@ -920,3 +924,11 @@ class LLM:
 
 
 __all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM", "VLLM_ATTRIBUTES_NOT_TAKEN"]
+
+
+def _reasoning_parser(value: Any) -> str | None:
+    """``LLM(reasoning_parser=...)``: one of :data:`engine.reasoning.PARSERS` or None, checked before anything loads."""
+    if value is None or (isinstance(value, str) and value in PARSERS):
+        return value
+    detail = f"expected one of {', '.join(PARSERS)} (or None), got {short(value)}"
+    raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail, source="api")

@@ -14,7 +14,6 @@ use as well (the backends sit below this layer, so they read the variable this m
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from models.gguf_cache import cache_root
 
@@ -22,9 +21,19 @@ from models.gguf_cache import cache_root
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def use_kvload_compile_cache() -> Path:
-    """Set inductor's cache directory to ``<kvload cache>/torchinductor`` unless one is set; the one in use."""
-    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
-    if not chosen:
-        chosen = os.environ[INDUCTOR_CACHE_ENV] = str(cache_root() / "torchinductor")
-    return Path(chosen)
+def use_kvload_compile_cache() -> str | None:
+    """Set inductor's cache directory to ``<kvload cache>/torchinductor`` unless one is set; why not, else None.
+
+    A kvload cache that cannot be created (a read-only or missing ``$HOME``) leaves the variable unset: torch's own
+    default (``$TMPDIR/torchinductor_<user>``) serves, where the variable set would make transformers' import fail.
+    """
+    if os.environ.get(INDUCTOR_CACHE_ENV):
+        return None
+    wanted = cache_root() / "torchinductor"
+    try:
+        wanted.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return (f"the kvload cache {wanted} cannot be created: {exc.strerror or exc}; torch.compile keeps its cache "
+                "in torch's default directory ($TMPDIR/torchinductor_<user>)")
+    os.environ[INDUCTOR_CACHE_ENV] = str(wanted)
+    return None

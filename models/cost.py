@@ -73,9 +73,14 @@ def count_weights(hf_config: Any, dtype_bytes: int) -> ModelCost:
     import torch
     import transformers
 
+    from models.compile_cache import use_kvload_compile_cache
     from models.config_view import transformers_config
     from models.geometry import text_config
 
+    # transformers' model code imports torch._dynamo, which makes inductor's cache folder: kvload's, not a
+    # torchinductor_<user> left in $TMPDIR (a kvload cache that cannot be created leaves torch's default: nothing
+    # compiles here, so no setting is lost; a load that compiles says so, stages.load_weights)
+    use_kvload_compile_cache()
     cfg = text_config(transformers_config(hf_config))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)

@@ -36,14 +36,15 @@ _INTO_ROPE_PARAMETERS = ("rope_theta", "partial_rotary_factor")
 def _into_rope_parameters(config: Any, key: str, value: Any, where: str, source: str | None, current: Any) -> Any:
     """Carry ``key`` into the config's ``rope_parameters``, where the rotary embedding reads it; the value it had
     there (``current`` where it had none). ``ConfigError`` when they are kept per layer type (Gemma 3's local and
-    global thetas), where one value is ambiguous."""
+    global thetas), where one value is ambiguous (the layer types named sorted: the light view's config.json and
+    transformers' built config hold them in different orders)."""
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict):  # an older config reads the key itself
         return current
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ConfigError(f"{where}: transformers' {config_class_name(config)} keeps {key} per layer type in "
-                          f"rope_parameters ({', '.join(params)}); override rope_parameters instead", path=where,
-                          detail="per layer type", source=source)
+                          f"rope_parameters ({', '.join(sorted(params))}); override rope_parameters instead",
+                          path=where, detail="per layer type", source=source)
     config.rope_parameters = {**params, key: copy.deepcopy(value)}
     return params.get(key, current)
 

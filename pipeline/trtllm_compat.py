@@ -35,6 +35,12 @@ from pipeline.vllm_compat import (
 
 _ENGINE = "a TensorRT-LLM option kvload does not act on"
 
+#: ``reasoning_parser`` where no request runs (``plan``, ``load``, a YAML file): kvload acts on it at generation
+REASONING_PARSER_UNUSED = ("a plan or load runs no requests; reasoning_parser acts on generation, where structured "
+                           "outputs' grammar starts after the reasoning: kvload.LLM(reasoning_parser=...), kvload "
+                           "generate / serve --reasoning-parser, or per request StructuredOutputsParams("
+                           "reasoning_parser=...)")
+
 #: Top-level ``LlmArgs`` keys → why kvload does not act on them.
 IGNORED_LLM_ARGS: dict[str, str] = {
     **dict.fromkeys((
@@ -56,7 +62,7 @@ IGNORED_LLM_ARGS: dict[str, str] = {
     ), "parallelism beyond tensor parallel (tensor_parallel_size, which kvload acts on)"),
     **dict.fromkeys((
         "speculative_config", "decoding_config", "guided_decoding_backend", "batched_logits_processor",
-        "reasoning_parser", "gather_generation_logits", "sampler_type",
+        "gather_generation_logits", "sampler_type",
         "enable_trtllm_sampler", "sampler_force_async_worker", "enable_in_graph_sampling",
         "enable_speculative_beam_history_d2h", "post_processor_hook",
     ), "decoding feature kvload's sampler does not have"),
@@ -156,6 +162,8 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 ignored.extend(dropped)
         elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
             ignored.append(_vllm_ignored(key, value, why))
+        elif key == "reasoning_parser" and key not in own:
+            ignored.append((key, value, REASONING_PARSER_UNUSED))
         elif key in IGNORED_LLM_ARGS and key not in own:
             why = DUMMY_LOAD if key == "load_format" and value in DUMMY_LOAD_FORMATS else IGNORED_LLM_ARGS[key]
             ignored.append((key, value, f"{_ENGINE}: {why}"))

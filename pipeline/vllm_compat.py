@@ -267,7 +267,7 @@ VLLM_ONLY: dict[str, VllmOnly] = {
                                             "fields (logit_bias, allowed_token_ids, ...)", _VALUES),
     "io_processor_plugin": VllmOnly("refuse", "kvload loads no input/output processor plugins"),
     "model_loader_extra_config": VllmOnly("refuse", _LOADER, default={}),
-    "ignore_patterns": VllmOnly("refuse", _LOADER, _VALUES),
+    "ignore_patterns": VllmOnly("refuse", _LOADER, _VALUES, default=["original/**/*"]),  # vLLM's LoadConfig's
     **dict.fromkeys(("guided_decoding_disable_fallback", "guided_decoding_disable_any_whitespace",
                      "guided_decoding_disable_additional_properties"), VllmOnly(
         "refuse", "vLLM's deprecated engine-wide structured-output switches; kvload's structured outputs run on "
@@ -289,16 +289,21 @@ VLLM_ONLY: dict[str, VllmOnly] = {
     "data_parallel_backend": VllmOnly("refuse", _DATA_PARALLEL, default="mp", short=("-dpb",)),
     "data_parallel_hybrid_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH),
     "data_parallel_external_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH),
-    **dict.fromkeys(("master_addr", "master_port", "nnodes", "node_rank"), VllmOnly(
+    # vLLM's defaults (ParallelConfig): one node, rank 0, its rendezvous at 127.0.0.1:29501
+    **{name: VllmOnly(
         "refuse", "multi-node serving: kvload's ranks run on one machine (tensor_parallel_size processes, started "
-                  "by torchrun or by the kvload CLI itself)")),
+                  "by torchrun or by the kvload CLI itself)", default=default)
+       for name, default in (("master_addr", "127.0.0.1"), ("master_port", 29501), ("nnodes", 1), ("node_rank", 0))},
     "enable_dbo": VllmOnly("refuse", "dual-batch overlap: kvload runs each step as one batch", _SWITCH),
     "enable_eplb": VllmOnly("refuse", _EPLB, _SWITCH),
     "eplb_config": VllmOnly("refuse", _EPLB, default={}),
     "expert_placement_strategy": VllmOnly("refuse", _EPLB, default="linear"),
-    **dict.fromkeys(("num_redundant_experts", "eplb_window_size", "eplb_step_interval"), VllmOnly("refuse", _EPLB)),
+    **{name: VllmOnly("refuse", _EPLB, default=default)  # vLLM's defaults (EPLBConfig / ParallelConfig)
+       for name, default in (("num_redundant_experts", 0), ("eplb_window_size", 1000), ("eplb_step_interval", 3000))},
     "eplb_log_balancedness": VllmOnly("refuse", _EPLB, _SWITCH),
-    **dict.fromkeys(("worker_cls", "worker_extension_cls", "scheduler_cls"), VllmOnly("refuse", _OWN_CODE)),
+    "worker_cls": VllmOnly("refuse", _OWN_CODE, default="auto"),
+    "worker_extension_cls": VllmOnly("refuse", _OWN_CODE, default=""),
+    "scheduler_cls": VllmOnly("refuse", _OWN_CODE),
     "additional_config": VllmOnly("refuse", "vLLM platform plugins' settings: kvload loads no platform plugins",
                                   default={}),
     "calculate_kv_scales": VllmOnly("refuse", "kvload's fp8 KV cache (kv_cache_dtype fp8) casts values without "
@@ -307,9 +312,11 @@ VLLM_ONLY: dict[str, VllmOnly] = {
                                                   "cross-layer KV sharing)", _SWITCH),
     "disable_hybrid_kv_cache_manager": VllmOnly("refuse", "kvload's route picks the KV cache manager; instead: "
                                                           "kv_cache_config.use_kv_cache_manager_v2", _SWITCH),
-    **dict.fromkeys(("kv_offloading_size", "kv_offloading_backend"), VllmOnly(
+    # kv_offloading_size's default (None) offloads nothing; the backend's ("native") applies only with a size
+    **{name: VllmOnly(
         "refuse", "vLLM's KV offloading connector; instead, kvload's host tier: kv_cache_config.host_cache_size "
-                  "(V2 only)")),
+                  "(V2 only)", default=default)
+       for name, default in (("kv_offloading_size", None), ("kv_offloading_backend", "native"))},
     "ec_transfer_config": VllmOnly("refuse", "encoder-cache transfer between instances: kvload serves text-only "
                                              "models on one instance"),
     "default_mm_loras": VllmOnly("refuse", "LoRA adapters are not served by kvload (it runs the base weights)"),

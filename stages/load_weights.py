@@ -16,6 +16,7 @@ from typing import Any
 
 from cache_backends.layout import cannot_generate
 from models.compile_cache import use_kvload_compile_cache
+from models.gguf_cache import cache_root
 from models.weights import has_tokenizer, load_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
@@ -51,7 +52,10 @@ class LoadWeights:
                                   "be tokenized; give token ids with --prompt-ids")
         seed = ctx.args.weights_seed
         device, dtype = str(ctx.args.device), str(ctx.args.dtype)
-        use_kvload_compile_cache()  # before transformers' model code imports torch._dynamo, which makes the folder
+        # before transformers' model code imports torch._dynamo, which makes the folder
+        why = use_kvload_compile_cache()
+        if why is not None:
+            emit(SettingIgnored(field="KVLOAD_CACHE", value=str(cache_root()), reason=why))
         problem = device_problem(device)  # build_kv_manager's check, before torch fails inside the weights' .to()
         if problem is not None:
             raise KvBuildError(problem)

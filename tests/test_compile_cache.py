@@ -54,3 +54,26 @@ print(json.dumps([os.environ["TORCHINDUCTOR_CACHE_DIR"], codecache._HEADER_DIR, 
     assert cache == str(tmp_path / "cache" / "torchinductor")
     assert headers == os.path.join(cache, "precompiled_headers") and locks == os.path.join(headers, "locks")
     assert sorted(os.listdir(tmp)) == []
+
+
+def test_an_uncreatable_kvload_cache_leaves_torchs_default_and_says_so(tmp_path):
+    """A ``$HOME`` that cannot hold ``~/.cache/kvload`` (``/proc/self``) made generate fail inside transformers'
+    import ("cannot build a causal LM ... No such file or directory"); torch's default serves, with a warning."""
+    env = {k: v for k, v in ENV.items() if k not in ("KVLOAD_CACHE", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR")}
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    full = {**env, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp), "HOME": "/proc/self"}
+    r = subprocess.run([sys.executable, "-m", "kvload", *GENERATE], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env=full)
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if "field=KVLOAD_CACHE" in line]
+    assert len(warned) == 1 and "cannot be created" in warned[0] and "torch's default" in warned[0], r.stderr
+
+
+def test_simulate_leaves_nothing_in_tmpdir(tmp_path):
+    """``kvload simulate`` counts the weights with transformers' model code (``models.cost``), which imports
+    ``torch._dynamo``: it left ``$TMPDIR/torchinductor_<user>``."""
+    r, tmp = _run(tmp_path, ["simulate", "tiny-llama", "--workload", "no-reuse", "--requests", "2"])
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp)) == []  # was ['torchinductor_root']
+    assert (tmp_path / "cache" / "torchinductor").is_dir()

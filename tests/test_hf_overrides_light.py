@@ -77,6 +77,11 @@ REFUSED = [
                                             "rope_theta per layer type in rope_parameters"),
     ("tiny-llama", {"hidden_act": "nosuch"}, "hf_overrides.hidden_act: 'nosuch' is not an activation transformers "
                                              "has; accepted: "),
+    # the layer types named in one order either way (the light view said "(compress, main)", transformers' config
+    # "(main, compress)")
+    ("tiny-deepseek-v4", {"rope_theta": 1000.0}, "hf_overrides.rope_theta: transformers' DeepseekV4Config keeps "
+                                                 "rope_theta per layer type in rope_parameters (compress, main); "
+                                                 "override rope_parameters instead"),
 ]
 
 

@@ -215,6 +215,39 @@ def test_llm_generate_thinks_freely_then_answers_in_the_schema(bytes_ckpt):
         assert record["reasoning_parser"] == "deepseek_r1"
 
 
+def test_llms_reasoning_parser_is_the_default_of_requests_structured_outputs(bytes_ckpt):
+    """vLLM's engine-wide ``LLM(reasoning_parser=...)``: it was reported ignored (as a TensorRT-LLM decoding option), so
+    the grammar held the thinking from the first character; now a request naming no parser of its own thinks freely."""
+    plain = StructuredOutputsParams(json=SCHEMA)
+    llm, script = scripted(bytes_ckpt, reasoning_parser="deepseek_r1")
+    with llm:
+        assert not [e for e in llm.audit.events if e["event"] == "setting_ignored" and e["field"] == "reasoning_parser"]
+        script.say(THOUGHT + "</think>" + ANSWER)
+        params = SamplingParams(structured_outputs=plain, max_tokens=80)
+        (out,) = llm.generate("Hello", params)[0].outputs
+        assert out.text == THOUGHT + "</think>" + ANSWER and out.finish_reason == "stop"
+        assert llm.audit.of("generation_started")[-1]["structured_outputs"]["reasoning_parser"] == "deepseek_r1"
+        assert params.structured_outputs.reasoning_parser is None  # the caller's SamplingParams stay as given
+        own = StructuredOutputsParams(json=SCHEMA, reasoning_parser="qwen3")  # a request's own parser wins
+        script.say(ANSWER)
+        llm.generate("Hello", SamplingParams(structured_outputs=own, max_tokens=60))
+        assert llm.audit.of("generation_started")[-1]["structured_outputs"]["reasoning_parser"] == "qwen3"
+
+
+def test_llms_unknown_reasoning_parser_is_one_line_before_loading():
+    with pytest.raises(ValueError) as err:
+        kvload.LLM("tiny-llama", **llm_kwargs(), reasoning_parser="granite")
+    assert str(err.value) == "reasoning_parser: expected one of deepseek_r1, qwen3 (or None), got 'granite'"
+
+
+def test_a_plans_reasoning_parser_says_it_acts_at_generation_not_that_kvload_lacks_it():
+    """It said "a TensorRT-LLM option kvload does not act on: decoding feature kvload's sampler does not have"."""
+    said = [e["reason"] for e in kvload.plan("tiny-llama", reasoning_parser="qwen3", log=False).audit.events
+            if e["event"] == "setting_ignored" and e["field"] == "reasoning_parser"]
+    assert len(said) == 1 and said[0].startswith("a plan or load runs no requests")
+    assert "kvload.LLM(reasoning_parser=...)" in said[0] and "StructuredOutputsParams(" in said[0]
+
+
 def test_llm_generate_under_qwen3_holds_a_reply_without_think_to_the_schema(bytes_ckpt):
     so = StructuredOutputsParams(json=SCHEMA, reasoning_parser="qwen3")
     llm, script = scripted(bytes_ckpt)

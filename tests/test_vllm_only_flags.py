@@ -169,6 +169,25 @@ def test_a_refused_switch_at_vllms_default_is_taken_and_said_ignored(capsys):
         assert any("setting_ignored" in line and f"field={key} " in line for line in r.err.splitlines()), key
 
 
+#: vLLM's own defaults of refused arguments (``ParallelConfig``, ``EPLBConfig``, ``LoadConfig``, ``EngineArgs``): a
+#: launch line or script spelling them out asks for nothing, so it is taken and said ignored (they were refused)
+VLLM_DEFAULTS = [("master_addr", "127.0.0.1"), ("master_port", 29501), ("nnodes", 1), ("node_rank", 0),
+                 ("worker_cls", "auto"), ("worker_extension_cls", ""), ("eplb_window_size", 1000),
+                 ("eplb_step_interval", 3000), ("num_redundant_experts", 0), ("kv_offloading_backend", "native"),
+                 ("ignore_patterns", ["original/**/*"])]
+
+
+@pytest.mark.parametrize(("key", "value"), VLLM_DEFAULTS)
+def test_a_refused_argument_at_vllms_default_is_taken_and_said_ignored(capsys, key, value):
+    said = [e["reason"] for e in kvload.plan("tiny-llama", log=False, **{key: value}).audit.events
+            if e["event"] == "setting_ignored" and e["field"] == key]
+    assert len(said) == 1 and "vLLM's default" in said[0]
+    flag = [_flag(key), *(value if isinstance(value, list) else [str(value)])]
+    r = run_cli(capsys, "plan", "tiny-llama", *flag)
+    assert r.code == 0, r.err
+    assert any("setting_ignored" in line and f"field={key} " in line for line in r.err.splitlines()), r.err
+
+
 def test_a_one_dash_spelling_is_named_as_typed(capsys):
     r = run_cli(capsys, "run", "tiny-llama", "-dpn", "1")
     assert r.code == 2 and r.err.startswith("error: -dpn: a vLLM engine flag kvload does not implement: data "
