@@ -45,16 +45,17 @@ One :meth:`~KVCacheV2Scheduler.step`:
    request that has waited more than ``2 * LPM_AGE`` steps goes before every aged one, in arrival order: by cached
    prefix alone, an aged request without a hit was overtaken by each turn of a conversation that joined aged with its
    history cached, for as long as the conversation went on.
-   **The last to start**: once the requests waiting without a cached prefix (first turns; the queue beyond the window
-   counted among them) number at most ``LPM_FEW`` of the running requests, those that waited ``LPM_CARRY`` steps go
-   in among the aged. Why: a first turn's conversation has every turn still to run, the longest chain left, and
-   longest prefix first puts it behind every live history; when a run is short beside ``LPM_AGE`` (96-token answers,
-   three turns, half the budget) the last conversations started after waiting 500-950 steps and ran their turns
-   alone at the end (tiny-llama ``multi-turn``: 1.07-1.18x V1's steps; now 1.00-1.02x, BENCHMARKS.md "The last
-   conversations to start"). Few: while many first turns wait, putting them first is strict arrival order again,
-   which loses the hits. Not while sliding windows free room (``held_back``): V2 then runs more requests at once
-   than V1, and a waiting turn's history, whose window blocks go within steps, is what a first turn put ahead costs
-   (tiny-gemma3 ``multi-turn`` at a quarter of the budget: 72.5% -> 70.8% reused, no step saved).
+   **The last to start**: once the requests waiting without a cached prefix (first turns, or any whose first lookup
+   found under ``LPM_MIN_HIT`` tokens; the queue beyond the window counted among them) number at most ``LPM_FEW`` of
+   the running requests, those that waited ``LPM_CARRY`` steps go in among the aged. Why: a first turn's conversation
+   has every turn still to run, the longest chain left, and longest prefix first puts it behind every live history;
+   when a run is short beside ``LPM_AGE`` (96-token answers, three turns, half the budget) the last conversations
+   started after waiting 500-950 steps and ran their turns alone at the end (tiny-llama ``multi-turn``: 1.07-1.18x
+   V1's steps; now 1.00-1.02x, BENCHMARKS.md "The last conversations to start"). Few: while many first turns wait,
+   putting them first is strict arrival order again, which loses the hits. Not while sliding windows free room
+   (``held_back``): V2 then runs more requests at once than V1, and a waiting turn's history, whose window blocks go
+   within steps, is what a first turn put ahead costs (tiny-gemma3 ``multi-turn`` at a quarter of the budget: 72.5%
+   -> 70.8% reused, no step saved).
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
    request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
