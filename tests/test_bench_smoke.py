@@ -204,14 +204,17 @@ def test_radix_runs_manager_prototype_steps_and_evicts_as_main_on_no_reuse():
     from engine.simulator import simulate
     from engine.workloads import make_workload
 
-    wl = make_workload("no-reuse", 128, 0)  # at this budget cached blocks are evicted and nothing is suspended
+    # at this budget cached blocks are evicted and nothing is suspended; partial reuse off: the runs keep no finished
+    # request's partial last block, as main keeps one for a follow-up turn to copy
+    wl = make_workload("no-reuse", 128, 0)
     facts = {}
     for name, cls in (("main", v2.KVCacheManagerV2), ("runs", sim.RunsManagerV2), ("ids", sim.RunsIdsManagerV2),
                       ("bq", sim.RunsBlockQueueManagerV2)):
         saved, v2.KVCacheManagerV2 = v2.KVCacheManagerV2, cls
         try:
             report = simulate("tiny-llama", wl, device="cpu", log=False, progress=False,
-                              kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 49152})
+                              kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 49152,
+                                               "enable_partial_reuse": False})
         finally:
             v2.KVCacheManagerV2 = saved
         (result,) = report.results.values()

@@ -726,3 +726,31 @@ def test_fit_spans_is_the_most_tokens_whose_blocks_fit(spans, available, want):
     got = fit_spans(want, available, spans)
     assert 0 <= got <= want and need(got) <= available
     assert got == want or need(got + 1) > available
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_follow_up_turn_reuses_its_historys_partial_last_block(lazy, window):
+    # a finished turn of 10 tokens (two full blocks of 4 and 2 tokens of a third): the next turn, its history and
+    # a new message, resumes at token 10, not at the last whole block (8); the copied block reads as the original
+    layers = FULL if window is None else full_sliding_layers(window=window)
+    m = make_manager(layers, 16)
+    m._lazy = lazy and m._lazy  # False: every full block keyed as it fills
+    a = Request("a", list(range(1, 11)), 0)
+    prefill(m, a)
+    m.free(a)
+    m.check_invariants()
+    b = Request("b", [*range(1, 11), 70, 71, 72], 0)
+    admit(m, b)
+    assert b.num_computed_tokens == 10 and b.num_reused_tokens == 10
+    assert m.stats().reuse_partial_hits == 1
+    check_kv(m, b)
+    compute(m, b, 3)
+    check_kv(m, b)
+    m.check_invariants()
+    m.free(b)
+    c = Request("c", [*range(1, 11), 70, 71, 72, 99], 0)  # the second turn's history: its own partial block
+    admit(m, c)
+    assert c.num_computed_tokens == 13
+    check_kv(m, c)
+    m.check_invariants()

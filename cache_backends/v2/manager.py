@@ -89,7 +89,7 @@ from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, r
 from cache_backends.stats import GroupStats, HostStats, ManagerStats, ReuseStats
 from cache_backends.v2.group_pool import EvictionQueue, GroupPool
 from cache_backends.v2.host_tier import HostTier, host_slots
-from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree
+from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree, TailRun
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
@@ -547,13 +547,15 @@ class KVCacheManagerV2:
         if cache is None:
             return
         self._active_requests.discard(request)
+        if cache.pending is None and self._tail_to_keep(cache):
+            self._keep_tail(cache)
         pending, active = cache.pending, cache.is_active  # (the release below clears cache.pending)
         if cache.pending is not None and self._one_owner is not None and cache.is_active \
                 and self._finish_parked(cache):
             pass  # parked and let go in one pass
         else:
             if cache.pending is not None:
-                self._park(cache)
+                self._park(cache, self._tail_to_keep(cache))
             elif cache.latent is not None:
                 self._drop_latent(cache)
             if cache.is_active:
@@ -569,6 +571,72 @@ class KVCacheManagerV2:
         if cache.last is not None:
             self._tree.leave(cache.last)
             cache.last = None
+
+    def _tail_to_keep(self, cache: SequenceCache) -> int:
+        """The tokens of a finishing cache's partial last block (``committed % T``) a finish keeps cached for the next
+        turn's partial match to copy (:meth:`_keep_tail`, or parked with a pending prefix); 0: none (partial reuse or
+        the cache off, KV events on, no full block before it, too few tokens, or a block some table shares or a
+        window let go)."""
+        if not self._partial or not cache.is_active or self.kv_events is not None:
+            return 0
+        n, r = divmod(cache.committed, self.T)
+        if not n or r < self._partial_unit:
+            return 0
+        tables, pools = cache.tables, self._pool
+        for name in self._names:
+            table = tables[name]
+            # (the block before it let go by a window no wider than r: a hit on the history cannot end there)
+            if len(table) <= n or table[n] < 0 or table[n - 1] < 0 or pools[name].ref[table[n]] != 1 \
+                    or pools[name].node[table[n]]:
+                return 0
+        return r
+
+    def _keep_tail(self, cache: SequenceCache) -> None:
+        """At a finish of an eagerly keyed cache, keep the partial last block (:meth:`_tail_to_keep`) cached as its
+        path's :class:`~cache_backends.v2.radix.TailRun`, for the next turn's partial match to copy.
+
+        Why: whole-block reuse stops at the history's last full block, so a follow-up turn recomputed up to ``T - 1``
+        tokens of it (tiny-gemma3 ``multi-turn``: 31 of 32 per turn, 3.7% of the workload's ideal; BENCHMARKS.md). A
+        lazily keyed cache parks it with its pending prefix instead (:meth:`_materialize` hangs it). A tail already
+        continuing the run as long as this one is kept; a shorter one, or one left behind (its run grew), is dropped
+        for the new one."""
+        T = self.T
+        n, r = divmod(cache.committed, T)
+        tables, pools = cache.tables, self._pool
+        last = cache.last
+        if last is None or cache.keyed != n or last.start + len(last.held) != n:
+            return
+        old = last.tail
+        if old is not None:
+            if old.adjacent() and old.valid >= r:  # (a turn that copied it and added tokens replaces it)
+                return
+            for name in self._names:  # left behind: its blocks go free (taken out of the queue, then dropped)
+                b = old.blocks[name][0]
+                if b >= 0:
+                    pool = pools[name]
+                    pool.incref(b)
+                    pool.decref(b, 0, False, self._detach)
+            if last.tail is old:  # (every block of it was evicted already: unhooked by the last detach otherwise)
+                last.tail = None
+        last.tail = self._hang_tail(last, cache.request, n, r, {name: tables[name][n] for name in self._names})
+
+    def _hang_tail(self, parent: RadixNode, request: Request, n: int, r: int, blocks: dict[str, int]) -> TailRun:
+        """A :class:`~cache_backends.v2.radix.TailRun` at position ``n`` under ``parent`` holding ``blocks`` (-1: none;
+        the caller hooks it: ``parent.tail`` or the tree's loose tails)."""
+        T = self.T
+        tail = TailRun(parent, request.salt, n, self._names, 8 * T, r)
+        tail.tokens += pack_tokens([*_tokens(request, n * T, n * T + r), *[0] * (T - r)])
+        held = 0
+        for name, _, owner, pos in self._attach_steps:
+            b = blocks[name]
+            tail.blocks[name].append(b)
+            if b >= 0:
+                owner[b] = tail
+                pos[b] = n
+                held += 1
+        tail.held.append(held)
+        self._tree.num_nodes += 1
+        return tail
 
     def _refresh_window_head(self, cache: SequenceCache, pending: PendingPrefix | None) -> None:
         """At a finish, requeue at the young end of the eviction queue the blocks each window let go that a hit on the
@@ -1524,7 +1592,7 @@ class KVCacheManagerV2:
                 users[id(node)] = users.get(id(node), 0) + 1
                 node = node.parent
         positions = 0
-        for node in [*self._tree.roots.values(), *self._tree.nodes()]:
+        for node in [*self._tree.roots.values(), *self._tree.nodes(), *self._tree.tails()]:
             where = f"radix run at block {node.start}"
             if node.by_first is not None:
                 for index, width, what in ((node.by_first, 8, "first-token"), (node.by_two, 16, "first-two-tokens")):
@@ -2142,22 +2210,32 @@ class KVCacheManagerV2:
                 self._add_latent(cache, prefix.first)
             return
         held = prefix.held
-        n = len(held)
+        full = n = len(held) - (prefix.tail > 0)
         while n and not held[n - 1]:
             n -= 1
-        if not n:
-            return
-        run, segs = tree.extend(None, prefix.salt, pack_tokens(_tokens(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
-        assert segs == [(run, 0, n)], "a pending prefix's first token starts no run"
-        counts = run.held
-        for name, _, owner, _ in self._attach_steps:
-            dst = run.blocks[name]
-            for i, b in enumerate(prefix.blocks[name][:n]):
-                if b >= 0:
-                    dst[i] = b
-                    owner[b] = run  # its position (pos[b] == i) stays
-                    counts[i] += 1
-        tree.leave(run)  # nobody's path: trimmed like any unused run
+        run = None
+        if n:
+            run, segs = tree.extend(None, prefix.salt, pack_tokens(_tokens(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
+            assert segs == [(run, 0, n)], "a pending prefix's first token starts no run"
+            counts = run.held
+            for name, _, owner, _ in self._attach_steps:
+                dst = run.blocks[name]
+                for i, b in enumerate(prefix.blocks[name][:n]):
+                    if b >= 0:
+                        dst[i] = b
+                        owner[b] = run  # its position (pos[b] == i) stays
+                        counts[i] += 1
+        if prefix.tail and held[full]:  # its parked partial last block: the run's tail, or loose if the run ends early
+            # (with no run: a parent of its own, outside the tree, as a removed run is for a tail it left loose)
+            parent = run if run is not None else RadixNode(None, prefix.salt, 0, (), 0)
+            tail = self._hang_tail(parent, prefix.request, full, prefix.tail,  # type: ignore[arg-type]
+                                   {name: prefix.blocks[name][full] for name in self._names})
+            if run is not None and n == full:
+                run.tail = tail
+            else:
+                tree.loose.add(tail)
+        if run is not None:
+            tree.leave(run)  # nobody's path: trimmed like any unused run
 
     def _add_latent(self, cache: SequenceCache, first: bytes) -> None:
         """Count a keyed-eagerly cache with no block in the tree yet: it may hang a run starting with ``first``."""
@@ -2174,8 +2252,9 @@ class KVCacheManagerV2:
         else:
             latent[key] -= 1  # type: ignore[index]
 
-    def _park(self, cache: SequenceCache) -> None:
-        """A lazily keyed cache lets go: its full committed blocks stay cached under its pending prefix."""
+    def _park(self, cache: SequenceCache, tail: int = 0) -> None:
+        """A lazily keyed cache lets go: its full committed blocks stay cached under its pending prefix (and its
+        partial last block of ``tail`` tokens: :meth:`_tail_to_keep`)."""
         prefix = cache.pending
         assert prefix is not None
         cache.pending = None
@@ -2197,6 +2276,9 @@ class KVCacheManagerV2:
                 got.append(name)
         for lo, names in by_lo.items():
             self._park_blocks(prefix, names, cache.tables, lo, n)
+        if tail:  # the partial last block too, at position n (_materialize hangs it as its run's tail)
+            self._park_blocks(prefix, self._names, cache.tables, n, n + 1)
+            prefix.tail = tail
         if not any(prefix.held):  # every full block left a window and was freed (scratch reuse off): nothing cached
             self._tree.drop_pending(prefix)
 
@@ -2243,8 +2325,10 @@ class KVCacheManagerV2:
         assert prefix is not None
         cache.pending = None
         prefix.cache = None
-        if len(prefix.held) < n:
-            self._grow(prefix, n)
+        r = self._tail_to_keep(cache)  # a partial last block parked too, at position n (its tokens: prefix.tail)
+        end = n + 1 if r else n
+        if len(prefix.held) < end:
+            self._grow(prefix, end)
         self._count_worst(cache, -1)
         blocks, held, pos, free = prefix.blocks, prefix.held, arena.pos, arena._free
         used, kept = arena.used, arena.cached
@@ -2253,16 +2337,17 @@ class KVCacheManagerV2:
         for g, name in zip(index, names, strict=True):
             table = tables[name]
             lo = released[name]
-            got = table[lo:n]
+            got = table[lo:end]
             if got:
-                blocks[name][lo:n] = got
+                blocks[name][lo:end] = got
                 for j, b in enumerate(got, lo):  # this loop runs for every parked block: kept lean
                     owner[b] = prefix  # type: ignore[call-overload]
                     pos[b] = j
                     ref[b] = 0
-                by_lo[lo] = by_lo.get(lo, 0) + 1
+                if lo < n:
+                    by_lo[lo] = by_lo.get(lo, 0) + 1
                 leaves.append(got[::-1])
-            tail = table[n:]
+            tail = table[end:]
             if tail:  # not full: free, tail first
                 for b in tail:
                     ref[b] = 0
@@ -2273,6 +2358,9 @@ class KVCacheManagerV2:
             tables[name] = []
         for lo, k in by_lo.items():
             held[lo:n] = [h + k for h in held[lo:n]]
+        if r:
+            held[n] = len(names)
+            prefix.tail = r
         if not any(held):  # (nothing parked: every group's mark at its full blocks' end)
             self._tree.drop_pending(prefix)
         arena._queue(interleave(leaves), [], cache.request.priority)
@@ -2404,6 +2492,12 @@ class KVCacheManagerV2:
             k -= k % self._partial_unit
             if k > best_k:
                 best, best_k = child, k
+        tail = parent.tail
+        if tail is not None and tail.held[0] == groups and tail.adjacent():  # a finished history's partial block
+            k = min(_common_prefix(tail.block(0), want), limit, tail.valid)
+            k -= k % self._partial_unit
+            if k > best_k:
+                best, best_k = tail, k
         if best is None and two is not None:  # none shares two: the earliest that shares the first one, by one token
             best = next((c for c in parent.children_starting_with(want_ids[0]) if c.held[0] == groups), None)
             best_k = 1

@@ -76,8 +76,8 @@ INDEX_CHILDREN_AFTER = 8
 class RadixNode:
     """A run of full token blocks of a cached prefix (a root: a salt's empty run)."""
 
-    __slots__ = ("blocks", "by_first", "by_two", "children", "held", "keys", "parent", "salt", "start", "tokens",
-                 "users", "width")
+    __slots__ = ("blocks", "by_first", "by_two", "children", "held", "keys", "parent", "salt", "start", "tail",
+                 "tokens", "users", "width")
 
     def __init__(self, parent: RadixNode | None, salt: str | None, start: int, groups: Sequence[str],
                  width: int) -> None:
@@ -93,6 +93,8 @@ class RadixNode:
         self.by_first: dict[bytes, dict[bytes, RadixNode]] | None = None  # built on demand, see the module doc
         self.by_two: dict[bytes, dict[bytes, RadixNode]] = {}  # the same by first two tokens, built with by_first
         self.users = 0
+        #: a finished request's partial last block, kept past this run's end for partial matches only (TailRun)
+        self.tail: TailRun | None = None
 
     def __len__(self) -> int:
         return len(self.held)
@@ -156,11 +158,34 @@ class RadixNode:
         return list(group.values()) if group else []
 
 
+class TailRun(RadixNode):
+    """A finished request's partial last block: one position past the end of the run it hangs from (``parent.tail``),
+    holding ``valid`` tokens. It is no child of that run: no whole-block lookup, keying or shared-prefix count sees it;
+    only a partial match copies it (``KVCacheManagerV2._partial_source``), and only while it is adjacent (its
+    ``start`` at its parent's end)."""
+
+    __slots__ = ("valid",)
+
+    def __init__(self, parent: RadixNode, salt: str | None, start: int, groups: Sequence[str], width: int,
+                 valid: int) -> None:
+        super().__init__(parent, salt, start, groups, width)
+        self.valid = valid
+
+    def adjacent(self) -> bool:
+        """Whether it still continues its parent's run (a trim or an append there leaves it behind)."""
+        parent = self.parent
+        return parent is not None and parent.tail is self and self.start == parent.start + len(parent.held)
+
+    def block(self, i: int) -> bytes:
+        """Its ``valid`` packed token ids (``tokens`` is padded to a whole block)."""
+        return bytes(self.tokens[:8 * self.valid])
+
+
 class PendingPrefix:
     """A prefix not hung in the tree yet: a running request's, or the blocks a request left cached (module doc)."""
 
-    __slots__ = ("blocks", "cache", "children", "first", "held", "parent", "request", "salt", "start", "users",
-                 "width")
+    __slots__ = ("blocks", "cache", "children", "first", "held", "parent", "request", "salt", "start", "tail",
+                 "users", "width")
 
     def __init__(self, salt: str | None, first: bytes, request: object, cache: object, width: int) -> None:
         self.salt = salt
@@ -175,6 +200,8 @@ class PendingPrefix:
         self.parent = None
         self.users = 0
         self.children: Mapping = _NONE
+        #: tokens of a finished request's partial last block parked at the last position (0: none; a TailRun once hung)
+        self.tail = 0
 
     def __len__(self) -> int:
         return len(self.held)
@@ -182,7 +209,8 @@ class PendingPrefix:
     def block(self, i: int) -> bytes:
         """Position ``i``'s packed token ids."""
         n = self.width // 8
-        return pack_tokens(self.request.all_token_ids[i * n:(i + 1) * n])  # type: ignore[attr-defined]
+        end = i * n + self.tail if self.tail and i == len(self.held) - 1 else (i + 1) * n
+        return pack_tokens(self.request.all_token_ids[i * n:end])  # type: ignore[attr-defined]
 
 
 #: A stretch of new positions: (run, first offset, end offset).
@@ -204,6 +232,8 @@ class RadixTree:
         # run starting with that token later, so no pending prefix may be noted under it meanwhile)
         self.latent: dict[tuple[str | None, bytes], int] = {}
         self.num_nodes = 0  # block positions
+        #: tails whose run was trimmed or removed under them: no hit copies them, their blocks wait to be evicted
+        self.loose: set[TailRun] = set()
         self.owners = {g: node for g, (node, _) in owners.items()}
         self.positions = {g: pos for g, (_, pos) in owners.items()}
         self.groups = list(owners)
@@ -377,7 +407,8 @@ class RadixTree:
 
     def trim(self, run: RadixNode) -> None:
         """Drop ``run``'s tail positions that hold no block (it has no user and no child); emptied, unhook it and
-        go on with its parent while that is left unused and childless; forget a root left without children."""
+        go on with its parent while that is left unused and childless; forget a root left without children. A
+        :class:`TailRun` the trim leaves behind goes :attr:`loose`."""
         node = run
         while node.parent is not None:
             held = node.held
@@ -385,6 +416,9 @@ class RadixTree:
             while k and not held[k - 1]:
                 k -= 1
             self.num_nodes -= len(held) - k
+            if k < len(held) and node.tail is not None:
+                self.loose.add(node.tail)
+                node.tail = None
             if k:
                 if k < len(held):
                     del node.tokens[k * node.width:], held[k:]
@@ -395,7 +429,7 @@ class RadixTree:
                 return
             parent = node.parent
             self._unhook(node)
-            if parent.users or parent.children:
+            if type(node) is TailRun or parent.users or parent.children:  # (a tail's parent trims on its own)
                 return
             node = parent
         if not node.children and self.roots.get(node.salt) is node:
@@ -436,6 +470,13 @@ class RadixTree:
         """Remove ``node`` from its parent's child indexes."""
         parent = node.parent
         assert parent is not None
+        if type(node) is TailRun:  # not among the children (and, replaced or left behind, maybe not the tail)
+            if parent.tail is node:
+                parent.tail = None
+            else:
+                self.loose.discard(node)
+            node.parent = None
+            return
         first = node.block(0)
         del parent.children[first]  # type: ignore[attr-defined]
         if parent.by_first is not None:
@@ -513,6 +554,13 @@ class RadixTree:
         if parent is None or parent.parent is None:
             return None
         return self.key(parent, len(parent.held) - 1)
+
+    def tails(self) -> Iterator[TailRun]:
+        """Every :class:`TailRun`: the runs' tails, then the loose ones (for checks and tests)."""
+        for node in self.nodes():
+            if node.tail is not None:
+                yield node.tail
+        yield from self.loose
 
     def nodes(self) -> Iterator[RadixNode]:
         """Every non-root run (for checks and tests)."""
