@@ -261,7 +261,10 @@ class LLM:
             raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")
         events = _kv_events(llm_args.pop("kv_events_config", None), llm_args.get("kv_cache_config"))
         reasoning_parser = _reasoning_parser(llm_args.pop("reasoning_parser", None))
-        request = api_request(model, config_file, True, llm_args)
+        # the keyword beats a config file's reasoning_parser (a source_conflict); parse_args takes both (Context)
+        given = llm_args if reasoning_parser is None else {**llm_args, "reasoning_parser": reasoning_parser}
+        request = api_request(model, config_file, True, given)
+        request.reasoning_parsers = PARSERS
         request.generates = True  # a model kvload cannot generate for is refused before its weights load
         # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit
         # records it as derived by LLM (field_derived) and a value the user gives wins
@@ -331,7 +334,8 @@ class LLM:
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
             executor.call_seeds, executor.llm_seed = random.Random(seed), int(seed)
-        self.result.executor.reasoning_parser = reasoning_parser
+        taken = self.result.context.reasoning_parser  # the keyword's, else the config file's
+        self.result.executor.reasoning_parser = taken.value if taken is not None else None
 
     def _start_publishing(self, events: Any, publisher: Any) -> None:
         """Hand the manager's KV events to ``publisher`` until :meth:`close` (detached and closed before the pools

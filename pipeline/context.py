@@ -72,6 +72,11 @@ class LoadRequest:
     #: Whether the caller generates through what it loads (``kvload generate``, ``kvload serve``, ``kvload.LLM``):
     #: a model whose attention kvload cannot run is then refused before its weights load (seconds, gigabytes).
     generates: bool = False
+    #: The reasoning parsers the caller acts on (``kvload.LLM``: the default parser of requests' structured outputs;
+    #: ``engine.reasoning.PARSERS``), or none: parse_args then takes ``reasoning_parser`` from the config file and the
+    #: overrides into ``Context.reasoning_parser`` (the overrides win, a ``source_conflict``; another name is refused)
+    #: instead of reporting it ``setting_ignored`` as a plan or load does.
+    reasoning_parsers: tuple[str, ...] = ()
     #: The flag that gives the caller text prompts (``kvload generate --prompt``), when it does: a model that loads
     #: without a tokenizer (a preset) is then refused, naming it, before its weights load.
     text_prompts: str | None = None
@@ -148,6 +153,8 @@ class Context:
     #: parse_args: vLLM's ``convert="classify"`` (or ``task="classify"``) as ``(the key that gave it, its value)``;
     #: apply_model_defaults makes the causal LM a classifier (``models.classifier.converted_config``)
     convert: tuple[str, UserValue] | None = None
+    #: parse_args, where the request ``takes_reasoning_parser``: the reasoning parser the sources name (None: none)
+    reasoning_parser: UserValue | None = None
     auto_originals: dict[str, AutoOrigin] = attrs.Factory(dict)  # snapshot_user_fields
     checkpoint: Any = None  # apply_model_defaults: models.Checkpoint
     hf_config: Any = None  # apply_model_defaults: transformers config

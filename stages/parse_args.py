@@ -11,6 +11,7 @@ from pipeline.context import Context, UserValue
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
 from pipeline.events import ArgsParsed, FieldDerived, SettingIgnored, SourceConflict
+from pipeline.limits import short
 from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
@@ -47,6 +48,8 @@ class ParseArgs:
         sources.append((req.source, tree))
         sources = [(label, self._take_hf_overrides(ctx, label, tree, req.config_file, emit)) for label, tree in sources]
         sources = self._take_convert(ctx, sources, emit)
+        if req.reasoning_parsers:
+            sources = self._take_reasoning_parser(ctx, sources, req.reasoning_parsers, req.config_file, emit)
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
@@ -141,6 +144,32 @@ class ParseArgs:
                                   "'pooling' or 'auto' with convert 'classify')", path=key,
                                   source=last[key].source)
             ctx.convert = (classify[-1], last[classify[-1]])
+        return taken
+
+    @staticmethod
+    def _take_reasoning_parser(ctx: Context, sources: list[tuple[str, Any]], names: tuple[str, ...],
+                               config_file: str | None, emit: Emit) -> list[tuple[str, Any]]:
+        """Take ``reasoning_parser`` out of the sources' trees into ``ctx.reasoning_parser`` for a caller that acts on
+        it (``kvload.LLM``); a later source's other value wins (a ``source_conflict``). A null is no parser named."""
+        taken: list[tuple[str, Any]] = []
+        for label, tree in sources:
+            if not isinstance(tree, dict) or "reasoning_parser" not in tree:
+                taken.append((label, tree))
+                continue
+            rest = dict(tree)
+            value = rest.pop("reasoning_parser")
+            if value is not None and not (isinstance(value, str) and value in names):
+                detail = f"expected one of {', '.join(names)} (or null), got {short(value)}"
+                where = f"config file {config_file}: " if label == "config_file" else ""
+                raise ConfigError(f"{where}reasoning_parser: {detail}", path="reasoning_parser", detail=detail,
+                                  source=label)
+            earlier = ctx.reasoning_parser
+            if value is not None:
+                if earlier is not None and earlier.value != value:
+                    emit(SourceConflict(field="reasoning_parser", kept=value, kept_source=label,
+                                        overridden=earlier.value, overridden_source=earlier.source))
+                ctx.reasoning_parser = UserValue(value, label)
+            taken.append((label, rest))
         return taken
 
     @staticmethod

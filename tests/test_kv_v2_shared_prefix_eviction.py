@@ -338,3 +338,26 @@ def test_v2_holds_nothing_where_no_sequence_outgrows_the_window():
         assert new in out.admitted
         assert (chunk["new"] < new.num_tokens) is held, chunk
         m.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 11), st.integers(-1, 1), st.booleans()), max_size=24),
+       st.lists(st.integers(0, 11), max_size=8, unique=True))
+def test_refresh_requeues_queued_blocks_at_the_young_end_of_their_bucket_in_order(ops, blocks):
+    """``refresh`` (a finish's window blocks: one bucket at C speed, several one by one) as removing each queued block
+    and queueing it again with its priority and sharedness: the eviction order after is the same."""
+    q, ref = EvictionQueue([0] * 12), EvictionQueue([0] * 12)
+    kind: dict[int, tuple[int, bool]] = {}
+    for b, prio, shared in ops:
+        if b in kind:
+            continue
+        kind[b] = (prio, shared)
+        q.add(b, prio, shared)
+        ref.add(b, prio, shared)
+    q.refresh(blocks)
+    for b in blocks:
+        if b in ref:
+            ref.remove(b)
+            ref.add(b, *kind[b])
+    assert q.blocks() == ref.blocks() and len(q) == len(ref) and q.num_shared == ref.num_shared
+    assert q.pop_many(len(q)) == ref.pop_many(len(ref))

@@ -240,6 +240,41 @@ def test_llms_unknown_reasoning_parser_is_one_line_before_loading():
     assert str(err.value) == "reasoning_parser: expected one of deepseek_r1, qwen3 (or None), got 'granite'"
 
 
+def test_a_config_files_reasoning_parser_acts_as_the_keyword_and_the_keyword_beats_it(bytes_ckpt, tmp_path):
+    """A config file's ``reasoning_parser`` was reported ignored ("a plan or load runs no requests") while the keyword
+    acted: now it is requests' default parser too, and the keyword beats it as it beats the file's other fields."""
+    config = tmp_path / "llm.yaml"
+    config.write_text("reasoning_parser: deepseek_r1\n")
+    plain = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA), max_tokens=80)
+    llm, script = scripted(bytes_ckpt, config_file=str(config))
+    with llm:
+        assert not [e for e in llm.audit.events if e["event"] == "setting_ignored" and e["field"] == "reasoning_parser"]
+        script.say(THOUGHT + "</think>" + ANSWER)
+        (out,) = llm.generate("Hello", plain)[0].outputs
+        assert out.text == THOUGHT + "</think>" + ANSWER and out.finish_reason == "stop"
+        assert llm.audit.of("generation_started")[-1]["structured_outputs"]["reasoning_parser"] == "deepseek_r1"
+    llm, script = scripted(bytes_ckpt, config_file=str(config), reasoning_parser="qwen3")
+    with llm:
+        (conflict,) = [e for e in llm.audit.of("source_conflict") if e["field"] == "reasoning_parser"]
+        assert (conflict["kept"], conflict["kept_source"]) == ("qwen3", "api")
+        assert (conflict["overridden"], conflict["overridden_source"]) == ("deepseek_r1", "config_file")
+        script.say(ANSWER)
+        llm.generate("Hello", plain)
+        assert llm.audit.of("generation_started")[-1]["structured_outputs"]["reasoning_parser"] == "qwen3"
+    said = [e["reason"] for e in kvload.plan("tiny-llama", config_file=str(config), log=False).audit.events
+            if e["event"] == "setting_ignored" and e["field"] == "reasoning_parser"]  # a plan still runs no requests
+    assert len(said) == 1 and said[0].startswith("a plan or load runs no requests")
+
+
+def test_a_config_files_unknown_reasoning_parser_is_one_line_naming_the_file(tmp_path):
+    config = tmp_path / "llm.yaml"
+    config.write_text("reasoning_parser: granite\n")
+    with pytest.raises(ValueError) as err:
+        kvload.LLM("tiny-llama", **llm_kwargs(), config_file=str(config))
+    assert str(err.value) == (f"config file {config}: reasoning_parser: expected one of deepseek_r1, qwen3 (or null), "
+                              "got 'granite'")
+
+
 def test_a_plans_reasoning_parser_says_it_acts_at_generation_not_that_kvload_lacks_it():
     """It said "a TensorRT-LLM option kvload does not act on: decoding feature kvload's sampler does not have"."""
     said = [e["reason"] for e in kvload.plan("tiny-llama", reasoning_parser="qwen3", log=False).audit.events
