@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes, args.total,
                                  args.budget)))
         return
-    here = os.getcwd()
+    # the tree this file belongs to, not the working directory: run from another checkout, "after" would
+    # otherwise measure that checkout's code under this tree's name
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     command = "python -m bench.bench_step_cost" + (f" --pairs {args.pairs}" if args.pairs != 3 else "") + (
         " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + (
         f" --model {args.model}" if args.model != "tiny-llama" else "") + (
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                     results[name][f]["a"] += runs["a"]
                     results[name][f]["b"] += runs["b"]
     print(machine())
+    if args.against is not None:
+        print("trees: " + ", ".join(f"{name} {path}" for name, path in trees.items()))
     print(f"load average {os.getloadavg()[0]:.2f} at the end\n")
     print(table(results, command, args.model, args.opcodes, args.total).markdown())
 
