@@ -195,10 +195,12 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
        None if row.shape in ("switch", "store_true") else "VALUE")
       for key, row in VLLM_ONLY.items() if row.shape is not None),
 )
-#: vLLM's one-dash spellings of some of them (``vllm/engine/arg_utils.py``)
+#: vLLM's one-dash spellings of some of them (``vllm/engine/arg_utils.py``; ``-O`` is its parser's for a compilation
+#: level, ``-O3``); each acts as its long flag does. kvload's own field of the same meaning has vLLM's as an alias
+#: (``-tp``, :data:`FLAGS`)
 VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {
-    "--compilation-config": ("-O",), "--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),
-    "--quantization": ("-q",),
+    "--compilation-config": ("-O", "-cc"), "--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),
+    "--quantization": ("-q",), "--enable-expert-parallel": ("-ep",), "--speculative-config": ("-sc",),
     **{"--" + key.replace("_", "-"): row.short for key, row in VLLM_ONLY.items() if row.short}}
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either;
