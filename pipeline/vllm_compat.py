@@ -204,6 +204,21 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: vLLM's ``--reasoning-parser`` names kvload has (``engine.reasoning`` implements them; ``engine.reasoning.PARSERS``):
+#: every source that names one is checked against these, a plan's and a load's too, where it acts on nothing
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def reasoning_parser(value: Any, python: bool) -> Any:
+    """``value`` when it names one of :data:`REASONING_PARSERS` (or is None, no parser); ``ConfigError`` naming
+    ``reasoning_parser`` and the names otherwise, as ``kvload.LLM(reasoning_parser=...)`` words it (``python``: a
+    keyword argument, None; else a YAML key, null)."""
+    if value is None or (isinstance(value, str) and value in REASONING_PARSERS):
+        return value
+    detail = f"expected one of {', '.join(REASONING_PARSERS)} (or {'None' if python else 'null'}), got {short(value)}"
+    raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail)
+
+
 #: vLLM's engine arguments a ``plan`` / ``load`` call (or a YAML file) does not take → where kvload takes them: refused
 #: naming that, never with the nearest kvload spelling (``kv_events_config`` is not ``kv_cache_config``)
 TAKEN_ELSEWHERE: dict[str, str] = {
