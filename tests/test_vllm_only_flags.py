@@ -97,9 +97,9 @@ VLLM_SWITCHES = frozenset({
     '--async-scheduling',
 })
 
-#: ``kvload serve``'s own flags (sampling seed, served names, reasoning, KV events): ``run``/``plan`` do not take them
-SERVE_ONLY = frozenset({"--seed", "--served-model-name", "--reasoning-parser", "--guided-decoding-backend",
-                        "--kv-events-config"})
+#: ``kvload serve``'s own flags (sampling seed, served names, KV events): ``run``/``plan`` do not take them
+#: (``--reasoning-parser`` they take, reported unused: tests/test_reasoning_parser_names.py)
+SERVE_ONLY = frozenset({"--seed", "--served-model-name", "--guided-decoding-backend", "--kv-events-config"})
 #: vLLM's flags whose meaning differs from kvload's nearest one: the commands refuse them in one line of their own
 DIFFERENT = frozenset("--" + name.replace("_", "-") for name in DIFFERENT_MEANING)
 
