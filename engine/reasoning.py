@@ -21,11 +21,12 @@ thinking ends.
 from __future__ import annotations
 
 from engine.stopping import marker_prefix
+from pipeline.vllm_compat import REASONING_PARSERS
 
 START = "<think>"
 END = "</think>"
-#: The parsers (vLLM's ``--reasoning-parser`` names).
-PARSERS = ("deepseek_r1", "qwen3")
+#: The parsers (vLLM's ``--reasoning-parser`` names; a plan checks a name against the same ones).
+PARSERS = REASONING_PARSERS
 
 _BEFORE, _THINKING, _AFTER = "before", "thinking", "after"  # content before <think>, reasoning, content after
 

@@ -50,8 +50,8 @@ OTHER_FLAGS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("guided_decoding_backend", str, "NAME"),
 )
 
-#: vLLM's one-dash spellings: ``kvload run``'s, and ``-O`` for ``--compilation-config`` (vLLM's ``-O3``)
-SHORT = {**VLLM_KNOB_SHORT, "--compilation-config": ("-O",)}
+#: vLLM's one-dash spellings: ``kvload run``'s (``-O`` for ``--compilation-config`` too, vLLM's ``-O3``)
+SHORT = VLLM_KNOB_SHORT
 
 #: ``--help`` of the flags whose kvload flag reads otherwise (kvload's is the switch off) or that have none
 OWN_HELP = {
@@ -107,9 +107,11 @@ def _help(name: str) -> str:
 
 
 def _switch(group: Any, name: str, store_true: bool = False) -> None:
-    """vLLM's on/off flag: ``--X`` / ``--no-X`` (``store_true``: ``--X`` alone, as vLLM declares it)."""
+    """vLLM's on/off flag: ``--X`` / ``--no-X`` (``store_true``: ``--X`` alone, as vLLM declares it), with its one-dash
+    spelling (``-ep``), which only turns it on."""
     action = "store_true" if store_true else argparse.BooleanOptionalAction
-    group.add_argument(_flag(name), dest=name, action=action, default=argparse.SUPPRESS, help=_help(name))
+    group.add_argument(_flag(name), *SHORT.get(_flag(name), ()), dest=name, action=action,
+                       default=argparse.SUPPRESS, help=_help(name))
 
 
 class EngineArgs:

@@ -222,8 +222,9 @@ def warning_text(record: dict[str, Any], grouped: bool = False) -> str:
     ``setting_ignored`` names its request), so the same warning of many requests is one line."""
     name = record["event"]
     if name == "source_conflict":
+        under = f"{record['overridden_field']} " if record.get("overridden_field") else ""
         return (f"{record['field']}: {record['kept_source']} {literal(record['kept'])} beats "
-                f"{record['overridden_source']} {literal(record['overridden'])}")
+                f"{record['overridden_source']} {under}{literal(record['overridden'])}")
     if name == "stage_failed":
         return f"stage {record.get('stage')} failed: {record.get('error')}: {record.get('message')}"
     subject = record.get("field") or record.get("architecture") or record.get("stage") or ""

@@ -112,13 +112,16 @@ class ArgsParsed(Event):
 
 @event("source_conflict", level="warning")
 class SourceConflict(Event):
-    """Two sources gave different values for one field; the stronger one won."""
+    """Two sources gave different values for one field; the stronger one won. ``overridden_field``: the key the weaker
+    source gave its value under, where it is another spelling of the same setting (vLLM's ``task`` for ``convert``: a
+    file's ``task: classify`` under ``--convert none``); left out of the record otherwise."""
 
     field: str
     kept: Any
     kept_source: str
     overridden: Any
     overridden_source: str
+    overridden_field: str | None = omitted_when_none()
 
 
 @event("user_fields_snapshotted")

@@ -25,6 +25,7 @@ from pipeline.vllm_compat import (
     DUMMY_LOAD,
     DUMMY_LOAD_FORMATS,
     SECRET_KNOBS,
+    reasoning_parser,
     refused_key,
     spec_int,
     spec_keys,
@@ -162,8 +163,8 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 ignored.extend(dropped)
         elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
             ignored.append(_vllm_ignored(key, value, why))
-        elif key == "reasoning_parser" and key not in own:
-            ignored.append((key, value, REASONING_PARSER_UNUSED))
+        elif key == "reasoning_parser" and key not in own:  # a name kvload does not have is refused, as generate's
+            ignored.append((key, reasoning_parser(value, python), REASONING_PARSER_UNUSED))
         elif key in IGNORED_LLM_ARGS and key not in own:
             why = DUMMY_LOAD if key == "load_format" and value in DUMMY_LOAD_FORMATS else IGNORED_LLM_ARGS[key]
             ignored.append((key, value, f"{_ENGINE}: {why}"))

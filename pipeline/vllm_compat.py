@@ -204,6 +204,21 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: vLLM's ``--reasoning-parser`` names kvload has (``engine.reasoning`` implements them; ``engine.reasoning.PARSERS``):
+#: every source that names one is checked against these, a plan's and a load's too, where it acts on nothing
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def reasoning_parser(value: Any, python: bool) -> Any:
+    """``value`` when it names one of :data:`REASONING_PARSERS` (or is None, no parser); ``ConfigError`` naming
+    ``reasoning_parser`` and the names otherwise, as ``kvload.LLM(reasoning_parser=...)`` words it (``python``: a
+    keyword argument, None; else a YAML key, null)."""
+    if value is None or (isinstance(value, str) and value in REASONING_PARSERS):
+        return value
+    detail = f"expected one of {', '.join(REASONING_PARSERS)} (or {'None' if python else 'null'}), got {short(value)}"
+    raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail)
+
+
 #: vLLM's engine arguments a ``plan`` / ``load`` call (or a YAML file) does not take → where kvload takes them: refused
 #: naming that, never with the nearest kvload spelling (``kv_events_config`` is not ``kv_cache_config``)
 TAKEN_ELSEWHERE: dict[str, str] = {
@@ -287,13 +302,18 @@ VLLM_ONLY: dict[str, VllmOnly] = {
     "data_parallel_address": VllmOnly("refuse", _DATA_PARALLEL, short=("-dpa",)),
     "data_parallel_rpc_port": VllmOnly("refuse", _DATA_PARALLEL, short=("-dpp",)),
     "data_parallel_backend": VllmOnly("refuse", _DATA_PARALLEL, default="mp", short=("-dpb",)),
-    "data_parallel_hybrid_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH),
-    "data_parallel_external_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH),
+    "data_parallel_hybrid_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH, short=("-dph",)),
+    "data_parallel_external_lb": VllmOnly("refuse", _DATA_PARALLEL, _SWITCH, short=("-dpe",)),
+    "data_parallel_multi_port_external_lb": VllmOnly("refuse", _DATA_PARALLEL, _STORE_TRUE, short=("-dpm",)),
+    "prefill_context_parallel_size": VllmOnly("refuse", "prefill context parallelism: kvload splits attention heads "
+                                                        "by tensor parallel only (instead: tensor_parallel_size)",
+                                              default=1, short=("-pcp",)),
     # vLLM's defaults (ParallelConfig): one node, rank 0, its rendezvous at 127.0.0.1:29501
     **{name: VllmOnly(
         "refuse", "multi-node serving: kvload's ranks run on one machine (tensor_parallel_size processes, started "
-                  "by torchrun or by the kvload CLI itself)", default=default)
-       for name, default in (("master_addr", "127.0.0.1"), ("master_port", 29501), ("nnodes", 1), ("node_rank", 0))},
+                  "by torchrun or by the kvload CLI itself)", default=default, short=short)
+       for name, default, short in (("master_addr", "127.0.0.1", ()), ("master_port", 29501, ()),
+                                    ("nnodes", 1, ("-n",)), ("node_rank", 0, ("-r",)))},
     "enable_dbo": VllmOnly("refuse", "dual-batch overlap: kvload runs each step as one batch", _SWITCH),
     "enable_eplb": VllmOnly("refuse", _EPLB, _SWITCH),
     "eplb_config": VllmOnly("refuse", _EPLB, default={}),
@@ -346,6 +366,9 @@ VLLM_ONLY: dict[str, VllmOnly] = {
                                               "reserve their own blocks (max_draft_len)"),
     "cudagraph_capture_sizes": VllmOnly("ignore", "CUDA graphs / torch.compile: kvload runs the forward eagerly",
                                         _VALUES),
+    "attention_config": VllmOnly("ignore", "vLLM's attention kernels (its backend, FlashAttention version, ...): "
+                                           "kvload's paged attention is attention_backend's (auto, flex, sdpa, triton, "
+                                           "cpu_kernel)", short=("-ac",)),
     **dict.fromkeys(("mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_block_size"), VllmOnly(
         "ignore", "Mamba (state-space) layers' cache: kvload serves no model with such layers")),
     **dict.fromkeys(("enable_lora_bias", "lora_extra_vocab_size"), VllmOnly(

@@ -21,7 +21,21 @@ from pipeline.vllm_compat import hf_overrides, take_same_meaning
 #: not imported, this stage loads nothing of models/)
 CONVERT_CLASSIFY = "classify"
 
+#: ``convert`` / ``task`` values that choose a conversion other than ``classify`` (``auto`` and ``score`` choose none)
+_NOT_CLASSIFY = {"convert": ("none", "embed"), "task": ("generate", "embed")}
+
 _PLACEHOLDER_MODEL = "<model>"
+
+
+def _contradict(key: str, value: Any, other: str, theirs: Any) -> bool:
+    """Whether ``key``'s ``value`` and ``other``'s ``theirs`` (``convert`` and ``task``) choose two conversions: one
+    ``classify``, the other one that is not."""
+    def says(k: str, v: Any) -> str | None:
+        if v == CONVERT_CLASSIFY:
+            return CONVERT_CLASSIFY
+        return "other" if isinstance(v, str) and v in _NOT_CLASSIFY[k] else None
+
+    return {says(key, value), says(other, theirs)} == {CONVERT_CLASSIFY, "other"}
 
 
 class ParseArgs:
@@ -47,7 +61,7 @@ class ParseArgs:
                 raise ConfigError(str(exc), path=exc.path, detail=exc.detail, source=req.source) from None
         sources.append((req.source, tree))
         sources = [(label, self._take_hf_overrides(ctx, label, tree, req.config_file, emit)) for label, tree in sources]
-        sources = self._take_convert(ctx, sources, emit)
+        sources = self._take_convert(ctx, sources, emit, req.config_file)
         if req.reasoning_parsers:
             sources = self._take_reasoning_parser(ctx, sources, req.reasoning_parsers, req.config_file, emit)
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
@@ -107,12 +121,16 @@ class ParseArgs:
         return rest
 
     @staticmethod
-    def _take_convert(ctx: Context, sources: list[tuple[str, Any]], emit: Emit) -> list[tuple[str, Any]]:
+    def _take_convert(ctx: Context, sources: list[tuple[str, Any]], emit: Emit,
+                      config_file: str | None = None) -> list[tuple[str, Any]]:
         """Take vLLM's ``convert="classify"`` (and ``task="classify"``, which vLLM maps to it for a generative model)
         out of the sources' trees into ``ctx.convert``: ``apply_model_defaults`` makes a causal LM a classifier, or
-        says the setting ignored for a classifier. A later source's other value of the same key wins (a
-        ``source_conflict``) and stays a vLLM knob; ``classify`` with a runner or task ``generate`` is refused (vLLM
-        has no conversion for its generate runner, ``_RUNNER_CONVERTS["generate"]`` is empty: a classifier pools)."""
+        says the setting ignored for a classifier. A later source's other value wins (a ``source_conflict``) and stays
+        a vLLM knob, whether it comes under the same key or the other one: ``task`` and ``convert`` both choose what
+        the model is converted to, so a file's ``task: classify`` yields to the command line's ``--convert none`` (one
+        ``source_conflict`` on ``convert`` whose ``overridden_field`` is ``task``). One source giving both a classify
+        and another conversion is refused, as is ``classify`` with a runner or task ``generate`` (vLLM has no
+        conversion for its generate runner, ``_RUNNER_CONVERTS["generate"]`` is empty: a classifier pools)."""
         taken: list[tuple[str, Any]] = []
         last: dict[str, UserValue] = {}  # convert / task / runner -> the last source's value
         for label, tree in sources:
@@ -120,6 +138,14 @@ class ParseArgs:
                 taken.append((label, tree))
                 continue
             rest = dict(tree)
+            if "convert" in rest and "task" in rest and "generate" not in (rest["task"], rest["convert"]) \
+                    and _contradict("convert", rest["convert"], "task", rest["task"]):
+                ck, ok = ("convert", "task") if rest["convert"] == CONVERT_CLASSIFY else ("task", "convert")
+                where = f"config file {config_file}: " if label == "config_file" else ""
+                raise ConfigError(f"{where}{ck}: {CONVERT_CLASSIFY!r} makes a classifier and {ok} "
+                                  f"{short(rest[ok])} (from {label}) does not; both choose what the model is "
+                                  "converted to (task is vLLM's older spelling of convert): give one", path=ck,
+                                  source=label)
             for key in ("convert", "task", "runner"):
                 if key not in rest:
                     continue
@@ -130,6 +156,13 @@ class ParseArgs:
                     # the other leaf of the conflict never reaches the merge (one of them is popped here)
                     emit(SourceConflict(field=key, kept=value, kept_source=label, overridden=earlier.value,
                                         overridden_source=earlier.source))
+                other = {"convert": "task", "task": "convert"}.get(key)
+                theirs = last.get(other) if other is not None else None
+                if theirs is not None and theirs.source != label and _contradict(key, value, other, theirs.value):
+                    # the other key said the opposite in a weaker source: this one wins, the other says nothing more
+                    emit(SourceConflict(field=key, kept=value, kept_source=label, overridden=theirs.value,
+                                        overridden_source=theirs.source, overridden_field=other))
+                    del last[other]
                 last[key] = UserValue(value, label)
                 if key != "runner" and value == CONVERT_CLASSIFY:
                     rest.pop(key)

@@ -46,6 +46,58 @@ def test_a_vllm_flag_whose_value_kvload_cannot_honour_is_one_line_naming_it(caps
     assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err, r.err
 
 
+#: vLLM's one-dash spellings (``vllm/engine/arg_utils.py``: ``-pcp``, ``-dph``, ``-dpe``, ``-dpm``, ``-ep``, ``-n``,
+#: ``-r``, ``-cc``, ``-ac``, ``-sc`` were "unrecognized arguments") with their long flag and a value
+SHORT_AND_LONG = [
+    ("-ep", "--enable-expert-parallel", []), ("-dph", "--data-parallel-hybrid-lb", []),
+    ("-dpe", "--data-parallel-external-lb", []), ("-dpm", "--data-parallel-multi-port-external-lb", []),
+    ("-pcp", "--prefill-context-parallel-size", ["2"]), ("-pcp", "--prefill-context-parallel-size", ["1"]),
+    ("-n", "--nnodes", ["2"]), ("-r", "--node-rank", ["1"]), ("-n", "--nnodes", ["1"]),
+    ("-cc", "--compilation-config", ['{"level": 3}']), ("-O", "--compilation-config", ["3"]),
+    ("-ac", "--attention-config", ['{"backend": "FLASH_ATTN"}']),
+    ("-sc", "--speculative-config", ['{"method": "ngram", "num_speculative_tokens": 3}']),
+    ("-dp", "--data-parallel-size", ["2"]), ("-dpl", "--data-parallel-size-local", ["2"]),
+    ("-dpa", "--data-parallel-address", ["10.0.0.1"]), ("-dcp", "--decode-context-parallel-size", ["2"]),
+    ("-pp", "--pipeline-parallel-size", ["1"]), ("-q", "--quantization", ["awq"]),
+    ("-tp", "--tensor-parallel-size", ["1"]),
+]
+
+
+def _said(r) -> tuple[int, str, list[str]]:
+    """A run's exit status, stdout and stderr lines without their timestamps."""
+    return r.code, r.out, [line.split(" ", 1)[-1] if line[:4].isdigit() else line for line in r.err.splitlines()]
+
+
+@pytest.mark.parametrize(("short", "long", "values"), SHORT_AND_LONG)
+def test_a_vllm_one_dash_flag_acts_as_its_long_flag(capsys, short, long, values):
+    """Each is taken as its long flag is (reported ignored, refused in one line naming it as typed, or acting: ``-sc``
+    sets max_draft_len), never argparse's "unrecognized arguments"."""
+    by_short = run_cli(capsys, "plan", "tiny-llama", short, *values)
+    by_long = run_cli(capsys, "plan", "tiny-llama", long, *values)
+    assert "unrecognized" not in by_short.err, by_short.err
+    code, out, err = _said(by_short)
+    assert (code, out, [line.replace(f"error: {short}:", f"error: {long}:") for line in err]) == _said(by_long)
+    if code == 2:
+        assert by_short.err.startswith(f"error: {short}: ") and len(err) == 1, by_short.err
+    elif short == "-sc":
+        assert "max_draft_len" in out
+    elif short != "-tp":  # kvload's own field: it acts, nothing to say
+        assert any("setting_ignored" in line for line in err), err
+
+
+def test_a_vllm_scripts_parser_takes_the_one_dash_flags_too():
+    """``EngineArgs.add_cli_args``: the same spellings, each destined to the long flag's keyword."""
+    from kvload import EngineArgs, FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", "tiny-llama", "-ep", "-dph", "-pcp", "1", "-n", "1", "-r", "0", "-cc", "{}",
+                            "-ac", "{}", "-sc", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert vars(ns) == {"model": "tiny-llama", "enable_expert_parallel": True, "data_parallel_hybrid_lb": True,
+                        "prefill_context_parallel_size": 1, "nnodes": 1, "node_rank": 0, "compilation_config": {},
+                        "attention_config": {}, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+
+
 def test_vllm_serve_request_logging_flags_say_they_are_ignored(monkeypatch, log):
     served_with(monkeypatch, "--disable-log-requests", "--max-log-len", "100", "--enable-prompt-tokens-details",
                 "--disable-fastapi-docs")

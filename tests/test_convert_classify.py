@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvload
-from pipeline.errors import GenerationError, ModelError
+from pipeline.errors import ConfigError, GenerationError, ModelError
 from tests.classify_support import causal_lm_with_score, reference_logits
 from tests.cli_support import run_cli
 from tests.llm_support import llm_kwargs
@@ -116,6 +116,59 @@ def test_the_command_line_overrides_a_config_files_convert_classify(llama_with_s
     assert r.code == 0 and "LlamaForSequenceClassification" not in r.out + r.err
     kept = kvload.plan(str(llama_with_score), config_file=str(config), log=False)
     assert [e["new"] for e in kept.audit.of("model_converted")] == ["LlamaForSequenceClassification"]
+
+
+#: (the config file's key, the command line's flag, whether the model is converted): vLLM's ``task`` and ``convert``
+#: both choose the conversion, so a file saying one under the other key yields to the command line
+ACROSS_KEYS = [
+    ("task: classify", ("convert", "none"), False), ("task: classify", ("convert", "embed"), False),
+    ("convert: classify", ("task", "embed"), False), ("convert: classify", ("task", "generate"), False),
+    ("convert: none", ("task", "classify"), True), ("task: generate", ("convert", "classify"), True),
+]
+
+
+@pytest.mark.parametrize(("line", "given", "converted"), ACROSS_KEYS)
+def test_the_command_line_beats_a_config_file_that_says_the_other_key(llama_with_score, tmp_path, capsys, line,
+                                                                      given, converted):
+    """Before: a file's ``task: classify`` converted the model under ``--convert none`` (the command line's value
+    reported ignored instead), and ``convert: classify`` under ``--task generate`` was refused. Now the stronger
+    source wins, with one ``source_conflict`` naming both keys (``overridden_field``)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(line + "\n")
+    key, value = given
+    theirs, _, their_value = line.partition(": ")
+    plan = kvload.plan(str(llama_with_score), config_file=str(config), log=False, **{key: value})
+    assert [(e["field"], e["kept"], e["kept_source"], e["overridden"], e["overridden_source"], e["overridden_field"])
+            for e in plan.audit.of("source_conflict")] == [(key, value, "api", their_value, "config_file", theirs)]
+    assert bool(plan.audit.of("model_converted")) is converted
+    from kvload.explain import warning_text  # kvload audit's line names both keys
+
+    assert warning_text(plan.audit.of("source_conflict")[0]) == \
+        f'{key}: api "{value}" beats config_file {theirs} "{their_value}"'
+    r = run_cli(capsys, "plan", str(llama_with_score), "--config", str(config), f"--{key}", value)
+    assert r.code == 0, r.err
+    assert ("LlamaForSequenceClassification" in r.out) is converted
+    said = [x for x in r.err.splitlines() if "source_conflict" in x]
+    assert len(said) == 1 and f"overridden_field={theirs}" in said[0] and f"field={key} " in said[0], r.err
+
+
+@pytest.mark.parametrize(("task", "convert"), [("classify", "none"), ("classify", "embed"), ("embed", "classify")])
+def test_one_source_giving_task_and_convert_two_conversions_is_refused_in_one_line(llama_with_score, tmp_path,
+                                                                                   capsys, task, convert):
+    """Before: ``--task classify --convert none`` converted the model and reported ``--convert none`` ignored."""
+    ck, ok = ("task", "convert") if task == "classify" else ("convert", "task")
+    other = convert if ok == "convert" else task
+    detail = (f"{ck}: 'classify' makes a classifier and {ok} {other!r} (from {{}}) does not; both choose what the "
+              "model is converted to (task is vLLM's older spelling of convert): give one")
+    r = run_cli(capsys, "plan", str(llama_with_score), "--task", task, "--convert", convert)
+    assert r.code == 2 and r.err.strip() == f"error: --{detail.format('cli')}", r.err
+    with pytest.raises(ConfigError) as err:
+        kvload.plan(str(llama_with_score), task=task, convert=convert, log=False)
+    assert str(err.value) == detail.format("api")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"task: {task}\nconvert: {convert}\n")
+    r = run_cli(capsys, "plan", str(llama_with_score), "--config", str(config))
+    assert r.code == 2 and r.err.strip() == f"error: config file {config}: {detail.format('config_file')}", r.err
 
 
 @pytest.mark.parametrize("flag", ["--task", "--runner"])

@@ -58,7 +58,13 @@ VLLM_ENGINE_FLAGS = (
     "--kv-transfer-config", "--kv-events-config", "--compilation-config", "--additional-config",
     "--structured-outputs-config", "--disable-log-stats", "--aggregate-engine-logging",
 )
-VLLM_SHORT_FLAGS = ('-O', '-dcp', '-dp', '-dpa', '-dpb', '-dpl', '-dpn', '-dpp', '-dpr', '-pp', '-q', '-tp')
+#: vLLM's one-dash spellings: those of 99d7eb5d, and the newer ones of vLLM's main (``-pcp``, ``-dph``, ``-dpe``,
+#: ``-dpm``, ``-ep``, ``-n``, ``-r``, ``-cc``, ``-ac``, ``-sc``), each with its long flag
+VLLM_SHORT_FLAGS = ('-O', '-dcp', '-dp', '-dpa', '-dpb', '-dpl', '-dpn', '-dpp', '-dpr', '-pp', '-q', '-tp',
+                    '-pcp', '-dph', '-dpe', '-dpm', '-ep', '-n', '-r', '-cc', '-ac', '-sc')
+#: flags of vLLM's main newer than 99d7eb5d whose one-dash spelling is above
+NEWER_VLLM_FLAGS = ("--prefill-context-parallel-size", "--data-parallel-multi-port-external-lb",
+                    "--attention-config", "--data-parallel-external-lb")
 #: the flags vLLM declares ``BooleanOptionalAction`` (a ``--no-`` form too)
 VLLM_SWITCHES = frozenset({
     '--trust-remote-code',
@@ -91,9 +97,9 @@ VLLM_SWITCHES = frozenset({
     '--async-scheduling',
 })
 
-#: ``kvload serve``'s own flags (sampling seed, served names, reasoning, KV events): ``run``/``plan`` do not take them
-SERVE_ONLY = frozenset({"--seed", "--served-model-name", "--reasoning-parser", "--guided-decoding-backend",
-                        "--kv-events-config"})
+#: ``kvload serve``'s own flags (sampling seed, served names, KV events): ``run``/``plan`` do not take them
+#: (``--reasoning-parser`` they take, reported unused: tests/test_reasoning_parser_names.py)
+SERVE_ONLY = frozenset({"--seed", "--served-model-name", "--guided-decoding-backend", "--kv-events-config"})
 #: vLLM's flags whose meaning differs from kvload's nearest one: the commands refuse them in one line of their own
 DIFFERENT = frozenset("--" + name.replace("_", "-") for name in DIFFERENT_MEANING)
 
@@ -116,7 +122,8 @@ def test_every_vllm_engine_flag_is_known_to_each_command(command):
     "unrecognized arguments" on ``kvload run``."""
     options = _commands()[command]._option_string_actions
     skip = DIFFERENT | (set() if command == "serve" else SERVE_ONLY)
-    missing = [f for f in (*VLLM_ENGINE_FLAGS, *VLLM_SHORT_FLAGS) if f not in options and f not in skip]
+    missing = [f for f in (*VLLM_ENGINE_FLAGS, *NEWER_VLLM_FLAGS, *VLLM_SHORT_FLAGS)
+               if f not in options and f not in skip]
     assert not missing
     missing_no = [f for f in VLLM_SWITCHES if "--no-" + f[2:] not in options]
     assert not missing_no
@@ -124,7 +131,8 @@ def test_every_vllm_engine_flag_is_known_to_each_command(command):
 
 def test_every_vllm_engine_flag_is_known_to_a_vllm_scripts_parser():
     options = _script_parser()._option_string_actions
-    missing = [f for f in (*VLLM_ENGINE_FLAGS, *VLLM_SHORT_FLAGS, *("--no-" + f[2:] for f in VLLM_SWITCHES))
+    missing = [f for f in (*VLLM_ENGINE_FLAGS, *NEWER_VLLM_FLAGS, *VLLM_SHORT_FLAGS,
+                           *("--no-" + f[2:] for f in VLLM_SWITCHES))
                if f not in options]
     assert not missing
 

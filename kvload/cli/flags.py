@@ -195,10 +195,12 @@ VLLM_KNOB_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, str | None],
        None if row.shape in ("switch", "store_true") else "VALUE")
       for key, row in VLLM_ONLY.items() if row.shape is not None),
 )
-#: vLLM's one-dash spellings of some of them (``vllm/engine/arg_utils.py``)
+#: vLLM's one-dash spellings of some of them (``vllm/engine/arg_utils.py``; ``-O`` is its parser's for a compilation
+#: level, ``-O3``); each acts as its long flag does. kvload's own field of the same meaning has vLLM's as an alias
+#: (``-tp``, :data:`FLAGS`)
 VLLM_KNOB_SHORT: dict[str, tuple[str, ...]] = {
-    "--compilation-config": ("-O",), "--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),
-    "--quantization": ("-q",),
+    "--compilation-config": ("-O", "-cc"), "--data-parallel-size": ("-dp",), "--pipeline-parallel-size": ("-pp",),
+    "--quantization": ("-q",), "--enable-expert-parallel": ("-ep",), "--speculative-config": ("-sc",),
     **{"--" + key.replace("_", "-"): row.short for key, row in VLLM_ONLY.items() if row.short}}
 
 #: the switches of ``VLLM_KNOB_FLAGS`` vLLM declares ``store_true`` (no ``--no-`` form there either;
@@ -276,6 +278,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_log_flags(out)
 
 
+def add_unused_reasoning_parser(p: argparse.ArgumentParser) -> None:
+    """``--reasoning-parser NAME`` (vLLM's engine flag) on a command that runs no requests (plan, run, simulate): a
+    name kvload has is reported unused (``setting_ignored``, as a ``--config`` file's is), another is refused in
+    generate's and serve's one line."""
+    from kvload.cli.structured_flags import reasoning_parser_name
+
+    p.add_argument("--reasoning-parser", "--reasoning_parser", dest=_knob_dest("reasoning_parser"), default=None,
+                   metavar="NAME", type=reasoning_parser_name, help=argparse.SUPPRESS)
+
+
 def take_model_option(parser: argparse.ArgumentParser, ns: argparse.Namespace, *, required: bool = True) -> None:
     """MODEL from vLLM's ``--model`` when it was given that way; the same model both ways is taken, two different
     ones are one usage error, and none at all (``required``) argparse's own."""
@@ -305,7 +317,7 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             continue
         set_in(tree, f.path, value)
-    for _, key, _, _ in VLLM_KNOB_FLAGS:
+    for key in (*(key for _, key, _, _ in VLLM_KNOB_FLAGS), "reasoning_parser"):
         value = getattr(ns, _knob_dest(key), None)
         if value is not None:
             tree[key] = value

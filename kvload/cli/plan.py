@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from kvload.cli.files import _audit_subscribers
-from kvload.cli.flags import _request, add_model_flags
+from kvload.cli.flags import _request, add_model_flags, add_unused_reasoning_parser
 from kvload.cli.output import print_result, prints
 from kvload.cli.parser import HelpFormatter
 
@@ -72,6 +72,7 @@ def add_plan_command(sub: Any) -> None:
                                    "source, the route and why; nothing is allocated.",
                        formatter_class=HelpFormatter)  # MODEL is required, though --model may give it
     add_model_flags(p)
+    add_unused_reasoning_parser(p)
     cap = p.add_argument_group("capacity report")
     cap.add_argument("--compare", action="store_true",
                      help="also plan V1 and V2 at one budget: bytes per token, tokens that fit, and sequences that "
@@ -90,4 +91,5 @@ def add_run_command(sub: Any) -> None:
                                    "allocate the pools on the device; print the plan and what was allocated.",
                        formatter_class=HelpFormatter)
     add_model_flags(p)
+    add_unused_reasoning_parser(p)
     p.set_defaults(func=cmd_run)

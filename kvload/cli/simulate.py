@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from kvload.cli.files import _audit_subscribers
-from kvload.cli.flags import add_model_flags, cli_overrides
+from kvload.cli.flags import add_model_flags, add_unused_reasoning_parser, cli_overrides
 from kvload.cli.output import print_result
 from kvload.cli.parser import HelpFormatter
 from kvload.cli.values import at_least, workload_arg
@@ -93,6 +93,7 @@ def add_simulate_command(sub: Any) -> None:
                     "ideal), peak and mean usage, concurrency, suspends/resumes, waits, steps to finish, and "
                     "manager + scheduler time per step. --compare runs V1 and V2 at the same budget.")
     add_model_flags(p)
+    add_unused_reasoning_parser(p)
     g = p.add_argument_group("workload")
     g.add_argument("--workload", required=True, choices=tuple(WORKLOADS), help="which synthetic workload")
     g.add_argument("--requests", type=at_least(1), default=None, metavar="N",

@@ -50,7 +50,7 @@ def add_structured_flags(p: argparse.ArgumentParser) -> None:
                    help="with --json-schema or --json-object: compact JSON, no whitespace between tokens beyond one "
                         "space after : and , (small models need it; default: any whitespace, as vLLM)")
     g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
-                   type=_reasoning_parser,
+                   type=reasoning_parser_name,
                    help=f"split each reply into its thinking and its answer as this reasoning parser reads them "
                         f"({', '.join(PARSERS)}; vLLM's flag), printed apart ('reasoning:', 'content:'; in --json "
                         f"each sample's reasoning_content and content); with a structured-output flag the model "
@@ -82,7 +82,7 @@ class _Spelling(argparse.Action):
         setattr(ns, self.dest, option_string or self.option_strings[0])
 
 
-def _reasoning_parser(text: str) -> str:
+def reasoning_parser_name(text: str) -> str:
     """``--reasoning-parser``: one of :data:`engine.reasoning.PARSERS` (``kvload serve``'s names)."""
     if text not in PARSERS:
         raise argparse.ArgumentTypeError(f"no reasoning parser {text!r} in kvload; it has: {', '.join(PARSERS)}")
@@ -164,4 +164,4 @@ def flag_named(flag: str) -> Iterator[None]:
         raise ConfigError(f"{name}{f' #{int(index) + 1}' if index is not None else ''}: {why}") from None
 
 
-__all__ = ["add_structured_flags", "flag_named", "reasoning_ignored", "structured_outputs"]
+__all__ = ["add_structured_flags", "flag_named", "reasoning_ignored", "reasoning_parser_name", "structured_outputs"]

@@ -1,0 +1,74 @@
+"""``reasoning_parser`` where no request runs (``plan``, ``run``, ``simulate``, ``kvload.plan`` / ``load``): a name
+kvload has is taken and reported unused (``setting_ignored``), any other is refused in the one line ``generate``,
+``serve`` and ``kvload.LLM`` give it. Before, a plan took any value from a config file or a keyword and reported it
+ignored, so a typo (``granite``, ``deepseek-r1``) passed the plan and failed only at ``generate``; the plan commands
+refused the flag itself as another command's."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvload
+from pipeline.errors import ConfigError
+from pipeline.trtllm_compat import REASONING_PARSER_UNUSED
+from tests.cli_support import run_cli
+
+FLAG_LINE = "error: --reasoning-parser: no reasoning parser 'granite' in kvload; it has: deepseek_r1, qwen3"
+KEYWORD_LINE = "reasoning_parser: expected one of deepseek_r1, qwen3 (or None), got 'granite'"
+
+COMMANDS = {
+    "plan": ["plan", "tiny-llama"],
+    "run": ["run", "tiny-llama", "--max_tokens", "64"],
+    "simulate": ["simulate", "tiny-llama", "--workload", "shared-prefix", "--requests", "2", "--max_tokens", "4096"],
+    "generate": ["generate", "tiny-llama", "--prompt-ids", "1,2", "--max_tokens", "64"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_unknown_reasoning_parser_flag_gets_generates_one_line_on_every_command(capsys, command):
+    r = run_cli(capsys, *COMMANDS[command], "--reasoning-parser", "granite")
+    assert r.code == 2 and r.err.strip() == FLAG_LINE, r.err
+
+
+@pytest.mark.parametrize("command", ["plan", "run", "simulate"])
+def test_a_known_reasoning_parser_flag_on_a_command_without_requests_is_said_unused(capsys, command):
+    r = run_cli(capsys, *COMMANDS[command], "--reasoning-parser", "qwen3")
+    assert r.code == 0, r.err
+    said = [line for line in r.err.splitlines() if "setting_ignored" in line and "field=reasoning_parser " in line]
+    assert len(said) == 1 and "value=qwen3" in said[0] and "a plan or load runs no requests" in said[0], r.err
+
+
+def test_a_config_files_unknown_reasoning_parser_is_refused_by_plan_as_by_llm(capsys, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("reasoning_parser: granite\n")
+    line = f"config file {config}: reasoning_parser: expected one of deepseek_r1, qwen3 (or null), got 'granite'"
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", str(config))
+    assert r.code == 2 and r.err.strip() == f"error: {line}", r.err
+    for call in (kvload.plan, kvload.load):
+        with pytest.raises(ConfigError) as err:
+            call("tiny-llama", config_file=str(config), log=False)
+        assert str(err.value) == line
+
+
+@pytest.mark.parametrize("value", ["granite", "deepseek-r1", 3, ["qwen3"]])
+def test_plan_and_load_refuse_an_unknown_reasoning_parser_keyword_as_llm_does(value):
+    from pipeline.limits import short
+
+    line = f"reasoning_parser: expected one of deepseek_r1, qwen3 (or None), got {short(value)}"
+    for call in (kvload.plan, kvload.load):
+        with pytest.raises(ConfigError) as err:
+            call("tiny-llama", reasoning_parser=value, log=False, kv_cache_config={"max_tokens": 64})
+        assert str(err.value) == line
+
+
+
+def test_the_keyword_line_is_kvload_llms():
+    with pytest.raises(ConfigError) as err:
+        kvload.LLM("tiny-llama", reasoning_parser="granite", log=False)
+    assert str(err.value) == KEYWORD_LINE
+
+
+def test_plan_and_load_take_a_known_reasoning_parser_and_say_it_is_unused():
+    plan = kvload.plan("tiny-llama", reasoning_parser="deepseek_r1", log=False)
+    said = [e for e in plan.audit.events if e["event"] == "setting_ignored" and e["field"] == "reasoning_parser"]
+    assert [(e["value"], e["reason"]) for e in said] == [("deepseek_r1", f"{REASONING_PARSER_UNUSED} (from api)")]
