@@ -563,7 +563,7 @@ class ServingEngine:
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[ServeEvent], Any], *,
                salt: str | None = None, seed_offset: int = 0, priority: int = 0, samples: int = 1,
-               pool: bool = False) -> str:
+               pool: bool = False, every_token: bool = False) -> str:
         """Queue one request; its id. ``GenerationError``/``KvBuildError`` (nothing queued) when it could never run.
 
         ``max_new_tokens`` is cut to what ``max_seq_len`` leaves. ``sink`` is called on the loop thread.
@@ -576,7 +576,9 @@ class ServingEngine:
         only when the scheduler schedules by priority (``scheduling_policy="priority"``; else only 0). ``samples``:
         how many requests the caller submits for this prompt (the request's ``n``, what metrics report). ``pool``: its
         prompt's last hidden state is captured as it is computed (``/v1/embeddings``), for the caller to take from
-        ``executor.pooled`` by the request's id once it ended.
+        ``executor.pooled`` by the request's id once it ended; with ``every_token`` every prompt token's (``/pooling``'s
+        per-token tasks, as ``LLM.reward``), the prompt computed whole (its cached prefix not read: no forward would
+        give those tokens' rows).
         """
         self._check_submit(salt, priority)
         notes: list[tuple[str, Any, str]] = []
@@ -584,7 +586,7 @@ class ServingEngine:
         request.salt = salt
         request.priority = -int(priority)  # kvload ranks higher first; vLLM's value is lower first
         # a scored prompt is prefilled whole (a cached prefix computes no logits); its blocks are cached for others
-        request.skip_prefix_read = params.prompt_logprobs is not None
+        request.skip_prefix_read = params.prompt_logprobs is not None or (pool and every_token)
         req_id = request.req_id
         seed = None
         if not params.greedy:
@@ -599,7 +601,7 @@ class ServingEngine:
                 raise EngineStopped(self._why_stopped())
             self._say_cut(notes, req_id)
             if pool:  # before the loop can see it: its prefill's forward captures the row
-                self.executor.pooled.want(req_id)
+                self.executor.pooled.want(req_id, every_token=every_token)
             self._inbox.append([live])
             self._cond.notify_all()
         return req_id

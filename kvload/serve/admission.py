@@ -27,7 +27,8 @@ class _Admission:
     #: all read a body
     PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                        "/v1/messages/count_tokens", "/invocations", "/tokenize", "/detokenize", "/v1/embeddings",
-                       "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"})
+                       "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
+                       "/pooling"})
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app = app

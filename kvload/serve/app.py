@@ -38,6 +38,7 @@ from kvload.serve.failures import _Failures, internal_error
 from kvload.serve.handlers import _serve, _tokenizer_call
 from kvload.serve.messages_input import AnthropicError
 from kvload.serve.parse_gate import ParseGate
+from kvload.serve.pooling import pooling_route_post
 from kvload.serve.protocol import BadRequest
 from kvload.serve.request_id import _RequestIdHeader
 from kvload.serve.request_input import _not_served
@@ -245,6 +246,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/classify")  # vLLM's classification API: a *ForSequenceClassification checkpoint's head, activated
     async def classify(request: Request) -> Response:
         return await classify_route(state, request, gate, stopping)
+
+    @app.post("/pooling")  # vLLM's pooling API: by task, the last or every prompt token's hidden state or head output
+    async def pooling(request: Request) -> Response:
+        return await pooling_route_post(state, request, gate, stopping)
 
     @app.post("/score")  # vLLM's score API: the cosine of each pair's embeddings (its embedding models' score)
     @app.post("/v1/score")

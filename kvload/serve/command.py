@@ -45,10 +45,11 @@ server-sent events), POST /v1/responses (OpenAI's Responses API, run as chat; GE
 /v1/models/{id}, /health, /version, /metrics (Prometheus,
 kvload_*), POST /v1/embeddings, vLLM's POST /score and /rerank (the cosine of two
 embeddings; a one-label classifier scores each pair through its head), vLLM's POST /classify (a
-*ForSequenceClassification checkpoint's class probabilities), vLLM's POST /tokenize and /detokenize,
+*ForSequenceClassification checkpoint's class probabilities), vLLM's POST /pooling (by task: every prompt
+token's class probabilities or hidden state, or the pooled ones), vLLM's POST /tokenize and /detokenize,
 GET /load ({"server_load": N}) and
-SageMaker's GET|POST /ping and POST /invocations (a chat, completions, embeddings or classify, rerank or score
-body, picked by its fields as vLLM does), and kvload's own
+SageMaker's GET|POST /ping and POST /invocations (a chat, completions, embeddings or classify, rerank, score or
+pooling body, picked by its fields as vLLM does), and kvload's own
 GET /v1/kvload/audit (the load's audit log as JSON Lines, generation events included),
 GET /v1/kvload/explain?field=NAME (one field's provenance chain), GET /v1/kvload/kv_events.
 

@@ -180,19 +180,22 @@ async def pooling_route(state: ServeState, request: Request, gate: ParseGate, st
 
 async def pooling_run(state: ServeState, request: Request, job: PoolJob,
                       answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]) -> Response:
-    """:func:`pooling_route` once the body is parsed: ``job``'s inputs queued in one batch, then its answer."""
+    """:func:`pooling_route` once the body is parsed: ``job``'s inputs queued in one batch, then its answer (each
+    input's row; a job whose ``every_token`` is true: a ``(tokens, hidden)`` tensor of every prompt token's)."""
     loop = asyncio.get_running_loop()
     ended: asyncio.Queue[tuple[int, ServeEvent]] = asyncio.Queue()
     engine = state.engine
     req_ids: list[str] = []
     events: dict[int, ServeEvent] = {}
+    every_token = getattr(job, "every_token", False)  # /pooling's per-token tasks: each prompt token's row
     try:
         for i, ids in enumerate(job.prompts):
             def sink(ev: ServeEvent, i: int = i) -> None:
                 if ev.finished:
                     loop.call_soon_threadsafe(ended.put_nowait, (i, ev))
             try:
-                req_ids.append(engine.submit(ids, job.params, sink, pool=True, priority=job.priority))
+                req_ids.append(engine.submit(ids, job.params, sink, pool=True, priority=job.priority,
+                                             every_token=every_token))
             except EngineStopped:
                 raise _shutting_down() from None
         while len(events) < len(req_ids):
