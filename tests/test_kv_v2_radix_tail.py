@@ -215,3 +215,41 @@ def test_with_partial_reuse_off_a_finish_keeps_no_tail(setting):
     follow_up = Request("a2", [*a.all_token_ids, 70], 0)
     admit(m, follow_up)
     assert follow_up.num_computed_tokens == (8 if setting == "enable_partial_reuse" else 0)
+
+
+@pytest.mark.parametrize("layers", ["full", "shared", "split"])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_request_that_copied_a_tail_is_preempted_suspended_and_aborted_and_reads_back_right(layers, lazy):
+    m = make_manager(LAYOUTS[layers](8), 32)
+    m._lazy = lazy and m._lazy
+    a = finish(m, "a", [*range(1, 9), 50, 51, 52])  # tail [50 51 52] at block 2
+    history = list(a.all_token_ids)
+    b = Request("b", [*history, 60, 61, 62, 63, 64, 65], 0)
+    admit(m, b)
+    assert b.num_computed_tokens == 11 and m.stats().reuse_partial_hits == 1
+    check_kv(m, b)
+    m.preempt(b)  # before computing anything: the run keeps a's tail, the copy goes
+    m.check_invariants()
+    assert [t.valid for t in m._tree.tails()] == [3]
+    admit(m, b)
+    assert b.num_computed_tokens == 11
+    compute(m, b, 2)
+    assert m.suspend(b)
+    m.check_invariants()
+    assert m.resume(b)
+    check_kv(m, b)
+    compute(m, b, 2)
+    check_kv(m, b)
+    m.free(b)  # aborted mid-prompt: 15 tokens committed, block 3 partial
+    m.check_invariants()
+    c = Request("c", [*b.prompt_token_ids, 70], 0)
+    admit(m, c)
+    assert c.num_computed_tokens == 15  # b's three whole blocks and the 3 tokens of its partial one
+    check_kv(m, c)
+    compute(m, c, c.num_tokens - c.num_computed_tokens)
+    check_kv(m, c)
+    m.free(c)
+    m.check_invariants()
+    m.reset_prefix_cache()
+    stats = m.stats()
+    assert all(g.used == 0 and g.evictable == 0 for g in stats.groups.values()) and not list(m._tree.tails())
