@@ -253,3 +253,27 @@ def test_a_request_that_copied_a_tail_is_preempted_suspended_and_aborted_and_rea
     m.reset_prefix_cache()
     stats = m.stats()
     assert all(g.used == 0 and g.evictable == 0 for g in stats.groups.values()) and not list(m._tree.tails())
+
+
+def test_samples_of_a_turn_that_copied_a_tail_and_a_regenerated_turn_are_what_no_reuse_gives(tiny_checkpoints,
+                                                                                             tmp_path):
+    # n > 1: the first sample copies the history's tail, the others fork its prefill (their partial block a copy of
+    # it); each turn is asked again (the same prompt: its own history's tail copied up to its last token)
+    words = with_tokenizer(tiny_checkpoints("gemma3"), tmp_path / "ckpt", 512)
+
+    def turns(llm: kvload.LLM) -> list[tuple[list[list[int]], list[int]]]:
+        prompt, out = list(FIRST), []
+        for user in [*USER, []]:
+            (samples,) = llm.generate([prompt], SamplingParams(max_tokens=3, n=3, ignore_eos=True))
+            (again,) = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+            out.append(([list(c.token_ids) for c in samples.outputs], list(again.outputs[0].token_ids)))
+            prompt = [*prompt, *out[-1][0][1], *user]
+        return out
+
+    with kvload.LLM(str(words), **kwargs(enable_block_reuse=False)) as llm:
+        want = turns(llm)
+    with kvload.LLM(str(words), **kwargs()) as llm:
+        got = turns(llm)
+        llm.result.kv_manager.check_invariants()
+        assert used_blocks(llm.result) == 0 and llm.result.kv_manager.stats().reuse_partial_hits >= 4
+    assert got == want
