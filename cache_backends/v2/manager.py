@@ -606,8 +606,10 @@ class KVCacheManagerV2:
         Why: whole-block reuse stops at the history's last full block, so a follow-up turn recomputed up to ``T - 1``
         tokens of it (tiny-gemma3 ``multi-turn``: 31 of 32 per turn, 3.7% of the workload's ideal; BENCHMARKS.md). A
         lazily keyed cache parks it with its pending prefix instead (:meth:`_materialize` hangs it). A tail already
-        continuing the run as long as this one is kept; a shorter one, or one left behind (its run grew), is dropped
-        for the new one."""
+        continuing the run with these tokens (or more), a block in every group, is kept (a turn that copied it); any
+        other is dropped for the new one: a shorter one, one left behind (its run grew), one an eviction took a
+        group's block of (no hit copies it), or another conversation's that parted from this one inside the block
+        (its follow-up turn would find the other's tokens and copy none)."""
         T = self.T
         n, r = divmod(cache.committed, T)
         tables, pools = cache.tables, self._pool
@@ -616,7 +618,8 @@ class KVCacheManagerV2:
             return
         old = last.tail
         if old is not None:
-            if old.adjacent() and old.valid >= r:  # (a turn that copied it and added tokens replaces it)
+            if old.adjacent() and old.valid >= r and old.held[0] == len(self._names) \
+                    and old.block(0)[:8 * r] == pack_tokens(_tokens(cache.request, n * T, n * T + r)):
                 return
             for name in self._names:  # left behind: its blocks go free (taken out of the queue, then dropped)
                 b = old.blocks[name][0]
