@@ -183,7 +183,8 @@ class ParseArgs:
     def _take_reasoning_parser(ctx: Context, sources: list[tuple[str, Any]], names: tuple[str, ...],
                                config_file: str | None, emit: Emit) -> list[tuple[str, Any]]:
         """Take ``reasoning_parser`` out of the sources' trees into ``ctx.reasoning_parser`` for a caller that acts on
-        it (``kvload.LLM``); a later source's other value wins (a ``source_conflict``). A null is no parser named."""
+        it (``kvload.LLM``, ``kvload generate`` and ``serve``); a later source's other value wins (a
+        ``source_conflict``). A null is no parser named."""
         taken: list[tuple[str, Any]] = []
         for label, tree in sources:
             if not isinstance(tree, dict) or "reasoning_parser" not in tree:

@@ -52,9 +52,11 @@ def add_structured_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
                    type=reasoning_parser_name,
                    help=f"split each reply into its thinking and its answer as this reasoning parser reads them "
-                        f"({', '.join(PARSERS)}; vLLM's flag), printed apart ('reasoning:', 'content:'; in --json "
-                        f"each sample's reasoning_content and content); with a structured-output flag the model "
-                        f"thinks freely and the grammar holds only the answer, the text after </think>")
+                        f"({', '.join(PARSERS)}; vLLM's flag; the --config file's "
+                        f"reasoning_parser acts as this flag, which beats it), printed apart ('reasoning:', "
+                        f"'content:'; in --json each sample's reasoning_content and content); with a "
+                        f"structured-output flag the model thinks freely and the grammar holds only the answer, the "
+                        f"text after </think>")
     p.set_defaults(structured=None)
 
 
@@ -89,12 +91,13 @@ def reasoning_parser_name(text: str) -> str:
     return text
 
 
-def reasoning_ignored(ns: argparse.Namespace, has_text: bool = True) -> tuple[str, str, str] | None:
-    """``(field, value, why)`` for a ``setting_ignored`` when ``--reasoning-parser`` can act on nothing: no structured
-    output to gate and no text to split (a model without a tokenizer prints token ids)."""
-    if ns.reasoning_parser is None or ns.structured or has_text:
+def reasoning_ignored(ns: argparse.Namespace, taken: Any, has_text: bool = True) -> tuple[str, str, str] | None:
+    """``(field, value, why)`` for a ``setting_ignored`` when the reasoning parser ``taken``
+    (``Context.reasoning_parser``: ``--reasoning-parser``'s, else the ``--config`` file's ``reasoning_parser``) can act
+    on nothing: no structured output to gate and no text to split (a model without a tokenizer prints token ids)."""
+    if taken is None or ns.structured or has_text:
         return None
-    return ("--reasoning-parser", ns.reasoning_parser,
+    return ("--reasoning-parser" if taken.source == "cli" else "reasoning_parser", taken.value,
             "the model has no tokenizer, so its replies are token ids, with no text to split into thinking and answer")
 
 
