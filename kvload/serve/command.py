@@ -272,8 +272,8 @@ def add_serve_command(sub: Any) -> None:
                         "thinking only from a <think> the model writes, none under chat_template_kwargs "
                         "{\"enable_thinking\": false}. Completions are not split; tool calls are read from the "
                         "answer only; response_format, structured_outputs and a named or \"required\" tool_choice "
-                        "get HTTP 400 on such a chat reply. The --config file's reasoning_parser acts as this flag, "
-                        "which beats it")
+                        "get HTTP 400 on such a chat reply. TensorRT-LLM's deepseek-r1 is deepseek_r1; the --config "
+                        "file's reasoning_parser acts as this flag, which beats it")
     g.add_argument("--api-key", "--api_key", dest="api_key", default=None, metavar="KEY", nargs="+",
                    action=_ApiKeys,
                    help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag, or list several as "
@@ -385,11 +385,11 @@ def _metrics_name_prefix(text: str) -> str:
 
 
 def _reasoning_parser(text: str) -> str:
-    """``--reasoning-parser``: one of :data:`REASONING_PARSERS`."""
-    if text not in REASONING_PARSERS:
-        raise argparse.ArgumentTypeError(f"no reasoning parser {text!r} in kvload; it has: "
-                                         f"{', '.join(REASONING_PARSERS)}")
-    return text
+    """``--reasoning-parser``: kvload's name of one of :data:`REASONING_PARSERS` (TensorRT-LLM's spelling of one,
+    ``trtllm-serve --reasoning_parser deepseek-r1``, taken as it)."""
+    from kvload.cli.structured_flags import reasoning_parser_name
+
+    return reasoning_parser_name(text)
 
 
 def _event_buffer_size(ns: argparse.Namespace) -> Any:
