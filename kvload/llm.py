@@ -58,6 +58,7 @@ from pipeline.errors import ConfigError, GenerationError, KvBuildError, OutputEr
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, plain_scalar, short
 from pipeline.thread_end import EndingThread
+from pipeline.vllm_compat import reasoning_parser_named
 from stages import load_stages
 
 #: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
@@ -931,8 +932,11 @@ __all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM", "VLLM_ATTRIBUTES_NOT_TAKEN"]
 
 
 def _reasoning_parser(value: Any) -> str | None:
-    """``LLM(reasoning_parser=...)``: one of :data:`engine.reasoning.PARSERS` or None, checked before anything loads."""
-    if value is None or (isinstance(value, str) and value in PARSERS):
-        return value
+    """``LLM(reasoning_parser=...)``: kvload's name of one of :data:`engine.reasoning.PARSERS` (TensorRT-LLM's spelling
+    of one taken as it, ``deepseek-r1``) or None, checked before anything loads."""
+    if value is None:
+        return None
+    if (name := reasoning_parser_named(value)) is not None:
+        return name
     detail = f"expected one of {', '.join(PARSERS)} (or None), got {short(value)}"
     raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail, source="api")

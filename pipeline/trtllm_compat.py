@@ -39,8 +39,8 @@ _ENGINE = "a TensorRT-LLM option kvload does not act on"
 #: ``reasoning_parser`` where no request runs (``plan``, ``load``, a YAML file): kvload acts on it at generation
 REASONING_PARSER_UNUSED = ("a plan or load runs no requests; reasoning_parser acts on generation, where structured "
                            "outputs' grammar starts after the reasoning: kvload.LLM(reasoning_parser=...), kvload "
-                           "generate / serve --reasoning-parser, or per request StructuredOutputsParams("
-                           "reasoning_parser=...)")
+                           "generate / serve --reasoning-parser (or the config file's reasoning_parser there), or per "
+                           "request StructuredOutputsParams(reasoning_parser=...)")
 
 #: Top-level ``LlmArgs`` keys → why kvload does not act on them.
 IGNORED_LLM_ARGS: dict[str, str] = {

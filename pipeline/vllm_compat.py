@@ -208,13 +208,32 @@ REFUSED: dict[str, str] = {
 #: every source that names one is checked against these, a plan's and a load's too, where it acts on nothing
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
+#: TensorRT-LLM's names of those parsers (the keys its ``ReasoningParserFactory`` registers them under: ``trtllm-serve
+#: --reasoning_parser deepseek-r1``, an options file's ``reasoning_parser``; its ``deepseek-r1`` reads a reply as
+#: kvload's ``deepseek_r1``, thinking from the first character, its ``qwen3`` as kvload's ``qwen3``) → kvload's name.
+#: Matched in any case, as TensorRT-LLM's factory lowercases the name it is given; taken from every source as that
+#: parser and recorded under kvload's name.
+REASONING_PARSER_ALIASES = {"deepseek-r1": "deepseek_r1", "qwen3": "qwen3"}
+
+
+def reasoning_parser_named(value: Any) -> str | None:
+    """kvload's name of the parser ``value`` names (one of :data:`REASONING_PARSERS`, or TensorRT-LLM's name of one:
+    :data:`REASONING_PARSER_ALIASES`); None when it names none of them."""
+    if not isinstance(value, str):
+        return None
+    if value in REASONING_PARSERS:
+        return value
+    return REASONING_PARSER_ALIASES.get(value.lower())
+
 
 def reasoning_parser(value: Any, python: bool) -> Any:
-    """``value`` when it names one of :data:`REASONING_PARSERS` (or is None, no parser); ``ConfigError`` naming
-    ``reasoning_parser`` and the names otherwise, as ``kvload.LLM(reasoning_parser=...)`` words it (``python``: a
-    keyword argument, None; else a YAML key, null)."""
-    if value is None or (isinstance(value, str) and value in REASONING_PARSERS):
-        return value
+    """kvload's name of the parser ``value`` names (:func:`reasoning_parser_named`; None: no parser); ``ConfigError``
+    naming ``reasoning_parser`` and kvload's names otherwise, as ``kvload.LLM(reasoning_parser=...)`` words it
+    (``python``: a keyword argument, None; else a YAML key, null)."""
+    if value is None:
+        return None
+    if (name := reasoning_parser_named(value)) is not None:
+        return name
     detail = f"expected one of {', '.join(REASONING_PARSERS)} (or {'None' if python else 'null'}), got {short(value)}"
     raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail)
 

@@ -15,7 +15,7 @@ from pipeline.limits import short
 from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
-from pipeline.vllm_compat import hf_overrides, take_same_meaning
+from pipeline.vllm_compat import hf_overrides, reasoning_parser_named, take_same_meaning
 
 #: vLLM's ``convert`` (``task``) value that acts: a causal LM made a classifier (``models.classifier.CONVERT_CLASSIFY``;
 #: not imported, this stage loads nothing of models/)
@@ -183,16 +183,19 @@ class ParseArgs:
     def _take_reasoning_parser(ctx: Context, sources: list[tuple[str, Any]], names: tuple[str, ...],
                                config_file: str | None, emit: Emit) -> list[tuple[str, Any]]:
         """Take ``reasoning_parser`` out of the sources' trees into ``ctx.reasoning_parser`` for a caller that acts on
-        it (``kvload.LLM``); a later source's other value wins (a ``source_conflict``). A null is no parser named."""
+        it (``kvload.LLM``, ``kvload generate`` and ``serve``); a later source's other value wins (a
+        ``source_conflict``). A null is no parser named; TensorRT-LLM's spelling of one (``deepseek-r1``) is taken as
+        kvload's name (``pipeline.vllm_compat.REASONING_PARSER_ALIASES``), so the audit names it so."""
         taken: list[tuple[str, Any]] = []
         for label, tree in sources:
             if not isinstance(tree, dict) or "reasoning_parser" not in tree:
                 taken.append((label, tree))
                 continue
             rest = dict(tree)
-            value = rest.pop("reasoning_parser")
-            if value is not None and not (isinstance(value, str) and value in names):
-                detail = f"expected one of {', '.join(names)} (or null), got {short(value)}"
+            given = rest.pop("reasoning_parser")
+            value = reasoning_parser_named(given) if given is not None else None
+            if given is not None and value not in names:
+                detail = f"expected one of {', '.join(names)} (or null), got {short(given)}"
                 where = f"config file {config_file}: " if label == "config_file" else ""
                 raise ConfigError(f"{where}reasoning_parser: {detail}", path="reasoning_parser", detail=detail,
                                   source=label)

@@ -710,6 +710,44 @@ def test_the_reasoning_parser_reaches_the_served_state_and_the_ready_line_names_
     assert line.startswith("kvload serve: \\x1b[31mred\\n at http://127.0.0.1:9 ("), line
 
 
+def test_a_config_files_reasoning_parser_serves_as_the_flag_does_and_the_flag_beats_it(monkeypatch, capsys, tmp_path):
+    """``kvload serve --config f.yaml`` with ``reasoning_parser:`` in it reported it ignored ("a plan or load runs no
+    requests") and served every chat reply whole; now it reaches build_state as the flag does (the ready line and the
+    audit name it), the flag beating it with one source_conflict."""
+    from kvload.cli.commands import build_parser
+    from kvload.serve import command, server
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("reasoning_parser: qwen3\n")
+    seen, states = {}, []
+    real = server.build_state
+
+    def build_state(result, **kwargs):
+        seen.update(kwargs)
+        states.append(real(result, **kwargs))
+        return states[-1]
+
+    def serve(*flags: str) -> tuple[str, str]:
+        base = ["serve", "tiny-llama", "--port", "0", "--max_tokens", "1024", "--config", str(config)]
+        assert command.cmd_serve(build_parser().parse_args([*base, *flags])) == 0
+        err = capsys.readouterr().err
+        (line,) = [x for x in err.splitlines() if " at http://127.0.0.1:9 " in x]
+        return line, err
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    monkeypatch.setattr(server, "serve", lambda state, host, port, log_level, ready, **_: ready("http://127.0.0.1:9"))
+    line, err = serve()
+    assert seen["reasoning_parser"] == "qwen3" and line.endswith(" KV tokens); reasoning parser qwen3; Ctrl-C stops")
+    assert "setting_ignored" not in err and "source_conflict" not in err, err
+    assert [r["parser"] for r in states[-1].result.audit.of("reasoning_parser_enabled")] == ["qwen3"]
+    line, err = serve("--reasoning-parser", "deepseek_r1")
+    assert seen["reasoning_parser"] == "deepseek_r1" and line.endswith(" reasoning parser deepseek_r1; Ctrl-C stops")
+    (conflict,) = states[-1].result.audit.of("source_conflict")
+    assert (conflict["field"], conflict["kept"], conflict["kept_source"], conflict["overridden"],
+            conflict["overridden_source"]) == ("reasoning_parser", "deepseek_r1", "cli", "qwen3", "config_file")
+    assert not states[-1].result.audit.of("setting_ignored")
+
+
 def _self_signed(tmp_path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 and its key, made by the openssl CLI (the test is skipped without it)."""
     import shutil

@@ -332,10 +332,13 @@ def generate(capsys, monkeypatch, ckpt, reply, *args):
     real = kvload.api.execute
 
     @contextlib.contextmanager
-    def scripted_execute(*a, **kw):
+    def scripted(*a, **kw):
         with real(*a, **kw) as result:
             Script(SimpleNamespace(executor=result.executor, tokenizer=result.tokenizer)).say(reply)
             yield result
+
+    def scripted_execute(request, *a, **kw):  # a --config file's tensor_parallel_size is resolved first: no weights
+        return scripted(request, *a, **kw) if request.load_weights else real(request, *a, **kw)
 
     monkeypatch.setattr("kvload.api.execute", scripted_execute)
     return run_cli(capsys, "generate", ckpt, "--prompt", "Hello", "--max_new_tokens", "60", "--device", "cpu",
@@ -396,3 +399,42 @@ def test_generate_refuses_a_reasoning_parser_kvload_does_not_have_in_one_line(ca
     r = run_cli(capsys, "generate", bytes_ckpt, "--prompt", "Hi", "--regex", "a", "--reasoning-parser", "granite")
     assert r.code == 2 and r.one_error_line, r.err
     assert r.err == "error: --reasoning-parser: no reasoning parser 'granite' in kvload; it has: deepseek_r1, qwen3\n"
+
+
+def test_generate_takes_a_config_files_reasoning_parser_as_the_flag(capsys, monkeypatch, bytes_ckpt, tmp_path):
+    """``kvload generate --config f.yaml`` with ``reasoning_parser:`` in it reported it ignored ("a plan or load runs
+    no requests") and printed the reply whole; now it acts as ``--reasoning-parser`` does, which beats it."""
+    config = tmp_path / "gen.yaml"
+    config.write_text("reasoning_parser: deepseek_r1\n")
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--config", config)
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[:2] == [f"reasoning: {THOUGHT}", "content: Blue."]
+    assert "setting_ignored" not in r.err and "source_conflict" not in r.err, r.err
+    audit = tmp_path / "schema.jsonl"  # the structured output's grammar holds only the answer, as under the flag
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--config", config, "--json-schema",
+                 json.dumps(SCHEMA), "--json", "--audit-log", audit)
+    assert r.code == 0, r.err
+    (out,) = r.json()["outputs"][0]["outputs"]
+    assert out["reasoning_content"] == THOUGHT and out["content"].startswith('{"sky"')
+    started = next(e for e in read_events(audit) if e["event"] == "generation_started")
+    assert started["structured_outputs"]["reasoning_parser"] == "deepseek_r1"
+    audit = tmp_path / "both.jsonl"
+    r = generate(capsys, monkeypatch, bytes_ckpt, THOUGHT + "</think>Blue.", "--config", config,
+                 "--reasoning-parser", "qwen3", "--audit-log", audit)
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[0] == f"content: {THOUGHT}</think>Blue."  # the flag's qwen3: no <think>, all content
+    (conflict,) = [e for e in read_events(audit) if e["event"] == "source_conflict"]
+    assert (conflict["field"], conflict["kept"], conflict["kept_source"], conflict["overridden"],
+            conflict["overridden_source"]) == ("reasoning_parser", "qwen3", "cli", "deepseek_r1", "config_file")
+    assert not [e for e in read_events(audit) if e["event"] == "setting_ignored"]
+
+
+def test_a_config_files_reasoning_parser_on_a_model_without_a_tokenizer_is_said_ignored_under_its_key(
+        capsys, tiny_checkpoints, tmp_path):
+    config = tmp_path / "gen.yaml"
+    config.write_text("reasoning_parser: qwen3\n")
+    r = run_cli(capsys, "generate", tiny_checkpoints("llama"), "--prompt-ids", "1,2,3", "--max_new_tokens", "3",
+                "--device", "cpu", "--max_tokens", "256", "--config", config)
+    assert r.code == 0, r.err
+    (line,) = [x for x in r.err.splitlines() if "setting_ignored" in x]
+    assert "field=reasoning_parser " in line and "no tokenizer" in line and "runs no requests" not in line, line

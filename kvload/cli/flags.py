@@ -336,10 +336,21 @@ def flag_aliases() -> dict[str, str]:
 def _request(ns: argparse.Namespace, load_weights: bool = False, kv_events_reader: bool = True,
              generates: bool = False) -> Any:
     """The command's LoadRequest; ``kv_events_reader=False`` where the command reads no KV cache events,
-    ``generates=True`` where it generates through what it loads."""
+    ``generates=True`` where it generates through what it loads: ``generate`` and ``serve``, which act on a reasoning
+    parser, so parse_args takes ``--reasoning-parser`` and the ``--config`` file's ``reasoning_parser`` into
+    ``Context.reasoning_parser`` (the flag winning, a ``source_conflict``) as it does ``kvload.LLM``'s keyword and
+    file, instead of reporting the file's unused as a plan does."""
     from pipeline.context import LoadRequest
 
+    overrides = cli_overrides(ns)
+    parsers: tuple[str, ...] = ()
+    if generates:
+        from pipeline.vllm_compat import REASONING_PARSERS
+
+        parsers = REASONING_PARSERS
+        if getattr(ns, "reasoning_parser", None) is not None:  # kvload's name already (the flag's type)
+            overrides["reasoning_parser"] = ns.reasoning_parser
     # config_read: the --config tree this process read already (kvload.cli.launch), so the file is read once
-    return LoadRequest(model=ns.model, overrides=cli_overrides(ns), source="cli", config_file=ns.config,
-                       config=getattr(ns, "config_read", None),
+    return LoadRequest(model=ns.model, overrides=overrides, source="cli", config_file=ns.config,
+                       config=getattr(ns, "config_read", None), reasoning_parsers=parsers,
                        load_weights=load_weights, kv_events_reader=kv_events_reader, generates=generates)

@@ -85,8 +85,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         *_generate_pool_tokens(len(prompts), ns.n, max_new_tokens, _user_max_seq_len(request), length),
         sequences=len(prompts) * ns.n)  # the checkpoint's max_seq_len caps it too, once resolved
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
-        ignored = reasoning_ignored(ns, has_text=result.tokenizer is not None)
-        split = ns.reasoning_parser if ignored is None else None  # each reply as (reasoning, content), as served
+        # --reasoning-parser, else the --config file's reasoning_parser (parse_args took them, as kvload.LLM's): the
+        # default parser of the structured output (a flag's names it already), and how each reply is printed
+        taken = result.context.reasoning_parser
+        result.executor.reasoning_parser = taken.value if taken is not None else None
+        ignored = reasoning_ignored(ns, taken, has_text=result.tokenizer is not None)
+        split = taken.value if taken is not None and ignored is None else None  # (reasoning, content), as served
         if ignored is not None and result.bus is not None:
             from pipeline.events import SettingIgnored
 

@@ -19,6 +19,7 @@ from engine.reasoning import PARSERS
 from pipeline.errors import ConfigError, GenerationError
 from pipeline.limits import MAX_STRUCTURED_CHARS
 from pipeline.textfile import read_text_file
+from pipeline.vllm_compat import reasoning_parser_named
 
 #: The flags of each kind, in the order help lists them: (kind, spellings, metavar, help).
 _KINDS: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
@@ -52,9 +53,11 @@ def add_structured_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
                    type=reasoning_parser_name,
                    help=f"split each reply into its thinking and its answer as this reasoning parser reads them "
-                        f"({', '.join(PARSERS)}; vLLM's flag), printed apart ('reasoning:', 'content:'; in --json "
-                        f"each sample's reasoning_content and content); with a structured-output flag the model "
-                        f"thinks freely and the grammar holds only the answer, the text after </think>")
+                        f"({', '.join(PARSERS)}; vLLM's flag; TensorRT-LLM's deepseek-r1 too; the --config file's "
+                        f"reasoning_parser acts as this flag, which beats it), printed apart ('reasoning:', "
+                        f"'content:'; in --json each sample's reasoning_content and content); with a "
+                        f"structured-output flag the model thinks freely and the grammar holds only the answer, the "
+                        f"text after </think>")
     p.set_defaults(structured=None)
 
 
@@ -83,18 +86,21 @@ class _Spelling(argparse.Action):
 
 
 def reasoning_parser_name(text: str) -> str:
-    """``--reasoning-parser``: one of :data:`engine.reasoning.PARSERS` (``kvload serve``'s names)."""
-    if text not in PARSERS:
+    """``--reasoning-parser``: kvload's name of one of :data:`engine.reasoning.PARSERS` (``kvload serve``'s names;
+    TensorRT-LLM's spelling of one, ``deepseek-r1``, taken as it)."""
+    name = reasoning_parser_named(text)
+    if name is None:
         raise argparse.ArgumentTypeError(f"no reasoning parser {text!r} in kvload; it has: {', '.join(PARSERS)}")
-    return text
+    return name
 
 
-def reasoning_ignored(ns: argparse.Namespace, has_text: bool = True) -> tuple[str, str, str] | None:
-    """``(field, value, why)`` for a ``setting_ignored`` when ``--reasoning-parser`` can act on nothing: no structured
-    output to gate and no text to split (a model without a tokenizer prints token ids)."""
-    if ns.reasoning_parser is None or ns.structured or has_text:
+def reasoning_ignored(ns: argparse.Namespace, taken: Any, has_text: bool = True) -> tuple[str, str, str] | None:
+    """``(field, value, why)`` for a ``setting_ignored`` when the reasoning parser ``taken``
+    (``Context.reasoning_parser``: ``--reasoning-parser``'s, else the ``--config`` file's ``reasoning_parser``) can act
+    on nothing: no structured output to gate and no text to split (a model without a tokenizer prints token ids)."""
+    if taken is None or ns.structured or has_text:
         return None
-    return ("--reasoning-parser", ns.reasoning_parser,
+    return ("--reasoning-parser" if taken.source == "cli" else "reasoning_parser", taken.value,
             "the model has no tokenizer, so its replies are token ids, with no text to split into thinking and answer")
 
 

@@ -272,7 +272,8 @@ def add_serve_command(sub: Any) -> None:
                         "thinking only from a <think> the model writes, none under chat_template_kwargs "
                         "{\"enable_thinking\": false}. Completions are not split; tool calls are read from the "
                         "answer only; response_format, structured_outputs and a named or \"required\" tool_choice "
-                        "get HTTP 400 on such a chat reply")
+                        "get HTTP 400 on such a chat reply. TensorRT-LLM's deepseek-r1 is deepseek_r1; the --config "
+                        "file's reasoning_parser acts as this flag, which beats it")
     g.add_argument("--api-key", "--api_key", dest="api_key", default=None, metavar="KEY", nargs="+",
                    action=_ApiKeys,
                    help="require 'Authorization: Bearer KEY' (any KEY given; repeat the flag, or list several as "
@@ -384,11 +385,11 @@ def _metrics_name_prefix(text: str) -> str:
 
 
 def _reasoning_parser(text: str) -> str:
-    """``--reasoning-parser``: one of :data:`REASONING_PARSERS`."""
-    if text not in REASONING_PARSERS:
-        raise argparse.ArgumentTypeError(f"no reasoning parser {text!r} in kvload; it has: "
-                                         f"{', '.join(REASONING_PARSERS)}")
-    return text
+    """``--reasoning-parser``: kvload's name of one of :data:`REASONING_PARSERS` (TensorRT-LLM's spelling of one,
+    ``trtllm-serve --reasoning_parser deepseek-r1``, taken as it)."""
+    from kvload.cli.structured_flags import reasoning_parser_name
+
+    return reasoning_parser_name(text)
 
 
 def _event_buffer_size(ns: argparse.Namespace) -> Any:
@@ -593,6 +594,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         # always seeded (0 by default, vLLM V1's): rank 0 draws; under tensor parallel its seeds reach the others in
         # the step orders
         result.executor.call_seeds, result.executor.llm_seed = random.Random(ns.seed), ns.seed
+        # --reasoning-parser, else the --config file's reasoning_parser (parse_args took them, as kvload.LLM's)
+        taken = result.context.reasoning_parser
+        reasoning_parser = taken.value if taken is not None else None
         if not ranks.is_first:
             return _follow(ns, result)
         if result.bus is not None:
@@ -606,7 +610,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
                             chat_template_flag="--chat-template", api_keys=api_keys,
                             api_key_source=key_source or "api_keys",
                             enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
-                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                            tool_call_parser=ns.tool_call_parser, reasoning_parser=reasoning_parser,
                             metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
                             cors=_cors(ns), response_role=ns.response_role,
                             return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
@@ -631,7 +635,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             tp = f", tensor parallel over {ranks.world_size} ranks" if ranks.distributed else ""
             # how chat replies are read, where a client's author looks when reasoning_content or tool_calls is missing
             parsers = "".join(f"; {what} parser {name}" for what, name in (("tool-call", ns.tool_call_parser),
-                                                                         ("reasoning", ns.reasoning_parser)) if name)
+                                                                         ("reasoning", reasoning_parser)) if name)
             # one_line: a --served-model-name or --uds path holding an escape sequence was printed raw to the terminal
             print(one_line(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
                            f"{kv.capacity_tokens:,} KV tokens{tp}){parsers}{auth}; Ctrl-C stops"),

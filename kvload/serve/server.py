@@ -54,6 +54,7 @@ from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileF
 from pipeline.limits import MAX_INT, short, short_text
 from pipeline.textfile import read_regular
 from pipeline.thread_end import EndingThread
+from pipeline.vllm_compat import reasoning_parser_named
 
 
 def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
@@ -158,9 +159,12 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"tool_call_parser: {short(tool_call_parser)} is no tool-call parser kvload has; it has: "
                           f"{', '.join(TOOL_CALL_PARSERS)}")
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ConfigError(f"reasoning_parser: {short(reasoning_parser)} is no reasoning parser kvload has; it has: "
-                          f"{', '.join(REASONING_PARSERS)}")
+    if reasoning_parser is not None:  # TensorRT-LLM's spelling of a parser (deepseek-r1) is taken as kvload's name
+        named = reasoning_parser_named(reasoning_parser)
+        if named is None:
+            raise ConfigError(f"reasoning_parser: {short(reasoning_parser)} is no reasoning parser kvload has; it has: "
+                              f"{', '.join(REASONING_PARSERS)}")
+        reasoning_parser = named
     if isinstance(api_keys, str):  # one key given bare would be taken as its characters, each a key
         raise ConfigError(f"{api_key_source}: expected a list of keys, got one string; pass [key]")
     digests = tuple(dict.fromkeys(digest(check_api_key(api_key_source, key)) for key in api_keys or ()))
