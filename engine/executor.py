@@ -109,7 +109,8 @@ Prompt = str | Sequence[int]
 
 #: A pooled request as a refusal names it, by the call that makes it (``LLM.classify``, ``LLM.reward``; an
 #: embedding otherwise: ``LLM.embed``, ``LLM.score``'s embeddings)
-POOLED = {"embed": "an embedding", "classify": "a classification", "reward": "a reward (every token's scores)"}
+POOLED = {"embed": "an embedding", "classify": "a classification", "reward": "a reward (every token's scores)",
+          "encode": "a pooled request"}
 
 
 class StreamLeft(GenerationError):

@@ -41,6 +41,7 @@ from engine.pooling import (
     ScoringOutput,
     ScoringRequestOutput,
     cosine,
+    pooled,
     pooled_vector,
     score_pairs,
 )
@@ -222,9 +223,6 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
     "llm_engine": "the engine object; kvload's load is llm.result (its executor, kv_manager, scheduler, audit), "
                   "the settings llm.args (llm.args.max_seq_len is vLLM's model_config.max_model_len), the tokenizer "
                   "llm.get_tokenizer()",
-    "encode": "kvload generates text, embeds it (LLM.embed: the last token's hidden state), classifies it with a "
-              "*ForSequenceClassification checkpoint (LLM.classify) and scores each of its tokens through that head "
-              "(LLM.reward, vLLM's token_classify pooling); use those calls",
     **dict.fromkeys(("sleep", "wake_up"), "kvload.LLM has no sleep mode; close() releases the pools and weights"),
     **dict.fromkeys(("collective_rpc", "apply_model"),
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
@@ -646,6 +644,54 @@ class LLM:
             num_cached_tokens=out.num_cached_tokens,
             outputs=PoolingOutput(head.probs(head_logits(model, tokens), p.use_activation is not False)))
             for out, tokens, p in zip(outputs, rows, pooling, strict=True)]
+
+    @_keywords
+    @_followed
+    def encode(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+               pooling_task: str | None = None, salt: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: one :class:`PoolingRequestOutput` per prompt, in order, its ``outputs.data`` a
+        float32 tensor pooled by ``pooling_task``, one of the tasks the model serves (vLLM's adapters give them):
+
+        - a classifier (``*ForSequenceClassification``, ``*ForTokenClassification``, a causal LM under
+          ``convert="classify"``): ``token_classify``, a ``(prompt tokens, labels)`` tensor of every token's class
+          probabilities (:meth:`reward`'s rows; a token classifier's per-token labels), and ``classify``, the last
+          token's (:meth:`classify`'s ``probs``); ``PoolingParams(use_activation=False)``: the logits;
+        - a generative model: ``token_embed``, a ``(prompt tokens, hidden)`` tensor of every token's final norm
+          output, and ``embed``, the last token's (:meth:`embed`'s vector), each row L2-normalized unless
+          ``PoolingParams(normalize=False)``.
+
+        ``pooling_task`` is required, as vLLM requires it; a task the model does not serve is a ``GenerationError``
+        naming those it does. A per-token task's prompt is computed whole (``num_cached_tokens`` 0). Other arguments
+        as :meth:`embed`'s."""
+        model = self.result.hf_model
+        head = head_of(model)
+        tasks = ("token_classify", "classify") if head is not None else ("token_embed", "embed")
+        if pooling_task not in tasks:
+            kind = (f"{head.architecture}, a classifier" if head is not None else
+                    f"{self.result.model.architecture}, a generative model: no classifier head")
+            accepted = ", ".join(f'"{t}"' for t in tasks)
+            if pooling_task is None:
+                raise GenerationError(f"encode: pooling_task: required, as vLLM's LLM.encode requires it; this model "
+                                      f"({kind}) serves {accepted}")
+            raise GenerationError(f"encode: pooling_task: {short(pooling_task)} is not served by this model "
+                                  f"({kind}); accepted: {accepted}")
+        every = pooling_task.startswith("token_")
+        outputs, rows, pooling = self._pool("encode", prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                            lora_request, salt, refused="normalize" if head else "use_activation",
+                                            every_token=every)
+        if head is None:
+            data = [pooled(row, p.normalize is not False) for row, p in zip(rows, pooling, strict=True)]
+        elif every:
+            data = [head.probs(head_logits(model, tokens), p.use_activation is not False)
+                    for tokens, p in zip(rows, pooling, strict=True)]
+        else:
+            data = [head.probs(logits, p.use_activation is not False)
+                    for logits, p in zip(head_logits(model, rows), pooling, strict=True)]
+        return [PoolingRequestOutput(request_id=out.request_id, prompt=out.prompt,
+                                     prompt_token_ids=list(out.prompt_token_ids),
+                                     num_cached_tokens=out.num_cached_tokens, outputs=PoolingOutput(d))
+                for out, d in zip(outputs, data, strict=True)]
 
     @_keywords
     @_followed

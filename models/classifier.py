@@ -1,4 +1,4 @@
-"""Sequence-classification checkpoints (``*ForSequenceClassification``), as vLLM serves them.
+"""Classifier checkpoints (``*ForSequenceClassification``, ``*ForTokenClassification``), as vLLM serves them.
 
 vLLM runs a decoder checkpoint with a classifier head (reward models, rerankers, text classifiers) by pooling the
 final norm's output at the prompt's last token (LAST pooling) and applying the head (the ``score`` Linear) to it:
@@ -9,6 +9,13 @@ kvload loads the checkpoint with transformers' ``AutoModelForSequenceClassificat
 load applies), then hands the executor its family's causal-LM class over the same decoder, the ``score`` Linear in
 place of ``lm_head`` (:func:`as_causal_shell`): the paged forward, prefix reuse and the pooled hidden row
 (``engine.pooling.PooledRows``) work unchanged, and the head is applied to that row (:class:`ClassifierHead`).
+
+A decoder family's ``*ForTokenClassification`` (NER, per-token labels) is the same decoder with a ``score`` Linear
+(with a bias) applied to every token's hidden state. vLLM has no class of its own for one: its registry resolves the
+name to the family's ``*ForCausalLM`` under ``convert="classify"`` (``_SUFFIX_TO_DEFAULTS``), so it is served as the
+sequence classifiers are: ``token_classify`` (``LLM.encode``/``LLM.reward``, ``/pooling``'s default) gives every
+token's class probabilities, and ``classify`` the last token's. kvload loads it with transformers'
+``AutoModelForTokenClassification`` and hands the executor the same causal shell.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ LLAMA_CLASSIFIERS = ("LlamaForSequenceClassification", "MistralForSequenceClassi
 GEMMA3_CLASSIFIER = "Gemma3TextForSequenceClassification"
 GEMMA3_CLASSIFIERS = (GEMMA3_CLASSIFIER, "Gemma3ForSequenceClassification")
 SEQUENCE_CLASSIFIERS = (*LLAMA_CLASSIFIERS, *GEMMA3_CLASSIFIERS)
+#: The ``*ForTokenClassification`` names served (per-token labels): the same decoder families, the ``score`` head over
+#: every token's hidden state
+TOKEN_CLASSIFIERS = tuple(name.replace("ForSequenceClassification", "ForTokenClassification")
+                          for name in LLAMA_CLASSIFIERS)
+#: Every classifier architecture served
+CLASSIFIERS = (*SEQUENCE_CLASSIFIERS, *TOKEN_CLASSIFIERS)
 #: vLLM's ``as_seq_cls_model`` of a causal LM (``convert="classify"``) → the classifier class transformers loads it
 #: as: the family's ``*ForSequenceClassification`` (Gemma 3's text one: ``Gemma3ForCausalLM`` is its text decoder)
 CONVERTED = {**{name.replace("ForSequenceClassification", "ForCausalLM"): name for name in LLAMA_CLASSIFIERS},
@@ -50,17 +63,31 @@ def unserved_classifier(hf_config: Any) -> str | None:
     is refused, naming those it does (None for any other architecture): loaded as a causal LM it failed on a missing
     ``lm_head.weight``, or ran the decoder without its head."""
     architecture = architecture_of(hf_config)
-    if architecture in SEQUENCE_CLASSIFIERS or not architecture.endswith(("ForSequenceClassification",
-                                                                          "ForTokenClassification")):
+    if architecture in CLASSIFIERS or not architecture.endswith(("ForSequenceClassification",
+                                                                 "ForTokenClassification")):
         return None
     return (f"architectures[0] {architecture} is a classifier kvload does not serve; it serves "
             f"{', '.join(SEQUENCE_CLASSIFIERS)} (LLM.classify and LLM.reward, POST /classify, and /score and /rerank "
-            "for one label)")
+            f"for one label) and {', '.join(TOKEN_CLASSIFIERS)} (per-token labels: LLM.encode with pooling_task "
+            "token_classify, POST /pooling)")
 
 
 def is_sequence_classifier(hf_config: Any) -> bool:
     """Whether the checkpoint is one of :data:`SEQUENCE_CLASSIFIERS`."""
     return architecture_of(hf_config) in SEQUENCE_CLASSIFIERS
+
+
+def is_token_classifier(hf_config: Any) -> bool:
+    """Whether the checkpoint is one of :data:`TOKEN_CLASSIFIERS`."""
+    return architecture_of(hf_config) in TOKEN_CLASSIFIERS
+
+
+def classifier_kind(hf_config: Any) -> str | None:
+    """``"sequence"`` or ``"token"`` for a classifier kvload serves (the transformers auto class it loads with:
+    ``AutoModelFor{Sequence,Token}Classification``), None for any other architecture."""
+    if is_sequence_classifier(hf_config):
+        return "sequence"
+    return "token" if is_token_classifier(hf_config) else None
 
 
 #: The sentence-transformers activations of a cross-encoder's score kvload applies, by class name (vLLM instantiates
@@ -139,6 +166,11 @@ class ClassifierHead:
             return self.probs(rows)[:, 0].tolist()
         activate = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "softmax": lambda r: torch.softmax(r, dim=-1)}[act]
         return activate(rows)[:, 0].tolist()
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the head is a ``*ForTokenClassification``'s (per-token labels)."""
+        return self.architecture in TOKEN_CLASSIFIERS
 
     def label(self, probs: list[float]) -> str | None:
         """The label of the most probable class (``id2label``; None when the config names none), vLLM's ``label``."""
@@ -277,9 +309,10 @@ def with_token_head(model: Any, tokenizer: Any, tokens: list[str], where: Any) -
 
 
 def as_causal_shell(classifier: Any) -> Any:
-    """The family's causal-LM class over a loaded ``*ForSequenceClassification``'s decoder, its ``score`` Linear as the
-    output projection, the :class:`ClassifierHead` attached: what the executor runs (its logits rows are the head's
-    logits; the pooled row is the final norm's output at the last token, the head's input)."""
+    """The family's causal-LM class over a loaded ``*ForSequenceClassification``'s (or ``*ForTokenClassification``'s)
+    decoder, its ``score`` Linear (a token classifier's has a bias; its dropout is not run) as the output projection,
+    the :class:`ClassifierHead` attached: what the executor runs (its logits rows are the head's logits; the pooled
+    row is the final norm's output at the last token, the head's input)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -346,14 +379,20 @@ def no_head(call: str, model: str, architecture: str) -> str:
 
 def not_generative(call: str, head: ClassifierHead) -> str:
     """The line a generating call on a classifier raises (vLLM: only generative models generate)."""
+    if head.per_token:
+        return (f"{call}: the model is a token-classification model ({head.architecture}: a classifier head over "
+                f"{head.num_labels} label{'s' if head.num_labels != 1 else ''} for every token, no language-model "
+                "head), so it does not generate; use LLM.encode(prompts, pooling_task=\"token_classify\") or POST "
+                "/pooling for its per-token class probabilities")
     return (f"{call}: the model is a sequence-classification model ({head.architecture}: a classifier head over "
             f"{head.num_labels} label{'s' if head.num_labels != 1 else ''}, no language-model head), so it does not "
             "generate; use LLM.classify or POST /classify (LLM.score, /score and /rerank for a one-label "
             "cross-encoder)")
 
 
-__all__ = ["CONVERTED", "CONVERT_CLASSIFY", "FROM_TWO_TOKENS", "GEMMA3_CLASSIFIER", "GEMMA3_CLASSIFIERS",
-           "HEAD_ATTRIBUTE", "LLAMA_CLASSIFIERS", "SCORE_ACTIVATIONS", "SEQUENCE_CLASSIFIERS", "ClassifierHead",
-           "architecture_of", "as_causal_shell", "check_score_head", "classifier_of", "converted_config", "convertible",
-           "head_logits", "head_of", "is_sequence_classifier", "no_head", "not_generative", "not_one_score",
-           "pair_ids", "pair_length", "token_head_tokens", "unserved_classifier", "with_token_head"]
+__all__ = ["CLASSIFIERS", "CONVERTED", "CONVERT_CLASSIFY", "FROM_TWO_TOKENS", "GEMMA3_CLASSIFIER", "GEMMA3_CLASSIFIERS",
+           "HEAD_ATTRIBUTE", "LLAMA_CLASSIFIERS", "SCORE_ACTIVATIONS", "SEQUENCE_CLASSIFIERS", "TOKEN_CLASSIFIERS",
+           "ClassifierHead", "architecture_of", "as_causal_shell", "check_score_head", "classifier_kind",
+           "classifier_of", "converted_config", "convertible", "head_logits", "head_of", "is_sequence_classifier",
+           "is_token_classifier", "no_head", "not_generative", "not_one_score", "pair_ids", "pair_length",
+           "token_head_tokens", "unserved_classifier", "with_token_head"]

@@ -214,25 +214,35 @@ def save_random_model(hf_config: Any, path: Path, *, dtype: str, seed: int = 0) 
     return path
 
 
-def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1, classifier: bool = False,
+def pretrained_model(path: Path, *, device: str, dtype: str, tp_size: int = 1, classifier: bool | str = False,
                      config: Any = None) -> Any:
     """Load a directory's weights with ``from_pretrained`` (never ``trust_remote_code``).
 
     ``config``: the transformers config to build the model from in place of the directory's ``config.json`` (one
     vLLM's ``hf_overrides`` changed: ``models.hf_overrides``).
 
-    ``classifier``: a ``*ForSequenceClassification`` checkpoint, loaded with ``AutoModelForSequenceClassification``
-    and returned as its family's causal-LM class over the same weights (``models.classifier.as_causal_shell``).
+    ``classifier``: a ``*ForSequenceClassification`` checkpoint (True or ``"sequence"``), loaded with
+    ``AutoModelForSequenceClassification``, or a ``*ForTokenClassification`` one (``"token"``), loaded with
+    ``AutoModelForTokenClassification``, returned as its family's causal-LM class over the same weights
+    (``models.classifier.as_causal_shell``).
 
     With ``tp_size > 1`` (every rank calling it under torch.distributed) transformers shards the model by
     its own tensor-parallel plan and places each rank's shard on the rank's device.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     if classifier and tp_size > 1:
-        raise ModelError(f"tensor_parallel_size={tp_size}: {path} is a sequence-classification checkpoint, which "
+        what = "token" if classifier == "token" else "sequence"
+        raise ModelError(f"tensor_parallel_size={tp_size}: {path} is a {what}-classification checkpoint, which "
                          "kvload runs on one rank; run it with tensor_parallel_size=1")
-    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    auto = AutoModelForCausalLM
+    if classifier:
+        auto = AutoModelForTokenClassification if classifier == "token" else AutoModelForSequenceClassification
     tdtype = torch_dtype(dtype)
     if not _weight_files(path):
         raise ModelError(f"{path}: no weights (*.safetensors or pytorch_model*.bin) in the checkpoint directory")
@@ -598,7 +608,7 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
 
             converted = cached_conversion(checkpoint) is None
             path, source = convert_gguf(checkpoint, tokenizer=tokenizer), "gguf"
-        from models.classifier import is_sequence_classifier, token_head_tokens, with_token_head
+        from models.classifier import classifier_kind, token_head_tokens, with_token_head
 
         tokens = token_head_tokens(hf_config)  # vLLM's classifier from the causal LM's own head (Qwen3-Reranker)
         if tokens is not None and tp_size > 1:
@@ -608,7 +618,7 @@ def load_weights(checkpoint: Checkpoint, hf_config: Any, *, device: str, dtype: 
         if tokens is not None:
             tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         model = pretrained_model(path, device=device, dtype=dtype, tp_size=tp_size,
-                                 classifier=is_sequence_classifier(hf_config) and tokens is None,
+                                 classifier=(tokens is None and classifier_kind(hf_config)) or False,
                                  config=hf_config if overridden or tokens is not None else None)
         try:
             tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer

@@ -10,9 +10,9 @@ from models import GenericDecoderSpec, load_hf_config, resolve_checkpoint, spec_
 from models.classifier import (
     architecture_of,
     check_score_head,
+    classifier_kind,
     converted_config,
     convertible,
-    is_sequence_classifier,
     token_head_tokens,
     unserved_classifier,
 )
@@ -181,10 +181,12 @@ class ApplyModelDefaults:
         ``model_converted``); a classifier already is left as it is (``setting_ignored``); anything else is refused."""
         key, given = ctx.convert
         architecture = architecture_of(hf_config)
-        if is_sequence_classifier(hf_config):
+        kind = classifier_kind(hf_config)
+        if kind is not None:
+            what = "*ForSequenceClassification" if kind == "sequence" else "*ForTokenClassification"
             emit(SettingIgnored(field=key, value=given.value,
                                 reason=f"the checkpoint is a classifier already ({architecture}): a "
-                                       "*ForSequenceClassification one classifies as it is, as vLLM leaves a pooling "
+                                       f"{what} one classifies as it is, as vLLM leaves a pooling "
                                        f"model unconverted (from {given.source})"))
             return hf_config
         convertible(hf_config, key)  # refuses an architecture kvload does not classify, importing nothing

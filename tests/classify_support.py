@@ -1,5 +1,5 @@
-"""Tiny ``*ForSequenceClassification`` checkpoints (random weights, a word-level tokenizer) and transformers' own
-reading of them, for the classifier tests."""
+"""Tiny ``*ForSequenceClassification`` and ``*ForTokenClassification`` checkpoints (random weights, a word-level
+tokenizer) and transformers' own reading of them, for the classifier tests."""
 
 from __future__ import annotations
 
@@ -38,6 +38,43 @@ def saved_classifier(cfg: Any, dest: Path) -> Path:
     model.save_pretrained(dest)
     word_tokenizer(VOCAB).save_pretrained(dest)
     return dest
+
+
+def token_classifier_checkpoint(dest: Path, family: str, architecture: str, num_labels: int) -> Path:
+    """A saved random ``*ForTokenClassification`` (``AutoModelForTokenClassification``: the ``score`` Linear has a
+    bias) of ``family``'s tiny preset (``qwen2``, which has none: a ``Qwen2Config`` of the same size): ``num_labels``
+    labels (named ``L<i>``), seeded."""
+    if family == "qwen2":
+        cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                       initializer_range=0.2)
+    else:
+        cfg = transformers_config(tiny_config(family))
+    cfg.architectures = [architecture]
+    cfg.num_labels = num_labels
+    cfg.id2label = {i: f"L{i}" for i in range(num_labels)}
+    cfg.label2id = {f"L{i}": i for i in range(num_labels)}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForTokenClassification.from_config(cfg)
+    with torch.no_grad():  # a head (and bias) whose logits differ enough between tokens to tell them apart
+        model.score.weight.normal_(0, 0.5)
+        model.score.bias.normal_(0, 0.5)
+    model.save_pretrained(dest)
+    word_tokenizer(VOCAB).save_pretrained(dest)
+    return dest
+
+
+def reference_token_probs(path: Path) -> Any:
+    """transformers' ``AutoModelForTokenClassification`` of the checkpoint: a prompt's per-token class probabilities,
+    ``softmax(model(ids).logits, -1)`` (eval: no dropout)."""
+    model = transformers.AutoModelForTokenClassification.from_pretrained(str(path), dtype=torch.float32,
+                                                                         attn_implementation="eager").eval()
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+    return probs
 
 
 def reference_logits(path: Path) -> Any:

@@ -60,15 +60,16 @@ def test_gemma3s_multimodal_classifier_and_a_converted_causal_lm_classify_as_tra
 
 
 def test_a_classifier_of_a_family_kvload_does_not_serve_is_refused_in_one_line(tmp_path, capsys):
-    """A token classifier (or any other family's) is named with what is served, before any load, rather than failing on
-    a missing lm_head."""
+    """A token classifier of a family kvload does not serve (or any other family's classifier) is named with what is
+    served, before any load, rather than failing on a missing lm_head."""
     path = classifier_checkpoint(tmp_path / "tok", "llama", "LlamaForSequenceClassification", 3)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForTokenClassification"]}))
-    line = (r"^.*config\.json: architectures\[0\] LlamaForTokenClassification is a classifier kvload does not serve; "
-            r"it serves LlamaForSequenceClassification, .*Gemma3TextForSequenceClassification")
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2MoeForTokenClassification"]}))
+    line = (r"^.*config\.json: architectures\[0\] Qwen2MoeForTokenClassification is a classifier kvload does not "
+            r"serve; it serves LlamaForSequenceClassification, .*Gemma3TextForSequenceClassification.* and "
+            r"LlamaForTokenClassification, .*Qwen3ForTokenClassification \(per-token labels")
     with pytest.raises(ModelError, match=line):
         kvload.LLM(str(path), **llm_kwargs())
     r = run_cli(capsys, "plan", str(path))
-    assert r.code == 2 and "LlamaForTokenClassification is a classifier kvload does not serve" in r.err
+    assert r.code == 2 and "Qwen2MoeForTokenClassification is a classifier kvload does not serve" in r.err
     assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err

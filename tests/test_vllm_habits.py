@@ -614,10 +614,6 @@ def test_chat_template_content_format_openai_gives_the_parts_and_auto_reads_the_
 def test_a_vllm_llm_attribute_kvload_lacks_says_what_to_use_instead(llm):
     with pytest.raises(AttributeError, match=r"^LLM\.llm_engine: vLLM's, not kvload's: .*llm\.get_tokenizer\(\)$"):
         llm.llm_engine.get_tokenizer()
-    with pytest.raises(AttributeError, match=r"^LLM\.encode: vLLM's, not kvload's: kvload generates text, embeds "
-                                             r"it \(LLM\.embed.*classifies it .*\(LLM\.classify\) and scores each "
-                                             r"of its tokens through that head \(LLM\.reward"):
-        llm.encode("w5")
     with pytest.raises(AttributeError, match=r"^LLM\.model_config: vLLM's, not kvload's: .*llm\.args\.max_seq_len is "
                                              r"vLLM's model_config\.max_model_len"):
         _ = llm.model_config.max_model_len

@@ -5,9 +5,9 @@ vLLM serves one route for every pooling task a model has: ``embed`` (the prompt'
 ``token_embed`` (every prompt token's hidden state) and ``token_classify`` (the head over every prompt token, a
 reward model's per-token scores: ``LLM.reward``). Which tasks a model has follows vLLM's adapters: a generative
 model (served as an embedding model whatever the runner) ``embed`` and ``token_embed``; a classifier (a
-``*ForSequenceClassification`` checkpoint, or a causal LM under ``--convert classify``) ``classify`` and
-``token_classify``. A body without ``task`` gets vLLM's default, the first per-token task the model has
-(``token_embed``, else ``token_classify``); vLLM 0.10's ``encode`` is taken as that default too.
+``*ForSequenceClassification`` or ``*ForTokenClassification`` checkpoint, or a causal LM under ``--convert
+classify``) ``classify`` and ``token_classify``. A body without ``task`` gets vLLM's default, the first per-token
+task the model has (``token_embed``, else ``token_classify``); vLLM 0.10's ``encode`` is taken as that default too.
 
 The body is vLLM's ``PoolingCompletionRequest`` (``input``) or ``PoolingChatRequest`` (``messages``, templated as
 ``/classify``'s chat form), checked as ``/v1/embeddings`` and ``/classify`` check theirs: ``normalize`` for the
