@@ -158,6 +158,16 @@ def test_invocations_sends_a_body_naming_a_task_to_pooling(served):
     assert r.status_code == 400 and r.json()["error"]["param"] == "task", r.text
 
 
+def test_invocations_sends_a_body_with_a_task_and_no_input_to_pooling_which_names_the_input(served):
+    """A body naming task and nothing else is a pooling request missing its input: /pooling's refusal, naming input,
+    not /invocations' "none of the fields that pick a route" (which named no field)."""
+    for body in ({"task": "token_classify"}, {"task": "classify", "truncate_prompt_tokens": 3}):
+        r = served.http.post("/invocations", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "input" and error["message"].startswith("input: required"), error
+
+
 def test_concurrent_classifier_requests_are_each_answered_as_when_alone(served):
     """Many /pooling and /classify requests on a classifier at once: each answered 200 with what it gets alone. The
     head over one request's rows runs on its own thread while the engine computes others; the engine counted those
