@@ -9,6 +9,7 @@ at the prompt's last token, which is that norm's output (:class:`PooledRows` cap
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -224,7 +225,12 @@ class PooledRows:
             return
         seen: list[torch.Tensor] = []
         head = model.get_output_embeddings()
-        hook = head.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+        # the forward's own call only: a served classifier's answers run the same head on other threads meanwhile
+        # (head_logits over the rows of requests already done), and those calls were counted here: concurrent
+        # /classify or /pooling requests failed with "ran 2 times in one forward", a 500
+        me = threading.get_ident()
+        hook = head.register_forward_pre_hook(
+            lambda _module, args: seen.append(args[0]) if threading.get_ident() == me else None)
         try:
             yield
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -155,6 +156,35 @@ def test_invocations_sends_a_body_naming_a_task_to_pooling(served):
     assert _ok(served, "/invocations", {"input": text(SHORT)})["id"].startswith("classify-")
     r = served.http.post("/invocations", json={"input": "w5", "task": "embed"})  # /pooling's own refusal
     assert r.status_code == 400 and r.json()["error"]["param"] == "task", r.text
+
+
+def test_invocations_sends_a_body_with_a_task_and_no_input_to_pooling_which_names_the_input(served):
+    """A body naming task and nothing else is a pooling request missing its input: /pooling's refusal, naming input,
+    not /invocations' "none of the fields that pick a route" (which named no field)."""
+    for body in ({"task": "token_classify"}, {"task": "classify", "truncate_prompt_tokens": 3}):
+        r = served.http.post("/invocations", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "input" and error["message"].startswith("input: required"), error
+
+
+def test_concurrent_classifier_requests_are_each_answered_as_when_alone(served):
+    """Many /pooling and /classify requests on a classifier at once: each answered 200 with what it gets alone. The
+    head over one request's rows runs on its own thread while the engine computes others; the engine counted those
+    calls as its forward's own and failed every request of that step with a 500 ("the model's output projection ran
+    2 times in one forward")."""
+    inputs = [LONG, SHORT, LONG[:9], LONG[5:30]]
+    bodies = [("/pooling", {"input": inputs}), ("/pooling", {"input": inputs, "task": "classify"}),
+              ("/classify", {"input": inputs})]
+    alone = [_ok(served, path, body)["data"] for path, body in bodies]
+    with ThreadPoolExecutor(18) as pool:
+        answers = list(pool.map(lambda i: served.http.post(bodies[i % 3][0], json=bodies[i % 3][1]), range(18)))
+    assert [r.status_code for r in answers] == [200] * 18, [r.text[:200] for r in answers if r.status_code != 200]
+    for i, r in enumerate(answers):
+        for got, want in zip(r.json()["data"], alone[i % 3], strict=True):
+            key = "data" if "data" in want else "probs"
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5)  # batched with others: float noise
+    wait_for(lambda: served.state.in_flight == 0, what="every admission slot freed")
 
 
 def test_a_generative_models_default_task_gives_every_tokens_normalized_hidden_state(tiny_checkpoints, tmp_path):

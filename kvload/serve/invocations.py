@@ -53,7 +53,8 @@ def invocation_kind(body: Any, classifies: bool = False) -> str:
     the served model ``classifies``: vLLM picks the pooling request by the model's task), ``query`` with
     ``documents`` a rerank, a score's pair of sides (``text_1``/``text_2``, ``data_1``/``data_2``, ``queries`` with
     ``documents`` or ``items``) a score; a body with part of a rerank's or a score's fields goes to that route, which
-    names what is missing. Else a 400."""
+    names what is missing; a body with ``task`` and none of those fields ``/pooling``, which names the input it
+    lacks. Else a 400."""
     if isinstance(body, dict):
         if "task" in body and ("input" in body or "messages" in body):
             return "pooling"
@@ -71,6 +72,8 @@ def invocation_kind(body: Any, classifies: bool = False) -> str:
             return "rerank"
         if any(name in body for pair in SCORE_SIDES for name in pair):
             return "score"
+        if "task" in body:  # only /pooling reads task: its refusal names the input the body lacks
+            return "pooling"
     raise BadRequest("/invocations: the body has none of the fields that pick a route: messages (POST "
                      "/v1/chat/completions; POST /classify for a classifier), prompt (POST /v1/completions), input "
                      "(POST /v1/embeddings; POST /classify for a classifier), query and documents (POST /rerank), or "
