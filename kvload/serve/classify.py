@@ -1,4 +1,5 @@
-"""``POST /classify`` (vLLM's classification API) for a ``*ForSequenceClassification`` checkpoint.
+"""``POST /classify`` (vLLM's classification API) for a ``*ForSequenceClassification`` checkpoint (or a
+``*ForTokenClassification`` one: its last token's row, as vLLM serves it).
 
 Each input is pooled as ``/v1/embeddings`` pools it (its prompt's last hidden state, every input in one batch:
 :func:`kvload.serve.embeddings.pooling_route`), then the classifier head is applied to it and activated as vLLM does

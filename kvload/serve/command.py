@@ -45,7 +45,8 @@ server-sent events), POST /v1/responses (OpenAI's Responses API, run as chat; GE
 /v1/models/{id}, /health, /version, /metrics (Prometheus,
 kvload_*), POST /v1/embeddings, vLLM's POST /score and /rerank (the cosine of two
 embeddings; a one-label classifier scores each pair through its head), vLLM's POST /classify (a
-*ForSequenceClassification checkpoint's class probabilities), vLLM's POST /pooling (by task: every prompt
+*ForSequenceClassification checkpoint's class probabilities; a *ForTokenClassification one's at the
+last token), vLLM's POST /pooling (by task: every prompt
 token's class probabilities or hidden state, or the pooled ones), vLLM's POST /tokenize and /detokenize,
 GET /load ({"server_load": N}) and
 SageMaker's GET|POST /ping and POST /invocations (a chat, completions, embeddings or classify, rerank, score or
