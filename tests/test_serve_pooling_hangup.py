@@ -11,6 +11,7 @@ import json
 import socket
 
 import pytest
+import torch
 
 from tests.classify_support import classifier_checkpoint
 from tests.llm_support import with_tokenizer, word_tokenizer
@@ -96,3 +97,27 @@ def test_a_classifier_request_whose_client_hangs_up_is_aborted_and_frees_its_slo
 ])
 def test_an_embedding_request_whose_client_hangs_up_is_aborted_and_frees_its_slot(generative, path, body):
     _hang_up_mid_request(generative, path, body)
+
+
+@pytest.mark.parametrize("every_token", [False, True])
+def test_a_request_taken_during_the_forward_that_computes_its_rows_leaves_none_behind(every_token):
+    """A client that leaves while the engine computes its input's last chunk: the handler takes (forgets) its row,
+    then the forward ends and wrote it anyway, kept for the server's life (no one takes it again)."""
+    from engine.pooling import PooledRows
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(4, 3)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.head
+
+    model, pooled = Model(), PooledRows()
+    pooled.want("gone", every_token=every_token)
+    pooled.want("kept", every_token=every_token)
+    with pooled.capture(model, [("gone", 0, 0, 2, True), ("kept", 0, 2, 4, True)]):
+        model.head(torch.randn(4, 4))
+        assert pooled.take("gone") is None  # the handler, on the event loop, as the forward runs
+    assert pooled.take("kept") is not None
+    assert not pooled, "a row of a request already taken was kept"
