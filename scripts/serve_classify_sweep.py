@@ -1,7 +1,7 @@
 """Hostile-body sweep of the classifier and pooling routes: ``/classify`` (and its chat form, ``messages``) on a
 3-label classifier, ``/score``, ``/rerank`` and ``/classify`` on a one-label cross-encoder, and ``/pooling`` (each
 task, ``input`` and ``messages``) with ``/invocations`` naming a ``task``, on a 3-label classifier, a 5-label
-``Qwen2ForTokenClassification`` (``/classify`` too) and a generative llama (tiny random checkpoints from
+``LlamaForTokenClassification`` (``/classify`` too) and a generative llama (tiny random checkpoints from
 ``tests/classify_support.py`` and ``tests/paged_support.py``).
 
 Each field of each route's good body is given hostile JSON (wrong types, -1, 0, 2**63, 10**400, a lone surrogate,
@@ -333,7 +333,7 @@ def pooling_routes(work: Path) -> list[tuple[Path, list[tuple[str, dict[str, Any
 
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
     cls = classifier_checkpoint(work / "pool_cls", "llama", "LlamaForSequenceClassification", 3)
-    ner = token_classifier_checkpoint(work / "pool_ner", "qwen2", "Qwen2ForTokenClassification", 5)  # per-token labels
+    ner = token_classifier_checkpoint(work / "pool_ner", "llama", "LlamaForTokenClassification", 5)  # per-token labels
     gen = work / "pool_gen"
     random_model(tiny_config("llama"), device="cpu", dtype="float32", seed=0).save_pretrained(gen)
     for path in (cls, ner, gen):
