@@ -188,6 +188,8 @@ class PooledRows:
         #: per-token requests: the rows captured so far, one (its first token's position, its rows) per computed chunk
         #: of the prompt
         self._parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        #: :meth:`take` (a server's handler, on its event loop) against :meth:`capture`'s writes (the engine's thread)
+        self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
         return bool(self._rows)
@@ -210,8 +212,9 @@ class PooledRows:
 
     def take(self, req_id: str) -> torch.Tensor | None:
         """The captured row (None: none came), the request forgotten."""
-        self._parts.pop(req_id, None)
-        return self._rows.pop(req_id, None)
+        with self._lock:
+            self._parts.pop(req_id, None)
+            return self._rows.pop(req_id, None)
 
     @contextlib.contextmanager
     def capture(self, model: Any, rows: Sequence[tuple[str, int, int, int, bool]]) -> Iterator[None]:
@@ -239,17 +242,21 @@ class PooledRows:
             raise GenerationError(f"embed: the model's output projection ran {len(seen)} times in one forward; "
                                   "its pooled hidden states cannot be told apart")
         hidden = seen[0].reshape(-1, seen[0].shape[-1])
-        for req_id, start, first, stop, ends in rows:
-            parts = self._parts.get(req_id)
-            if parts is None:
-                self._rows[req_id] = hidden[stop - 1].detach().to("cpu", copy=True)
-                continue
-            # rows of positions from start on were computed before the request was preempted: this chunk's replace them
-            kept = [(at, part[:start - at]) for at, part in parts if at < start]
-            kept.append((start, hidden[first:stop].detach().to("cpu", copy=True)))
-            self._parts[req_id] = kept
-            if ends:
-                self._rows[req_id] = torch.cat([part for _, part in kept])
+        with self._lock:
+            for req_id, start, first, stop, ends in rows:
+                if req_id not in self._rows:  # taken during the forward (its client left, the request aborted): a
+                    continue  # row kept now would be no one's, for the server's life
+                parts = self._parts.get(req_id)
+                if parts is None:
+                    self._rows[req_id] = hidden[stop - 1].detach().to("cpu", copy=True)
+                    continue
+                # rows of positions from start on were computed before the request was preempted: this chunk's
+                # replace them
+                kept = [(at, part[:start - at]) for at, part in parts if at < start]
+                kept.append((start, hidden[first:stop].detach().to("cpu", copy=True)))
+                self._parts[req_id] = kept
+                if ends:
+                    self._rows[req_id] = torch.cat([part for _, part in kept])
 
 
 @attrs.frozen

@@ -1,7 +1,8 @@
 """Hostile-body sweep of the classifier and pooling routes: ``/classify`` (and its chat form, ``messages``) on a
 3-label classifier, ``/score``, ``/rerank`` and ``/classify`` on a one-label cross-encoder, and ``/pooling`` (each
-task, ``input`` and ``messages``) with ``/invocations`` naming a ``task``, on a 3-label classifier and on a generative
-llama (tiny random checkpoints from ``tests/classify_support.py`` and ``tests/paged_support.py``).
+task, ``input`` and ``messages``) with ``/invocations`` naming a ``task``, on a 3-label classifier, a 5-label
+``LlamaForTokenClassification`` (``/classify`` too) and a generative llama (tiny random checkpoints from
+``tests/classify_support.py`` and ``tests/paged_support.py``).
 
 Each field of each route's good body is given hostile JSON (wrong types, -1, 0, 2**63, 10**400, a lone surrogate,
 empty and nested junk), plus a typo, an array body, a 3 MB input and 5,000 inputs. ``/pooling`` also gets every field
@@ -10,7 +11,8 @@ template's) and odd inputs (negative, out-of-vocabulary and int64 ids, bools and
 ids, 100,000 words, malformed messages), and raw bodies (``NaN`` and ``Infinity`` literals, a duplicated key, 100,000
 brackets, a body that is a list, a string, null or nothing, invalid UTF-8, UTF-16, a wrong or missing Content-Type).
 Every route then takes 48 requests at once (``*.concurrency``): a third answered, each checked against the answer
-alone, a third whose client resets the connection once the body is sent, a third mid-body.
+alone, a third whose client resets the connection once the body is sent, a third mid-body; the record counts the
+engine's steps meanwhile and the engine requests aborted (those of the clients that left, once the body was sent).
 
 One JSON line a case: the status, the answer's start, whether the same route still answers the good body after, and
 what the server still holds once it has (admission slots, engine requests, pooled rows; ``/load`` after the
@@ -258,7 +260,8 @@ def concurrency(served: Any, path: str, good: dict[str, Any], name: str, n: int 
         except Exception as e:
             statuses.append(f"{type(e).__name__}: {e}"[:100])
 
-    start = time.monotonic()
+    engine = served.state.engine
+    start, steps, aborted = time.monotonic(), engine.steps, _aborted(served)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -270,6 +273,9 @@ def concurrency(served: Any, path: str, good: dict[str, Any], name: str, n: int 
     worst = next((st for st in statuses if st not in (200, "gone")), 200)  # a 5xx, a wrong answer, an exception
     rec: dict[str, Any] = {"case": name, "status": (worst if isinstance(worst, int) else str(worst)) if not hung
                            else None, "s": round(time.monotonic() - start, 3),
+                           # the engine's work: its steps, and the engine requests aborted (those of clients that
+                           # left; a pooling request's inputs ran to their end for no one before they were aborted)
+                           "steps": engine.steps - steps, "aborted": int(_aborted(served) - aborted),
                            "body": json.dumps({"answers": dict(Counter(map(str, statuses))), "load": load})[:1200]}
     if hung:
         rec["exc"] = f"{hung} clients still waiting after 120 s"
@@ -282,6 +288,12 @@ def concurrency(served: Any, path: str, good: dict[str, Any], name: str, n: int 
     except Exception as e:
         rec["still_ok"] = f"{type(e).__name__}: {e}"[:200]
     return rec
+
+
+def _aborted(served: Any) -> float:
+    """The engine requests ended by an abort so far (``/metrics``' request_success, finished_reason abort)."""
+    return sum(v for k, v in served.metrics().items()
+               if "request_success" in k and "finished_reason=abort" in k and not k.endswith("_created"))
 
 
 def _close(got: Any, want: Any, tol: float = 1e-4) -> bool:
@@ -315,15 +327,16 @@ def classify_routes(work: Path) -> list[tuple[Path, list[tuple[str, dict[str, An
 def pooling_routes(work: Path) -> list[tuple[Path, list[tuple[str, dict[str, Any]]]]]:
     """``/pooling`` (and ``/invocations`` naming a task) on a classifier and on a generative model."""
     from models.weights import random_model
-    from tests.classify_support import VOCAB, classifier_checkpoint
+    from tests.classify_support import VOCAB, classifier_checkpoint, token_classifier_checkpoint
     from tests.llm_support import word_tokenizer
     from tests.paged_support import tiny_config
 
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
     cls = classifier_checkpoint(work / "pool_cls", "llama", "LlamaForSequenceClassification", 3)
+    ner = token_classifier_checkpoint(work / "pool_ner", "llama", "LlamaForTokenClassification", 5)  # per-token labels
     gen = work / "pool_gen"
     random_model(tiny_config("llama"), device="cpu", dtype="float32", seed=0).save_pretrained(gen)
-    for path in (cls, gen):
+    for path in (cls, ner, gen):
         tok = word_tokenizer(VOCAB)
         tok.chat_template = template
         tok.save_pretrained(path)
@@ -331,6 +344,8 @@ def pooling_routes(work: Path) -> list[tuple[Path, list[tuple[str, dict[str, Any
     return [(cls, [("/pooling", {"input": "w1 w2"}), ("/pooling", {"messages": chat, "task": "classify"}),
                    ("/pooling", {"input": [5, 6], "task": "classify"}),
                    ("/invocations", {"input": "w1 w2", "task": "token_classify"})]),
+            (ner, [("/pooling", {"input": "w1 w2"}), ("/pooling", {"messages": chat, "task": "classify"}),
+                   ("/classify", {"input": "w1 w2"}), ("/invocations", {"input": "w1 w2", "task": "token_classify"})]),
             (gen, [("/pooling", {"input": "w1 w2"}), ("/pooling", {"messages": chat, "task": "embed"}),
                    ("/pooling", {"input": [5, 6], "task": "embed"}),
                    ("/invocations", {"input": "w1 w2", "task": "token_embed"})])]

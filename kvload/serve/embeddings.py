@@ -40,7 +40,7 @@ from kvload.serve.protocol import (
     _prompts,
     _token_ids,
 )
-from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down
+from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down, on_disconnect
 from kvload.serve.request_input import _check_model
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
@@ -183,7 +183,7 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
     """:func:`pooling_route` once the body is parsed: ``job``'s inputs queued in one batch, then its answer (each
     input's row; a job whose ``every_token`` is true: a ``(tokens, hidden)`` tensor of every prompt token's)."""
     loop = asyncio.get_running_loop()
-    ended: asyncio.Queue[tuple[int, ServeEvent]] = asyncio.Queue()
+    ended: asyncio.Queue[tuple[int, ServeEvent] | None] = asyncio.Queue()  # None: the client went away
     engine = state.engine
     req_ids: list[str] = []
     events: dict[int, ServeEvent] = {}
@@ -198,9 +198,14 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
                                              every_token=every_token))
             except EngineStopped:
                 raise _shutting_down() from None
-        while len(events) < len(req_ids):
-            i, ev = await ended.get()
-            events[i] = ev
+        # a client that leaves has its requests aborted at once (the finally below), as a completion's are: the
+        # inputs not yet prefilled were computed for no one, holding its slot and delaying everyone else's steps
+        async with on_disconnect(request, lambda: ended.put_nowait(None)):
+            while len(events) < len(req_ids):
+                item = await ended.get()
+                if item is None:
+                    return Response(status_code=CLIENT_CLOSED)
+                events[item[0]] = item[1]
         failed = next((ev for ev in events.values() if ev.finish_reason in ("abort", "error")), None)
         if failed is not None:
             if failed.finish_reason == "abort" or engine.stopping:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -14,6 +16,26 @@ from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 #: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
 CLIENT_CLOSED = 499
+
+
+@contextlib.asynccontextmanager
+async def on_disconnect(request: Request, gone: Callable[[], Any]) -> AsyncIterator[None]:
+    """Within the block, ``gone()`` is called (on the event loop) as soon as the client goes away: ASGI's
+    ``http.disconnect``, which the server sends once the connection closes or is half-closed. For a handler that
+    answers once its engine requests end (a completion's plain answer, every pooling route): ``gone`` wakes it to
+    abort them, so a client that left does not keep them computing to their end, holding its slot. The body must
+    have been read already. A streamed answer needs none: Starlette cancels the stream itself."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
 
 
 async def _read_body(request: Request, limit: int, timeout: float, stopping: asyncio.Event) -> bytearray:

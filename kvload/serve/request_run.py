@@ -30,7 +30,7 @@ from kvload.serve.messages_input import renamed_error as messages_error
 from kvload.serve.messages_input import to_chat as messages_to_chat
 from kvload.serve.openai_output import _OpenAIDocuments
 from kvload.serve.protocol import EFFORT_UNREAD, BadRequest, Job
-from kvload.serve.request_body import _load, _shutting_down
+from kvload.serve.request_body import _load, _shutting_down, on_disconnect
 from kvload.serve.request_input import _encode, _header_request_id, _parse, _parse_body, cut_short
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
 from kvload.serve.responses_output import in_progress
@@ -318,31 +318,20 @@ class _Run(_OpenAIDocuments):
             self.abort()
         return item
 
-    async def _watch_disconnect(self) -> None:
-        """Wait for the client to go away (ASGI ``http.disconnect``), then wake :meth:`collect` to abort.
-
-        Only for plain responses: a streaming response has Starlette listen and cancel the stream itself.
-        """
-        while True:
-            message = await self.request.receive()
-            if message["type"] == "http.disconnect":
-                self.queue.put_nowait(None)  # type: ignore[arg-type]
-                return
-
     async def collect(self) -> dict[str, Any]:
-        """Wait for every choice; the whole response document."""
-        watcher = asyncio.create_task(self._watch_disconnect())
+        """Wait for every choice; the whole response document (empty when the client went away: its requests are
+        then aborted)."""
         try:
-            while self.open:
-                item = await self._next()
-                if item is None:
-                    return {}
-                index, ev = item
-                self.choices[index].update(ev)
-                if ev.finished:
-                    self.open.discard(index)
+            async with on_disconnect(self.request, lambda: self.queue.put_nowait(None)):
+                while self.open:
+                    item = await self._next()
+                    if item is None:
+                        return {}
+                    index, ev = item
+                    self.choices[index].update(ev)
+                    if ev.finished:
+                        self.open.discard(index)
         finally:
-            watcher.cancel()
             self.abort()
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
         if failed is not None:  # the engine's failure (an out-of-memory forward): said once in the operator's log
