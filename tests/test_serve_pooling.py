@@ -226,3 +226,38 @@ def test_pooling_takes_an_admission_slot_as_embeddings_do(classifier):
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
         wait_for(lambda: s.state.in_flight == 0, what="the slot freed")
         assert s.http.post("/pooling", json={"input": "w5"}).status_code == 200
+
+
+def test_a_long_per_token_answer_does_not_stall_the_server_while_it_is_written(tmp_path):
+    """A per-token answer of 8.4M floats (16 inputs of 1,024 tokens, hidden size 512) is rendered in one json.dumps,
+    which holds the GIL throughout: every other request (/health here), and the engine loop, waited for all of it
+    (/health took 5.8 s on a 2-core CPU). Rendered a row at a time, the other requests are answered meanwhile; the
+    answer is the same text (tests/test_serve_pooling.py's others read it)."""
+    import time
+
+    import transformers as tf
+
+    from tests.llm_support import with_tokenizer as tokenizer_into
+
+    config = tf.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path / "wide")
+    wide = tokenizer_into(tmp_path / "wide", tmp_path / "words", 512)
+    inputs = [[(11 * i + 7 * j) % 500 + 1 for i in range(1024)] for j in range(16)]
+    kv = {"max_tokens": 4096, "tokens_per_block": 16}
+    with serving(str(wide), dtype="float32", max_seq_len=1024, max_num_tokens=4096, kv_cache_config=kv) as s:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(s.http.post, "/pooling", json={"input": inputs, "normalize": False})
+            waits = []
+            while not answer.done():
+                start = time.perf_counter()
+                assert s.http.get("/health").status_code == 200
+                waits.append(time.perf_counter() - start)
+                time.sleep(0.02)
+            r = answer.result()
+        assert r.status_code == 200, r.text[:300]
+        # a bound, not a speed: one json.dumps of the whole answer kept /health waiting 5.8 s here
+        assert max(waits) < 2.0, f"/health waited {max(waits):.2f} s (of {len(waits)} calls)"
+        doc = r.json()
+        assert [len(d["data"]) for d in doc["data"]] == [1024] * 16 and len(doc["data"][3]["data"][5]) == 512

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from engine.executor import POOLED
@@ -225,7 +226,68 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
         rows.append(row)
     # the answer's model work (a classifier's head over the rows) and its encoding run off the event loop, which
     # serves every other request meanwhile; a daemon thread, as a body's parse (kvload.serve.worker)
-    return await _on_daemon_thread(lambda: JSONResponse(answer(job, rows)))
+    return await _on_daemon_thread(lambda: json_response(answer(job, rows)))
+
+
+class RenderedJSON:
+    """A value of an answer already rendered as JSON text, in pieces (a per-token output's rows, one piece each), put
+    in the answer's body as it is by :func:`json_response`."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+
+def float_rows(data: torch.Tensor) -> RenderedJSON:
+    """``data.tolist()`` as JSON (Starlette's JSONResponse's text of it), rendered one row at a time: ``json.dumps``
+    holds the GIL for all it renders, and a per-token output of a long prompt in one call (8,192 x 1,024 floats: 5 s)
+    stalled every thread of the server, the engine loop and every other request, for all of it; between two rows the
+    interpreter lets the others run. A row of the whole list at a time takes no more memory than its text."""
+    if data.dim() < 2:
+        return RenderedJSON([_dumps(data.tolist())])
+    pieces = ["["]
+    for i, row in enumerate(data):
+        if i:
+            pieces.append(",")
+        pieces.append(_dumps(row.tolist()) if row.dim() == 1 else "".join(float_rows(row).pieces))
+    pieces.append("]")
+    return RenderedJSON(pieces)
+
+
+def _dumps(value: Any) -> str:
+    """Starlette's JSONResponse's rendering of one value (no NaN or infinity: a ValueError, its 500)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+def json_response(doc: Any) -> Response:
+    """``JSONResponse(doc)``'s body, but each :class:`RenderedJSON` value in ``doc`` put in as its text."""
+    fragments: list[RenderedJSON] = []
+    mark = f"\u0000rendered-{uuid.uuid4().hex}-"
+
+    def placed(value: Any) -> Any:
+        if isinstance(value, RenderedJSON):
+            fragments.append(value)
+            return f"{mark}{len(fragments) - 1}"
+        if isinstance(value, dict):
+            return {k: placed(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [placed(v) for v in value]
+        return value
+
+    text = _dumps(placed(doc))
+    if not fragments:
+        return Response(text.encode("utf-8"), media_type="application/json")
+    parts: list[bytes] = []
+    at = 0
+    for i, fragment in enumerate(fragments):  # in the order json.dumps wrote their marks (each a string of its own)
+        key = _dumps(f"{mark}{i}")
+        found = text.index(key, at)
+        parts.append(text[at:found].encode("utf-8"))
+        parts.extend(piece.encode("utf-8") for piece in fragment.pieces)
+        at = found + len(key)
+    parts.append(text[at:].encode("utf-8"))
+    return Response(b"".join(parts), media_type="application/json")
 
 
 def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any]:
@@ -248,6 +310,6 @@ async def embeddings_route(state: ServeState, request: Request, gate: ParseGate,
                                lambda job, rows: embeddings_answer(state, job, rows))
 
 
-__all__ = ["FIELDS", "EmbedJob", "PoolJob", "embed_job", "embeddings_answer", "embeddings_route", "parse_embeddings",
-           "pool_priority", "pooling_body", "pooling_fields", "pooling_route", "pooling_run", "prefill_params",
-           "prompt_list", "tokenized"]
+__all__ = ["FIELDS", "EmbedJob", "PoolJob", "RenderedJSON", "embed_job", "embeddings_answer", "embeddings_route",
+           "float_rows", "json_response", "parse_embeddings", "pool_priority", "pooling_body", "pooling_fields",
+           "pooling_route", "pooling_run", "prefill_params", "prompt_list", "tokenized"]

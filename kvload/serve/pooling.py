@@ -36,7 +36,15 @@ from engine.prompts import TEMPLATE_OPTIONS
 from engine.sampling_params import SamplingParams
 from kvload.serve.classify import ACTIVATION_FIELDS, chat_ids, use_activation
 from kvload.serve.embeddings import FIELDS as EMBEDDING_FIELDS
-from kvload.serve.embeddings import pool_priority, pooling_fields, pooling_route, prefill_params, prompt_list, tokenized
+from kvload.serve.embeddings import (
+    float_rows,
+    pool_priority,
+    pooling_fields,
+    pooling_route,
+    prefill_params,
+    prompt_list,
+    tokenized,
+)
 from kvload.serve.parse_gate import ParseGate
 from kvload.serve.protocol import BadRequest, _is_int, _need
 from kvload.serve.request_body import _load
@@ -174,7 +182,7 @@ def encoded(data: torch.Tensor, as_base64: bool) -> Any:
     little-endian bytes (row after row) in base64."""
     if as_base64:
         return base64.b64encode(data.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
-    return data.tolist()
+    return float_rows(data)  # a row at a time: a long prompt's rows in one json.dumps held the GIL for seconds
 
 
 def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) -> dict[str, Any]:
