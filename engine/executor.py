@@ -1034,6 +1034,7 @@ class GenerationExecutor:
         request with prompt tokens in this step, (first position, its tokens' logprob entries) — the logits row after
         each prompt token gives the next one's entry."""
         chunks, rows, step_tables, keep, count = [], [], [], [], []
+        need: list[int] = []  # of the kept rows, how many (the last ones) the step reads logits of
         scored: list[tuple[int, Request, int, int]] = []  # (chunk, request, first position, rows) of prompt scores
         store = self._block_tables
         for i, scheduled in enumerate(out.scheduled):
@@ -1049,7 +1050,10 @@ class GenerationExecutor:
             n_scored = min(end, req.num_prompt_tokens - 1) - start if scoring and req.req_id in scoring else 0
             if n_scored > 0:
                 scored.append((i, req, start + 1, n_scored))
-            if n_scored > 0 or (self.pooled and self.pooled.every_token(req.req_id)):  # a row after every token
+            # a row after every token: its logits for a scored prompt, its hidden state (the output projection's
+            # input) for a per-token pooled one, whose logits no one reads (PooledRows.capture projects only `need`)
+            need.append(max(count[-1], end - start) if n_scored > 0 else count[-1])
+            if n_scored > 0 or (self.pooled and self.pooled.every_token(req.req_id)):
                 keep.append(max(count[-1], end - start))
             else:
                 keep.append(count[-1])
@@ -1069,7 +1073,11 @@ class GenerationExecutor:
             self.v4.keep_only(live)  # a request that left (finished, aborted, preempted) takes its side state along
             self._v4_restore(out)
             step_states(batch, self.v4, [s.request.req_id for s in out.scheduled])
-        offsets = list(itertools.accumulate(keep, initial=0))
+        offsets = list(itertools.accumulate(keep, initial=0))  # of the output projection's input rows
+        # of the logits rows: the kept rows of each chunk but its unread per-token pooled ones
+        select = [r for i in range(len(keep)) for r in range(offsets[i + 1] - need[i], offsets[i + 1])] \
+            if need != keep else None
+        at = list(itertools.accumulate(need, initial=0))
         # pooling requests: the output projection's input at the prompt's last token (embed, classify), or at each of
         # its tokens as the prompt's chunks are computed (reward)
         pooling = [(s.request.req_id, s.request.num_computed_tokens, offsets[i], offsets[i + 1], ends)
@@ -1079,7 +1087,7 @@ class GenerationExecutor:
                         or self.pooled.every_token(s.request.req_id))] \
             if self.pooled else []
         with self.linear.active() if self.linear is not None else contextlib.nullcontext(), \
-                self.pooled.capture(self.model, pooling):
+                self.pooled.capture(self.model, pooling, select):
             logits = run_forward(self.model, batch)
         if self._v4_key is not None:
             self._v4_file(out)
@@ -1091,7 +1099,7 @@ class GenerationExecutor:
                         self.v4.copy(req.req_id, kid.request.req_id)
         scores: dict[str, PromptScores] = {}
         for i, req, first, n in scored:
-            block = logits[offsets[i]:offsets[i] + n]
+            block = logits[at[i]:at[i] + n]
             scores[req.req_id] = PromptScores(first, top_logprobs(block, scoring[req.req_id],
                                                                   req.prompt_token_ids[first:first + n]))
         reach = [i for i, s in enumerate(out.scheduled)
@@ -1099,9 +1107,9 @@ class GenerationExecutor:
         if not reach:
             return None, [], [], scores
         counts = [count[i] for i in reach]
-        if len(reach) < len(out.scheduled) or keep != count:  # the (last count) logits rows of the chunks that reach
+        if len(reach) < len(out.scheduled) or need != count:  # the (last count) logits rows of the chunks that reach
             # their end
-            picked = [r for i in reach for r in range(offsets[i + 1] - count[i], offsets[i + 1])]
+            picked = [r for i in reach for r in range(at[i + 1] - count[i], at[i + 1])]
             logits = logits[picked]
         return logits, reach, counts, scores
 

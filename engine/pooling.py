@@ -217,13 +217,20 @@ class PooledRows:
             return self._rows.pop(req_id, None)
 
     @contextlib.contextmanager
-    def capture(self, model: Any, rows: Sequence[tuple[str, int, int, int, bool]]) -> Iterator[None]:
+    def capture(self, model: Any, rows: Sequence[tuple[str, int, int, int, bool]],
+                select: Sequence[int] | None = None) -> Iterator[None]:
         """Around one forward: ``rows`` (request id, the position in its prompt of the step's first token of it, first
-        and past-the-last index of its rows among the logits rows, whether its prompt ends in this step) get the
-        output projection's input at those rows: the last one of a last-row request, every one of a per-token request
-        (kept until its prompt ends; a chunk computed again, as a preempted request's prompt is from token 0, replaces
-        the rows it had); nothing is hooked when ``rows`` is empty."""
-        if not rows:
+        and past-the-last index of its rows among the output projection's input rows, whether its prompt ends in this
+        step) get the output projection's input at those rows: the last one of a last-row request, every one of a
+        per-token request (kept until its prompt ends; a chunk computed again, as a preempted request's prompt is from
+        token 0, replaces the rows it had); nothing is hooked when ``rows`` is empty and ``select`` None.
+
+        ``select``: the indices of the rows (among those the head is given) whose logits the step reads; the head then
+        projects only those. A per-token request's rows are its hidden states, not its logits: projecting them too
+        made ``chunk x vocab`` logits no one read (8,192 tokens x 152k vocab, 2.5 GB in bf16, for a causal LM's
+        ``token_embed``); a classifier's per-token labels come from its head over the captured rows afterwards
+        (``models.classifier.head_logits``)."""
+        if not rows and select is None:
             yield
             return
         seen: list[torch.Tensor] = []
@@ -232,8 +239,17 @@ class PooledRows:
         # (head_logits over the rows of requests already done), and those calls were counted here: concurrent
         # /classify or /pooling requests failed with "ran 2 times in one forward", a 500
         me = threading.get_ident()
-        hook = head.register_forward_pre_hook(
-            lambda _module, args: seen.append(args[0]) if threading.get_ident() == me else None)
+
+        def pre_hook(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            if threading.get_ident() != me:
+                return None
+            seen.append(args[0])
+            if select is None:
+                return None
+            index = torch.tensor(select, dtype=torch.long, device=args[0].device)
+            return (args[0].index_select(-2, index), *args[1:])  # the head's input: only the rows read
+
+        hook = head.register_forward_pre_hook(pre_hook)
         try:
             yield
         finally:

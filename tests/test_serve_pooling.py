@@ -261,3 +261,32 @@ def test_a_long_per_token_answer_does_not_stall_the_server_while_it_is_written(t
         assert max(waits) < 2.0, f"/health waited {max(waits):.2f} s (of {len(waits)} calls)"
         doc = r.json()
         assert [len(d["data"]) for d in doc["data"]] == [1024] * 16 and len(doc["data"][3]["data"][5]) == 512
+
+
+def test_per_token_pooling_beside_completions_gives_each_what_it_gets_alone(tiny_checkpoints, tmp_path):
+    """/pooling token_embed requests sharing steps with completions (greedy, with logprobs, and echo-scored prompts
+    whose every position's logits are read): each answered as alone. The output projection gets only the rows whose
+    logits the step reads, the pooled prompts' rows taken from its input; a wrong pick of rows would give the
+    completions another row's tokens or scores."""
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
+    with serving(str(words), dtype="float32", max_seq_len=64, max_num_tokens=16, kv_cache_config=KV) as s:
+        name = s.state.model_name
+        bodies = [("/pooling", {"input": [LONG, SHORT], "task": "token_embed"}),
+                  ("/v1/completions", {"model": name, "prompt": LONG[:20], "max_tokens": 5, "temperature": 0,
+                                       "logprobs": 2}),
+                  ("/v1/completions", {"model": name, "prompt": text(LONG[3:25]), "max_tokens": 1, "echo": True,
+                                       "logprobs": 1, "temperature": 0})]
+        alone = [_ok(s, path, body) for path, body in bodies]
+        with ThreadPoolExecutor(9) as pool:
+            answers = list(pool.map(lambda i: s.http.post(bodies[i % 3][0], json=bodies[i % 3][1]), range(9)))
+        assert [r.status_code for r in answers] == [200] * 9, [r.text[:200] for r in answers if r.status_code != 200]
+        for i, r in enumerate(answers):
+            got, want = r.json(), alone[i % 3]
+            if i % 3 == 0:
+                for g, w in zip(got["data"], want["data"], strict=True):
+                    np.testing.assert_allclose(g["data"], w["data"], atol=1e-5)
+                continue
+            (g,), (w,) = got["choices"], want["choices"]
+            assert g["text"] == w["text"] and g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+            lp = [x for x in g["logprobs"]["token_logprobs"] if x is not None]
+            assert lp == pytest.approx([x for x in w["logprobs"]["token_logprobs"] if x is not None], abs=1e-4)

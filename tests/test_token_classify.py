@@ -125,3 +125,27 @@ def test_the_server_answers_token_classify_by_default_and_refuses_completions(ne
         assert r.json()["data"][0]["probs"] == pytest.approx(probs(SHORT)[-1].tolist(), abs=1e-5)
         r = served.http.post("/v1/completions", json={"model": served.state.model_name, "prompt": "w5"})
         assert r.status_code == 400 and "token-classification model (LlamaForTokenClassification" in r.text
+
+
+def test_token_embed_projects_no_logits_for_its_pooled_rows(tiny_checkpoints, tmp_path):
+    """A per-token pooled prompt's rows are its hidden states: the output projection (a causal LM's vocab-wide
+    lm_head) runs on none of them, only on rows whose logits are read (each step's last row per sequence), so a
+    chunk of N tokens no longer makes N x vocab logits; the rows are the same, and a scored prompt (prompt_logprobs)
+    still projects every position."""
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
+    with kvload.LLM(str(words), dtype="float32", **llm_kwargs()) as llm:
+        head = llm.result.executor.model.get_output_embeddings()
+        projected: list[int] = []
+        hook = head.register_forward_hook(lambda _m, _a, out: projected.append(out.reshape(-1, out.shape[-1]).shape[0]))
+        try:
+            rows = llm.encode([LONG, SHORT], pooling_task="token_embed")
+            assert projected and max(projected) <= 2, projected  # one row per scheduled prompt, at most
+            assert [tuple(o.outputs.data.shape) for o in rows] == [(len(LONG), rows[0].outputs.data.shape[1]),
+                                                                   (len(SHORT), rows[0].outputs.data.shape[1])]
+            np.testing.assert_allclose(rows[0].outputs.data[-1].numpy(), llm.embed(LONG)[0].outputs.embedding,
+                                       atol=1e-6)
+            projected.clear()
+            scored = llm.generate(LONG, kvload.SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+            assert len(scored.prompt_logprobs) == len(LONG) and max(projected) == 16  # a whole chunk's logits
+        finally:
+            hook.remove()
