@@ -59,7 +59,7 @@ from pipeline.errors import ConfigError, GenerationError, KvBuildError, OutputEr
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, plain_scalar, short
 from pipeline.thread_end import EndingThread
-from pipeline.vllm_compat import reasoning_parser_named
+from pipeline.vllm_compat import reasoning_parser as vllm_reasoning_parser
 from stages import load_stages
 
 #: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
@@ -259,7 +259,7 @@ class LLM:
             detail = f"expected an integer in [0, 2**63 - 1] or None, got {short(seed)}"
             raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")
         events = _kv_events(llm_args.pop("kv_events_config", None), llm_args.get("kv_cache_config"))
-        reasoning_parser = _reasoning_parser(llm_args.pop("reasoning_parser", None))
+        reasoning_parser = vllm_reasoning_parser(llm_args.pop("reasoning_parser", None), True, "api")
         # the keyword beats a config file's reasoning_parser (a source_conflict); parse_args takes both (Context)
         given = llm_args if reasoning_parser is None else {**llm_args, "reasoning_parser": reasoning_parser}
         request = api_request(model, config_file, True, given)
@@ -975,14 +975,3 @@ class LLM:
 
 
 __all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM", "VLLM_ATTRIBUTES_NOT_TAKEN"]
-
-
-def _reasoning_parser(value: Any) -> str | None:
-    """``LLM(reasoning_parser=...)``: kvload's name of one of :data:`engine.reasoning.PARSERS` (TensorRT-LLM's spelling
-    of one taken as it, ``deepseek-r1``) or None, checked before anything loads."""
-    if value is None:
-        return None
-    if (name := reasoning_parser_named(value)) is not None:
-        return name
-    detail = f"expected one of {', '.join(PARSERS)} (or None), got {short(value)}"
-    raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail, source="api")

@@ -226,16 +226,16 @@ def reasoning_parser_named(value: Any) -> str | None:
     return REASONING_PARSER_ALIASES.get(value.lower())
 
 
-def reasoning_parser(value: Any, python: bool) -> Any:
+def reasoning_parser(value: Any, python: bool, source: str | None = None) -> Any:
     """kvload's name of the parser ``value`` names (:func:`reasoning_parser_named`; None: no parser); ``ConfigError``
-    naming ``reasoning_parser`` and kvload's names otherwise, as ``kvload.LLM(reasoning_parser=...)`` words it
-    (``python``: a keyword argument, None; else a YAML key, null)."""
+    naming ``reasoning_parser`` and kvload's names otherwise (``python``: a keyword argument, None; else a YAML key,
+    null; ``source``: the error's, ``"api"`` for ``kvload.LLM(reasoning_parser=...)``)."""
     if value is None:
         return None
     if (name := reasoning_parser_named(value)) is not None:
         return name
     detail = f"expected one of {', '.join(REASONING_PARSERS)} (or {'None' if python else 'null'}), got {short(value)}"
-    raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail)
+    raise ConfigError(f"reasoning_parser: {detail}", path="reasoning_parser", detail=detail, source=source)
 
 
 #: vLLM's engine arguments a ``plan`` / ``load`` call (or a YAML file) does not take → where kvload takes them: refused
