@@ -76,6 +76,20 @@ def parse_classify(state: ServeState, raw: bytes | bytearray) -> ClassifyJob:
     return classify_job(state, _load(raw))
 
 
+def input_or_messages(state: ServeState, body: Any, fields: frozenset[str],
+                      chat_fields: frozenset[str]) -> tuple[dict[str, Any], bool]:
+    """A pooling body's fields checked as its input form (``fields``) or, holding ``messages``, as vLLM's chat form
+    (``chat_fields``, the server's --default-chat-template-kwargs filled in as the chat endpoint templates a
+    conversation); with whether it is the chat form. Both ``input`` and ``messages``: a ``BadRequest``."""
+    chat = isinstance(body, dict) and "messages" in body
+    if chat and "input" in body:
+        raise BadRequest("messages: give input (texts or token ids) or messages (a conversation), not both",
+                         param="messages")
+    if chat:
+        body = with_default_template_kwargs(state, body)
+    return pooling_fields(state, body, chat_fields if chat else fields), chat
+
+
 def classify_job(state: ServeState, body: Any) -> ClassifyJob:
     """:func:`parse_classify` of a body already loaded."""
     if isinstance(body, dict) and "normalize" in body:  # /v1/embeddings' field: refused saying what to send instead
@@ -83,13 +97,7 @@ def classify_job(state: ServeState, body: Any) -> ClassifyJob:
             raise BadRequest("normalize: an embedding's switch (POST /v1/embeddings); a classifier takes "
                              "use_activation (false: the logits as computed)", param="normalize")
         body = {k: v for k, v in body.items() if k != "normalize"}  # null, its unset default, asks for nothing
-    chat = isinstance(body, dict) and "messages" in body
-    if chat and "input" in body:
-        raise BadRequest("messages: give input (texts or token ids) or messages (a conversation), not both",
-                         param="messages")
-    if chat:  # the server's --default-chat-template-kwargs, as the chat endpoint templates a conversation
-        body = with_default_template_kwargs(state, body)
-    body = pooling_fields(state, body, CHAT_FIELDS if chat else FIELDS)
+    body, chat = input_or_messages(state, body, FIELDS, CHAT_FIELDS)
     served_head(state, "/classify")
     _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
     special = body.get("add_special_tokens")
@@ -144,4 +152,4 @@ async def classify_route(state: ServeState, request: Request, gate: asyncio.Lock
 
 
 __all__ = ["ACTIVATION_FIELDS", "CHAT_FIELDS", "FIELDS", "ClassifyJob", "chat_ids", "classify_answer", "classify_job",
-           "classify_route", "parse_classify", "served_head", "use_activation"]
+           "classify_route", "input_or_messages", "parse_classify", "served_head", "use_activation"]

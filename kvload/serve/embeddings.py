@@ -290,13 +290,17 @@ def json_response(doc: Any) -> Response:
     return Response(b"".join(parts), media_type="application/json")
 
 
+def base64_floats(data: torch.Tensor) -> str:
+    """``data``'s values as float32, little-endian, row after row, in base64: OpenAI's and vLLM's base64 encoding."""
+    return base64.b64encode(data.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
+
+
 def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any]:
     """OpenAI's embeddings list: each input's vector, as floats or base64."""
     data = []
     for i, row in enumerate(rows):
         vector = pooled(row, job.normalize)
-        embedding: Any = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii") if job.base64 \
-            else vector.tolist()
+        embedding: Any = base64_floats(vector) if job.base64 else vector.tolist()
         data.append({"index": i, "object": "embedding", "embedding": embedding})
     tokens = sum(len(ids) for ids in job.prompts)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": state.model_name,
@@ -310,6 +314,6 @@ async def embeddings_route(state: ServeState, request: Request, gate: ParseGate,
                                lambda job, rows: embeddings_answer(state, job, rows))
 
 
-__all__ = ["FIELDS", "EmbedJob", "PoolJob", "RenderedJSON", "embed_job", "embeddings_answer", "embeddings_route",
-           "float_rows", "json_response", "parse_embeddings", "pool_priority", "pooling_body", "pooling_fields",
-           "pooling_route", "pooling_run", "prefill_params", "prompt_list", "tokenized"]
+__all__ = ["FIELDS", "EmbedJob", "PoolJob", "RenderedJSON", "base64_floats", "embed_job", "embeddings_answer",
+           "embeddings_route", "float_rows", "json_response", "parse_embeddings", "pool_priority", "pooling_body",
+           "pooling_fields", "pooling_route", "pooling_run", "prefill_params", "prompt_list", "tokenized"]

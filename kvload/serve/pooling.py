@@ -20,7 +20,6 @@ with ``encoding_format: "base64"``, the float32 values' little-endian bytes, row
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 import uuid
 from typing import Any
@@ -34,12 +33,12 @@ from engine.executor import POOLED
 from engine.pooling import pooled
 from engine.prompts import TEMPLATE_OPTIONS
 from engine.sampling_params import SamplingParams
-from kvload.serve.classify import ACTIVATION_FIELDS, chat_ids, use_activation
+from kvload.serve.classify import ACTIVATION_FIELDS, chat_ids, input_or_messages, use_activation
 from kvload.serve.embeddings import FIELDS as EMBEDDING_FIELDS
 from kvload.serve.embeddings import (
+    base64_floats,
     float_rows,
     pool_priority,
-    pooling_fields,
     pooling_route,
     prefill_params,
     prompt_list,
@@ -48,7 +47,6 @@ from kvload.serve.embeddings import (
 from kvload.serve.parse_gate import ParseGate
 from kvload.serve.protocol import BadRequest, _is_int, _need
 from kvload.serve.request_body import _load
-from kvload.serve.request_input import with_default_template_kwargs
 from kvload.serve.state import ServeState
 from models.classifier import head_logits, head_of
 
@@ -122,13 +120,7 @@ def parse_pooling(state: ServeState, raw: bytes | bytearray) -> PoolingJob:
 
 def pooling_job(state: ServeState, body: Any) -> PoolingJob:
     """:func:`parse_pooling` of a body already loaded (``/invocations`` reads it to pick the route)."""
-    chat = isinstance(body, dict) and "messages" in body
-    if chat and "input" in body:
-        raise BadRequest("messages: give input (texts or token ids) or messages (a conversation), not both",
-                         param="messages")
-    if chat:  # the server's --default-chat-template-kwargs, as the chat endpoint templates a conversation
-        body = with_default_template_kwargs(state, body)
-    body = pooling_fields(state, body, CHAT_FIELDS if chat else FIELDS)
+    body, chat = input_or_messages(state, body, FIELDS, CHAT_FIELDS)
     task = pooling_task(state, body.get("task"))
     fmt = body.get("encoding_format")
     _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
@@ -181,7 +173,7 @@ def encoded(data: torch.Tensor, as_base64: bool) -> Any:
     """One input's data as vLLM's ``PoolingResponseData.data``: nested lists of floats, or the float32 values'
     little-endian bytes (row after row) in base64."""
     if as_base64:
-        return base64.b64encode(data.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
+        return base64_floats(data)
     return float_rows(data)  # a row at a time: a long prompt's rows in one json.dumps held the GIL for seconds
 
 
