@@ -16,6 +16,7 @@ from engine.schema_ignored import ignored_settings
 from pipeline.errors import GenerationError, did_you_mean
 from pipeline.json_ints import LongInts, too_long_int, too_long_message
 from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth, unique_keys
+from pipeline.vllm_compat import reasoning_parser_named
 
 #: The ways to constrain an output, in vLLM's order; exactly one is given.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -151,10 +152,11 @@ class StructuredOutputsParams:
     xgrammar's dialect, rule ``root``) or ``json_object=True`` (any JSON object). ``disable_any_whitespace`` (with
     ``json`` or ``json_object``): no whitespace between JSON tokens beyond one space after ``:`` and ``,`` (xgrammar's
     compact form; the default lets the model put any, as vLLM does). ``reasoning_parser`` (``"deepseek_r1"`` or
-    ``"qwen3"``; vLLM sets its engine's ``structured_outputs_config.reasoning_parser`` for this): the sample thinks
-    freely and the grammar holds only its answer, the text after the thinking as that reasoning parser reads it
-    (``engine.reasoning``); under ``qwen3`` a reply that does not begin with ``<think>`` is content, held from its
-    first character. Set on ``SamplingParams(structured_outputs=...)``; needs xgrammar
+    ``"qwen3"``, or TensorRT-LLM's spelling of one, ``"deepseek-r1"``, taken as it and kept under kvload's name, as the
+    engine-wide ``reasoning_parser`` takes it; vLLM sets its engine's ``structured_outputs_config.reasoning_parser``
+    for this): the sample thinks freely and the grammar holds only its answer, the text after the thinking as that
+    reasoning parser reads it (``engine.reasoning``); under ``qwen3`` a reply that does not begin with ``<think>`` is
+    content, held from its first character. Set on ``SamplingParams(structured_outputs=...)``; needs xgrammar
     (``pip install 'kvload[structured]'``)."""
 
     json: Any = attrs.field(default=None, hash=False)  # a dict is not hashable
@@ -174,6 +176,8 @@ class StructuredOutputsParams:
         """Keywords only; exactly one of the five kinds (``json_object=False`` counts as not given)."""
         if unknown:  # one line naming it, as SamplingParams words an unknown field (Python's TypeError named none)
             raise _unknown_field(next(iter(unknown)))
+        # TensorRT-LLM's name of a parser (deepseek-r1) is that parser, as kvload.LLM(reasoning_parser=...) takes it
+        reasoning_parser = reasoning_parser_named(reasoning_parser) or reasoning_parser
         self.__attrs_init__(json, regex, _choices(choice), grammar, json_object, disable_any_whitespace,
                             reasoning_parser)
 

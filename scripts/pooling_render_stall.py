@@ -20,7 +20,7 @@ from kvload.serve.pooling import PoolingJob, pooled_data, pooling_answer
 
 STATE = SimpleNamespace(model_name="m")
 ROWS = torch.randn(8192, 1024)
-JOB = PoolingJob([[1] * 8192], SamplingParams(max_tokens=1), "token_embed", False, False)
+JOB = PoolingJob([[1] * 8192], SamplingParams(max_tokens=1), "token_embed", normalize=False)
 
 
 def whole() -> None:

@@ -77,7 +77,7 @@ class Raw:
 POOL_FIELDS = ["input", "messages", "task", "model", "encoding_format", "truncate_prompt_tokens", "normalize",
                "use_activation", "softmax", "activation", "dimensions", "add_special_tokens", "priority", "user",
                "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-               "embed_dtype", "request_id", "mm_processor_kwargs"]
+               "embed_dtype", "endianness", "request_id", "mm_processor_kwargs"]
 #: ``input`` shapes: texts, token ids, lists of either, and what is neither.
 POOL_INPUTS: dict[str, Any] = {
     "neg_ids": [-1, 5], "oov_ids": [5, 10 ** 6], "int64_ids": [2 ** 63 - 1], "bool_ids": [True, False],
@@ -101,7 +101,9 @@ POOL_MESSAGES: dict[str, Any] = {
 POOL_VALUES: dict[str, dict[str, Any]] = {
     "task": {"unknown": "zzz", "upper": "CLASSIFY", "spaced": " classify", "score": "score", "empty": "",
              "encode": "encode", "list_task": ["classify"], "generate": "generate", "reward": "reward"},
-    "encoding_format": {"upper": "BASE64", "binary": "binary", "bytes_": "bytes", "empty": ""},
+    "encoding_format": {"upper": "BASE64", "binary": "binary", "bytes_upper": "BYTES", "empty": ""},
+    "embed_dtype": {"upper": "FLOAT16", "torch_name": "torch.float16", "fp8_bare": "fp8", "empty": ""},
+    "endianness": {"upper": "BIG", "be": "be", "empty": ""},
     "truncate_prompt_tokens": {"neg2": -2, "minus1": -1, "one": 1, "float_int": 3.0, "huge_ok": 10 ** 6,
                                "int64": 2 ** 63 - 1, "past_int64": 2 ** 64, "true": True},
     "normalize": {"str_true": "true", "str_false": "false", "one": 1, "zero": 0},
@@ -111,7 +113,8 @@ POOL_VALUES: dict[str, dict[str, Any]] = {
 NEVER_OK = {"neg_ids", "oov_ids", "int64_ids", "bool_ids", "nested_ids", "nested_none", "nested_float",
             "list_of_dicts", "deep", "oov_in_list", "surrogate_in_list", "nested", "not_list", "str_items",
             "no_role", "int_content", "role_int", "parts_junk", "empty_items", "surrogate_content", "unknown",
-            "upper", "spaced", "list_task", "binary", "bytes_", "neg2", "past_int64", "str_true", "str_false",
+            "upper", "spaced", "list_task", "binary", "bytes_upper", "torch_name", "fp8_bare", "be", "neg2",
+            "past_int64", "str_true", "str_false",
             "nan_lit", "inf_lit", "dup_keys", "dup_task", "surrogate_esc", "long_chars", "million_ids", "over_len",
             "long_text", "long_content", "tool_calls_junk", "int_ids_nan"}
 def raw_bodies(good: dict[str, Any]) -> dict[str, Raw]:

@@ -111,7 +111,8 @@ def test_v1_embeddings_serves_openais_client_in_base64_and_float(words, referenc
                 ({"input": []}, "input", "expected a non-empty string"),
                 ({"input": [PROMPTS[1], [1, 2.5]]}, "input[1][1]", "expected a token id"),
                 ({"input": [[1, VOCAB]]}, "input", "outside the vocabulary"),
-                ({"input": "w1", "encoding_format": "hex"}, "encoding_format", 'expected "float" or "base64"'),
+                ({"input": "w1", "encoding_format": "hex"}, "encoding_format",
+                 'expected one of "float", "base64", "bytes" or "bytes_only"'),
                 ({"input": "w1", "extra_body": {"messages": []}}, "messages", "not supported by kvload serve")]:
             with pytest.raises(openai.BadRequestError) as refused:
                 s.client.embeddings.create(model=s.state.model_name, **body)

@@ -9,6 +9,7 @@ has no pooling call)."""
 from __future__ import annotations
 
 import base64
+import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -128,9 +129,11 @@ def test_task_classify_answers_what_classify_answers_and_encode_is_the_default(s
      "normalize: an embedding's switch (task embed or token_embed); task token_classify takes use_activation"),
     ({"input": "w5", "task": "classify", "normalize": False}, "normalize", "task classify takes use_activation"),
     ({"input": "w5", "use_activation": "no"}, "use_activation", "use_activation: expected true or false"),
-    ({"input": "w5", "encoding_format": "bytes"}, "encoding_format", 'encoding_format: expected "float" or "base64"'),
+    ({"input": "w5", "encoding_format": "hex"}, "encoding_format",
+     'encoding_format: expected one of "float", "base64", "bytes" or "bytes_only"'),
     ({"input": "w5", "dimensions": 8}, "dimensions", "no Matryoshka embeddings"),
-    ({"input": "w5", "embed_dtype": "float16"}, "embed_dtype", "embed_dtype: not supported by kvload serve"),
+    ({"input": "w5", "embed_dtype": "int8"}, "embed_dtype", 'embed_dtype: expected one of "float32", "float16"'),
+    ({"input": "w5", "endianness": "middle"}, "endianness", 'endianness: expected one of "native", "big" or "little"'),
     ({"input": "w5", "messages": CHAT}, "messages", "not both"),
     ({}, "input", "input: required"),
     ({"input": [[1, 2], [3, 99999]]}, "input", "input[1]"),
@@ -290,3 +293,19 @@ def test_per_token_pooling_beside_completions_gives_each_what_it_gets_alone(tiny
             assert g["text"] == w["text"] and g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
             lp = [x for x in g["logprobs"]["token_logprobs"] if x is not None]
             assert lp == pytest.approx([x for x in w["logprobs"]["token_logprobs"] if x is not None], abs=1e-4)
+
+
+def test_a_classifiers_pooling_answers_vllms_bytes_one_row_of_labels_per_input(served):
+    """encoding_format bytes on a classifier: task classify's probabilities as one [labels] item per input, the
+    token_classify default's as [tokens, labels]; float16 big-endian as asked, the float answer within float16's
+    rounding."""
+    for task, shapes in (("classify", [[3], [3]]), ("token_classify", [[len(LONG), 3], [len(SHORT), 3]])):
+        want = _ok(served, "/pooling", {"input": [LONG, SHORT], "task": task})["data"]
+        r = served.http.post("/pooling", json={"input": [LONG, SHORT], "task": task, "encoding_format": "bytes",
+                                               "embed_dtype": "float16", "endianness": "big"})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream", r.text
+        items = json.loads(r.headers["metadata"])["data"]
+        assert [item["shape"] for item in items] == shapes
+        for item, floats in zip(items, want, strict=True):
+            got = np.frombuffer(r.content[item["start"]:item["end"]], dtype=">f2").reshape(item["shape"])
+            np.testing.assert_allclose(got.astype(np.float32), floats["data"], rtol=2 ** -11, atol=2 ** -24)

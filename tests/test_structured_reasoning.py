@@ -179,6 +179,17 @@ def test_a_reasoning_parser_kvload_does_not_have_is_one_line():
     assert OBJECT.describe()["reasoning_parser"] == "deepseek_r1"
 
 
+def test_a_requests_reasoning_parser_takes_tensorrt_llms_spelling_as_the_engine_wide_one_does():
+    """TensorRT-LLM's ``deepseek-r1`` (any case) is kvload's ``deepseek_r1`` per request too, as ``kvload.LLM`` and
+    ``--reasoning_parser`` take it: kept, described and sent under kvload's name; an unknown name is still refused."""
+    for spelled in ("deepseek-r1", "DeepSeek-R1"):
+        params = StructuredOutputsParams(json={"type": "object"}, reasoning_parser=spelled)
+        assert params == OBJECT and params.reasoning_parser == "deepseek_r1"
+        assert params.to_dict() == OBJECT.to_dict() and params.describe()["reasoning_parser"] == "deepseek_r1"
+    with pytest.raises(GenerationError, match=r"got 'deepseek-r2'$"):
+        StructuredOutputsParams(regex="a", reasoning_parser="deepseek-r2")
+
+
 THOUGHT = "Say {not json} <b>here</b>; then answer."
 ANSWER = '{"sky": "blue"}'
 SCHEMA = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"],

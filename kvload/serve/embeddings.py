@@ -3,7 +3,9 @@
 Each input is prefilled by the engine as a one-token request whose prompt's last hidden state is captured
 (``engine.pooling``): the final norm's output at its last token, L2-normalized, vLLM's default for an embedding model
 converted from a ``*ForCausalLM`` checkpoint. ``encoding_format`` ``"float"`` answers lists of floats, ``"base64"``
-(what OpenAI's Python client asks for unless told otherwise) each vector's little-endian float32 bytes in base64.
+(what OpenAI's Python client asks for unless told otherwise) each vector's float32 bytes in base64, ``"bytes"`` and
+``"bytes_only"`` the raw bytes, with vLLM's ``embed_dtype`` and ``endianness`` (``kvload.serve.pooled_encoding``).
+The answer's id is ``embd-`` and the ``X-Request-Id`` header, else the body's ``request_id``, else a fresh one (vLLM's).
 The route's body checks and its run (:func:`pooling_route`: every input in one batch) serve ``/score`` and ``/rerank``
 too (``kvload.serve.scoring``).
 """
@@ -11,7 +13,6 @@ too (``kvload.serve.scoring``).
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import uuid
@@ -29,6 +30,7 @@ from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
 from kvload.serve.parse_gate import ParseGate, pass_turn
+from kvload.serve.pooled_encoding import Encoding, base64_floats, bytes_response, encoding_of
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
     BadRequest,
@@ -41,26 +43,30 @@ from kvload.serve.protocol import (
     _prompts,
     _token_ids,
 )
+from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down, on_disconnect
-from kvload.serve.request_input import _check_model
+from kvload.serve.request_input import _check_model, _header_request_id
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
 from pipeline.errors import GenerationError, KvBuildError, first_line
 from pipeline.limits import MAX_INT
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
-FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
-                    "add_special_tokens", "normalize", "priority"})
+FIELDS = frozenset({"input", "model", "encoding_format", "embed_dtype", "endianness", "dimensions", "user",
+                    "truncate_prompt_tokens", "add_special_tokens", "normalize", "priority", "request_id"})
+
 
 @attrs.frozen
 class EmbedJob:
-    """One parsed ``/v1/embeddings`` body: each input's token ids, and how to answer."""
+    """One parsed ``/v1/embeddings`` body: each input's token ids, and how to answer (``request_id``: the body's, or
+    the ``X-Request-Id`` header's once :func:`pooling_run` read it)."""
 
     prompts: list[list[int]]
-    base64: bool
+    encoding: Encoding
     normalize: bool
     params: SamplingParams
     priority: int = 0
+    request_id: str | None = None
 
 
 def pooling_body(state: ServeState, raw: bytes | bytearray, fields: frozenset[str]) -> dict[str, Any]:
@@ -133,8 +139,8 @@ def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
 def embed_job(state: ServeState, body: Any) -> EmbedJob:
     """:func:`parse_embeddings` of a body already loaded."""
     body = pooling_fields(state, body, FIELDS)
-    fmt = body.get("encoding_format")
-    _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
+    encoding = encoding_of(body)
+    given_id = checked_request_id(body.get("request_id"))
     if body.get("dimensions") is not None:  # vLLM refuses it too for a model not trained for truncated embeddings
         dims = body["dimensions"]
         _need(_is_int(dims) and dims >= 1, "dimensions", "an integer >= 1", dims)
@@ -149,11 +155,12 @@ def embed_job(state: ServeState, body: Any) -> EmbedJob:
     params = prefill_params(body)
     inputs, wheres = prompt_list(body, "input")
     prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=flags["add_special_tokens"])
-    return EmbedJob(prompts, fmt == "base64", flags["normalize"], params, pool_priority(state, body))
+    return EmbedJob(prompts, encoding, flags["normalize"], params, pool_priority(state, body), given_id)
 
 
 class PoolJob(Protocol):
-    """A parsed pooling body: the token ids of each input to prefill, the prefill's parameters, its priority."""
+    """A parsed pooling body: the token ids of each input to prefill, the prefill's parameters, its priority (a job
+    with a ``request_id`` field, ``/v1/embeddings``' and ``/pooling``'s, has the ``X-Request-Id`` header put there)."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -162,7 +169,7 @@ class PoolJob(Protocol):
 
 async def pooling_route(state: ServeState, request: Request, gate: ParseGate, stopping: asyncio.Event,
                         parse: Callable[[ServeState, bytes | bytearray], PoolJob],
-                        answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]) -> Response:
+                        answer: Callable[[Any, list[torch.Tensor]], dict[str, Any] | Response]) -> Response:
     """A pooling route (``/v1/embeddings``, ``/score``, ``/rerank``): the body read and parsed as the completions'
     are, every input queued as one request (all in one batch, sharing steps), then ``answer(job, rows)`` with each
     input's captured last hidden row, in order."""
@@ -180,9 +187,14 @@ async def pooling_route(state: ServeState, request: Request, gate: ParseGate, st
 
 
 async def pooling_run(state: ServeState, request: Request, job: PoolJob,
-                      answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]) -> Response:
+                      answer: Callable[[Any, list[torch.Tensor]], dict[str, Any] | Response]) -> Response:
     """:func:`pooling_route` once the body is parsed: ``job``'s inputs queued in one batch, then its answer (each
-    input's row; a job whose ``every_token`` is true: a ``(tokens, hidden)`` tensor of every prompt token's)."""
+    input's row; a job whose ``every_token`` is true: a ``(tokens, hidden)`` tensor of every prompt token's): a JSON
+    document, or a ``Response`` as it is (``encoding_format`` ``bytes``)."""
+    if hasattr(job, "request_id"):  # vLLM's: an X-Request-Id header names the answer, else the body's request_id
+        header = _header_request_id(request)  # checked before anything is queued: a bad one is a 400
+        if header is not None:
+            job = attrs.evolve(job, request_id=header)  # type: ignore[misc]
     loop = asyncio.get_running_loop()
     ended: asyncio.Queue[tuple[int, ServeEvent] | None] = asyncio.Queue()  # None: the client went away
     engine = state.engine
@@ -226,7 +238,12 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
         rows.append(row)
     # the answer's model work (a classifier's head over the rows) and its encoding run off the event loop, which
     # serves every other request meanwhile; a daemon thread, as a body's parse (kvload.serve.worker)
-    return await _on_daemon_thread(lambda: json_response(answer(job, rows)))
+    return await _on_daemon_thread(lambda: rendered(answer(job, rows)))
+
+
+def rendered(doc: dict[str, Any] | Response) -> Response:
+    """An answer's ``Response``: a JSON document through :func:`json_response`, a ``Response`` as it is."""
+    return doc if isinstance(doc, Response) else json_response(doc)
 
 
 class RenderedJSON:
@@ -290,21 +307,21 @@ def json_response(doc: Any) -> Response:
     return Response(b"".join(parts), media_type="application/json")
 
 
-def base64_floats(data: torch.Tensor) -> str:
-    """``data``'s values as float32, little-endian, row after row, in base64: OpenAI's and vLLM's base64 encoding."""
-    return base64.b64encode(data.contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
-
-
-def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any]:
-    """OpenAI's embeddings list: each input's vector, as floats or base64."""
-    data = []
-    for i, row in enumerate(rows):
-        vector = pooled(row, job.normalize)
-        embedding: Any = base64_floats(vector) if job.base64 else vector.tolist()
-        data.append({"index": i, "object": "embedding", "embedding": embedding})
+def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]) -> dict[str, Any] | Response:
+    """OpenAI's embeddings list: each input's vector, as floats or base64; vLLM's bytes answer for ``bytes`` and
+    ``bytes_only``."""
+    vectors = [pooled(row, job.normalize) for row in rows]
     tokens = sum(len(ids) for ids in job.prompts)
-    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": state.model_name,
-            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    head = {"id": f"embd-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
+            "model": state.model_name}
+    if job.encoding.binary:
+        return bytes_response(job.encoding, vectors, head, tokens)
+    enc = job.encoding
+    data = [{"index": i, "object": "embedding",
+             "embedding": base64_floats(v, enc.dtype, enc.endianness) if enc.format == "base64" else v.tolist()}
+            for i, v in enumerate(vectors)]
+    return {"id": head["id"], "object": "list", "created": head["created"], "model": head["model"], "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 async def embeddings_route(state: ServeState, request: Request, gate: ParseGate,
@@ -316,4 +333,4 @@ async def embeddings_route(state: ServeState, request: Request, gate: ParseGate,
 
 __all__ = ["FIELDS", "EmbedJob", "PoolJob", "RenderedJSON", "base64_floats", "embed_job", "embeddings_answer",
            "embeddings_route", "float_rows", "json_response", "parse_embeddings", "pool_priority", "pooling_body",
-           "pooling_fields", "pooling_route", "pooling_run", "prefill_params", "prompt_list", "tokenized"]
+           "pooling_fields", "pooling_route", "pooling_run", "prefill_params", "prompt_list", "rendered", "tokenized"]

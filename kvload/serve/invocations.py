@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+from fastapi.responses import Response
 
 from kvload.serve.classify import classify_answer, classify_job
 from kvload.serve.embeddings import PoolJob, embed_job, embeddings_answer
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from kvload.serve.request_run import _Run
 
 #: The pooling routes a body may be for: its job from the loaded body, and its answer.
-POOLED: dict[str, tuple[Callable[[ServeState, Any], PoolJob], Callable[..., dict[str, Any]]]] = {
+POOLED: dict[str, tuple[Callable[[ServeState, Any], PoolJob], Callable[..., dict[str, Any] | Response]]] = {
     "embeddings": (embed_job, embeddings_answer), "classify": (classify_job, classify_answer),
     "rerank": (rerank_job, rerank_answer), "score": (score_job, score_answer),
     "pooling": (pooling_job, pooling_answer)}
@@ -42,7 +43,7 @@ class Pooled:
     """An ``/invocations`` body for a pooling route, parsed: its job, and how to answer it."""
 
     job: PoolJob
-    answer: Callable[[Any, list[torch.Tensor]], dict[str, Any]]
+    answer: Callable[[Any, list[torch.Tensor]], dict[str, Any] | Response]
 
 
 def invocation_kind(body: Any, classifies: bool = False) -> str:

@@ -14,7 +14,10 @@ The body is vLLM's ``PoolingCompletionRequest`` (``input``) or ``PoolingChatRequ
 embedding tasks, ``use_activation`` (or vLLM's older ``softmax`` / ``activation``) for the classifier's, the other
 task's switch refused as vLLM's ``PoolingParams.verify`` refuses it. The answer is vLLM's ``PoolingResponse``: per input
 ``{"index", "object": "pooling", "data"}``, ``data`` a list of floats (a per-token task: one list per prompt token) or,
-with ``encoding_format: "base64"``, the float32 values' little-endian bytes, row after row, in base64.
+with ``encoding_format: "base64"``, the values' bytes (vLLM's ``embed_dtype``, float32 by default, in its
+``endianness``, the server's by default), row after row, in base64; ``"bytes"`` and ``"bytes_only"`` answer the raw
+bytes as vLLM does (``kvload.serve.pooled_encoding``). The answer's id is ``pool-`` and the ``X-Request-Id`` header,
+else the body's ``request_id``, else a fresh one.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from engine.sampling_params import SamplingParams
 from kvload.serve.classify import ACTIVATION_FIELDS, chat_ids, input_or_messages, use_activation
 from kvload.serve.embeddings import FIELDS as EMBEDDING_FIELDS
 from kvload.serve.embeddings import (
-    base64_floats,
     float_rows,
     pool_priority,
     pooling_route,
@@ -45,7 +47,9 @@ from kvload.serve.embeddings import (
     tokenized,
 )
 from kvload.serve.parse_gate import ParseGate
+from kvload.serve.pooled_encoding import FLOAT, Encoding, base64_floats, bytes_response, encoding_of
 from kvload.serve.protocol import BadRequest, _is_int, _need
+from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
 from models.classifier import head_logits, head_of
@@ -69,15 +73,17 @@ CHAT_FIELDS = (FIELDS - {"input"}) | {"messages"} | TEMPLATE_OPTIONS
 
 @attrs.frozen
 class PoolingJob:
-    """One parsed ``/pooling`` body: each input's token ids, the task, and how to answer."""
+    """One parsed ``/pooling`` body: each input's token ids, the task, and how to answer (``request_id``: the body's,
+    or the ``X-Request-Id`` header's once ``pooling_run`` read it)."""
 
     prompts: list[list[int]]
     params: SamplingParams
     task: str
-    base64: bool = False
+    encoding: Encoding = FLOAT
     normalize: bool = True
     use_activation: bool = True
     priority: int = 0
+    request_id: str | None = None
 
     @property
     def every_token(self) -> bool:
@@ -122,8 +128,8 @@ def pooling_job(state: ServeState, body: Any) -> PoolingJob:
     """:func:`parse_pooling` of a body already loaded (``/invocations`` reads it to pick the route)."""
     body, chat = input_or_messages(state, body, FIELDS, CHAT_FIELDS)
     task = pooling_task(state, body.get("task"))
-    fmt = body.get("encoding_format")
-    _need(fmt in (None, "float", "base64"), "encoding_format", '"float" or "base64"', fmt)
+    encoding = encoding_of(body)
+    given_id = checked_request_id(body.get("request_id"))
     if body.get("dimensions") is not None:  # vLLM: "dimensions is currently not supported" on this route
         dims = body["dimensions"]
         _need(_is_int(dims) and dims >= 1, "dimensions", "an integer >= 1", dims)
@@ -151,8 +157,8 @@ def pooling_job(state: ServeState, body: Any) -> PoolingJob:
         inputs, wheres = prompt_list(body, "input")
         prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False,
                             what=WHAT[task])
-    return PoolingJob(prompts, params, task, fmt == "base64", normalize is not False, activate,
-                      pool_priority(state, body))
+    return PoolingJob(prompts, params, task, encoding, normalize is not False, activate, pool_priority(state, body),
+                      given_id)
 
 
 def pooled_data(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -169,21 +175,25 @@ def pooled_data(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) ->
     return [head.probs(head_logits(model, tokens), job.use_activation) for tokens in rows]
 
 
-def encoded(data: torch.Tensor, as_base64: bool) -> Any:
-    """One input's data as vLLM's ``PoolingResponseData.data``: nested lists of floats, or the float32 values'
-    little-endian bytes (row after row) in base64."""
-    if as_base64:
-        return base64_floats(data)
+def encoded(data: torch.Tensor, encoding: Encoding) -> Any:
+    """One input's data as vLLM's ``PoolingResponseData.data``: nested lists of floats, or its values' bytes (row
+    after row, as ``encoding`` asks) in base64."""
+    if encoding.format == "base64":
+        return base64_floats(data, encoding.dtype, encoding.endianness)
     return float_rows(data)  # a row at a time: a long prompt's rows in one json.dumps held the GIL for seconds
 
 
-def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) -> dict[str, Any]:
-    """vLLM's ``PoolingResponse``: each input's pooled data, and ``usage`` counting the prompt tokens."""
-    data = [{"index": i, "object": "pooling", "data": encoded(d.float(), job.base64)}
-            for i, d in enumerate(pooled_data(state, job, rows))]
+def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) -> dict[str, Any] | Response:
+    """vLLM's ``PoolingResponse``: each input's pooled data, and ``usage`` counting the prompt tokens; vLLM's bytes
+    answer for ``bytes`` and ``bytes_only``."""
+    outputs = [d.float() for d in pooled_data(state, job, rows)]
     tokens = sum(len(ids) for ids in job.prompts)
-    return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": state.model_name, "data": data,
+    head = {"id": f"pool-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
+            "model": state.model_name}
+    if job.encoding.binary:
+        return bytes_response(job.encoding, outputs, head, tokens)
+    data = [{"index": i, "object": "pooling", "data": encoded(d, job.encoding)} for i, d in enumerate(outputs)]
+    return {"id": head["id"], "object": "list", "created": head["created"], "model": head["model"], "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
                       "prompt_tokens_details": None}}
 
