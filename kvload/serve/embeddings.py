@@ -28,7 +28,7 @@ from engine.executor import POOLED
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
-from kvload.serve.parse_gate import ParseGate, pass_turn
+from kvload.serve.parse_gate import Departure, ParseGate, pass_turn
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
     BadRequest,
@@ -166,16 +166,19 @@ async def pooling_route(state: ServeState, request: Request, gate: ParseGate, st
     """A pooling route (``/v1/embeddings``, ``/score``, ``/rerank``): the body read and parsed as the completions'
     are, every input queued as one request (all in one batch, sharing steps), then ``answer(job, rows)`` with each
     input's captured last hidden row, in order."""
+    departure = Departure()  # as the completions' (kvload.serve.handlers._serve): a client gone is not parsed further
     try:
-        raw = await _read(request, state, gate, stopping)
+        raw = await _read(request, state, gate, stopping, departure)
+        async with gate.turn(departure) as turn:
+            if state.engine.stopping:
+                raise _shutting_down()
+            job = await _on_worker(stopping, lambda: None, parse, state, raw, gone=departure, held=turn)
+        if departure.left:
+            raise ClientDisconnect()
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
-    async with gate.turn():
-        if state.engine.stopping:
-            raise _shutting_down()
-        if await request.is_disconnected():
-            return Response(status_code=CLIENT_CLOSED)
-        job = await _on_worker(stopping, lambda: None, parse, state, raw)
+    finally:
+        departure.close()
     return await pooling_run(state, request, job, answer)
 
 
