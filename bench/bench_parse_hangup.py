@@ -10,7 +10,9 @@ on one server then the other (seconds from the client's close until ``kvload_htt
   seconds from the first one's answer until the slot is free.
 
 Then, per checkout in a fresh process: ``LoadedBody`` of the ids body (the big-body read), its seconds (median of
-``--repeats``) and the value it holds over the body's size (tracemalloc, one more run).
+``--repeats``) and the value it holds over the body's size (tracemalloc, one more run); and, on a test server
+(``tiny-llama``) that has read one such body already, the process's RSS growth while the ids body waits in the lane
+(held by another).
 
     python -m bench.bench_parse_hangup [--model smollm2-135m] [--ids-mb 20] [--repeats 3] [--baseline DIR]
 """
@@ -92,9 +94,53 @@ print(json.dumps([times[len(times) // 2], held / len(raw)]))
 """
 
 
+_LANE = """
+import json, socket, sys, threading, time
+import kvload.serve.worker as worker
+from tests.serve_support import serving
+raw_body = open(sys.argv[1], "rb").read()
+release, entered, real = threading.Event(), threading.Event(), worker.LoadedBody
+hold = []
+def held(raw, *args):
+    if hold and not entered.is_set():
+        entered.set(); release.wait(120)
+    return real(raw, *args)
+worker.LoadedBody = held
+def rss():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+def post(body):
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n"
+              + f"Content-Length: {len(body)}\\r\\n\\r\\n".encode() + body)
+    return s
+with serving("tiny-llama", max_seq_len=64, state={"max_request_bytes": 1 << 30}) as served:
+    port = served.server.port
+    served.http.post("/v1/completions", content=raw_body)  # a server that read one such body already (refused)
+    hold.append(True)
+    first = post(json.dumps({"prompt": [1, 2], "max_tokens": 1, "user": "u" * (100 << 10)}).encode())
+    assert entered.wait(60)
+    time.sleep(0.5)
+    before = rss()
+    second = post(raw_body)
+    while rss() - before < 0.9 * len(raw_body):
+        time.sleep(0.05)
+    time.sleep(2)
+    print(json.dumps((rss() - before) / len(raw_body)))
+    release.set()
+"""
+
+
+def lane_rss(tree: Path, path: Path) -> float:
+    """The server process's memory growth (RSS) over the body's size while the body at ``path`` waits in the lane."""
+    out = subprocess.run([sys.executable, "-c", _LANE, str(path)], check=True, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}, cwd=tempfile.gettempdir()).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def loaded_body(tree: Path, path: Path, repeats: int) -> tuple[float, float]:
     out = subprocess.run([sys.executable, "-c", _LOADED, str(path), str(repeats)], check=True, capture_output=True,
-                         env={"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}, text=True).stdout
+                         env={"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}, text=True,
+                         cwd=tempfile.gettempdir()).stdout  # not this folder: -c puts the working directory first
     seconds, held = json.loads(out.strip().splitlines()[-1])
     return seconds, held
 
@@ -114,6 +160,7 @@ def main() -> None:
         f.write(ids)
         f.flush()
         loads = {name: loaded_body(tree, Path(f.name), args.repeats) for name, tree in trees.items()}
+        lane = {name: lane_rss(tree, Path(f.name)) for name, tree in trees.items()}
     command = (f"python -m bench.bench_parse_hangup --model {args.model} --ids-mb {args.ids_mb:g} "
                f"--repeats {args.repeats}")
     table = Table(f"A client that hangs up before its request is parsed, on kvload serve {args.model}",
@@ -121,10 +168,11 @@ def main() -> None:
                   ["checkout", f"gone while its JSON ({len(ids) / 1e6:.1f} MB of ids) is read: slot held, s",
                    "gone while 1,024 prompts are tokenized: slot held, s",
                    "gone while queued in the body lane: slot held after the lane's turn, s",
-                   "LoadedBody of the ids, s", "value held / body size"])
+                   "LoadedBody of the ids, s", "value held / body size",
+                   "server RSS growth / body size, the ids queued in the lane"])
     for name, rounds in got.items():
         table.rows.append([name, *(f"{median([r[k] for r in rounds]):.3f}" for k in range(3)),
-                           f"{loads[name][0]:.3f}", f"{loads[name][1]:.2f}x"])
+                           f"{loads[name][0]:.3f}", f"{loads[name][1]:.2f}x", f"{lane[name]:.2f}x"])
     if args.baseline:
         base, this = got["baseline"], got["this checkout"]
         for k, what in enumerate(("json", "prompts", "lane")):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import time
 import uuid
@@ -28,7 +29,7 @@ from engine.executor import POOLED
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
-from kvload.serve.parse_gate import Departure, ParseGate, pass_turn
+from kvload.serve.parse_gate import Departure, ParseGate, aside, pass_turn
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
     BadRequest,
@@ -42,7 +43,7 @@ from kvload.serve.protocol import (
     _token_ids,
 )
 from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down, on_disconnect
-from kvload.serve.request_input import _check_model
+from kvload.serve.request_input import ASIDE_CHARS, _check_model, _tokenize_aside
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
 from pipeline.errors import GenerationError, KvBuildError, first_line
@@ -113,8 +114,13 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
         try:
             if isinstance(item, str) and params.truncate_prompt_tokens is None:  # past max_seq_len by its characters
                 engine.check_embedding_chars(where, item, what)  # alone: refused untokenized
-            ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
-                if isinstance(item, str) else item
+            if isinstance(item, str) and len(item) > ASIDE_CHARS and engine.tokenizer is not None:  # as _encode
+                ids, held = aside(functools.partial(_tokenize_aside, engine, item, add_special_tokens, where))
+                if not held:
+                    raise _shutting_down()
+            else:
+                ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
+                    if isinstance(item, str) else item
             # cut as asked; in the vocabulary; it fits
             ids = engine.check(ids, params, pool=True, what=what).prompt_token_ids
         except (GenerationError, KvBuildError) as exc:

@@ -98,7 +98,8 @@ class Departure:
 
 
 class _Turn:
-    """One request's place at the gate: ``waiting`` (queued), ``held`` (its parse may run) or ``done`` (let go)."""
+    """One request's place at the gate: ``waiting`` (queued), ``held`` (its parse may run), ``aside`` (its parse runs
+    work off the gate: :func:`aside`) or ``done`` (let go)."""
 
     __slots__ = ("departure", "state", "until", "wake")
 
@@ -195,6 +196,33 @@ class ParseGate:
             elif was == "held":
                 self._hand_on()
 
+    def _aside(self, me: _Turn, work: Callable[[], Any]) -> tuple[Any, bool]:
+        """``work()`` with ``me``'s turn handed on meanwhile (to the first request waiting, or to whoever comes), then
+        the turn taken back, behind those then waiting; (its result, whether ``me`` holds the turn again: False when
+        its handler let go meanwhile)."""
+        with self._lock:
+            if me.state != "held":
+                return None, False
+            me.state = "aside"
+            self._hand_on()
+        back = threading.Event()
+        try:
+            result = work()
+        finally:
+            with self._lock:
+                if me.state != "aside" or (me.departure is not None and me.departure.left):
+                    if me.state == "aside":  # its client left meanwhile: no turn to take back for it
+                        me.state = "done"
+                    back.set()  # let go meanwhile (the server stopped, or its client left)
+                elif self._holder is None and not self._queue:
+                    me.state, self._holder = "held", me
+                    back.set()
+                else:
+                    me.state, me.wake = "waiting", back.set
+                    self._queue.append(me)
+            back.wait()
+        return result, me.state == "held"
+
     def _withdraw(self, me: _Turn) -> None:
         """``me``'s client left: out of the queue if it waits there (woken, it finds itself done); a turn held stays
         held until its parse stops at its next prompt (no two parses tokenize at once)."""
@@ -238,4 +266,21 @@ def pass_turn() -> bool:
     return held
 
 
-__all__ = ["Departure", "ParseGate", "pass_turn"]
+def aside(work: Callable[[], Any]) -> tuple[Any, bool]:
+    """``work()`` off the gate: the requests waiting (or coming) take the turn meanwhile, then the parse takes it back;
+    for work that needs no tokenizer the gate guards (one prompt's encode on a tokenizer of its own: a prompt of
+    hundreds of KB took seconds in one turn). (its result, False when the server gave up on this request meanwhile);
+    ``ClientDisconnect`` when its client left. ``work()`` in place where no gate is held here (the Python API)."""
+    current = _CURRENT.get()
+    if current is None:
+        return work(), True
+    gate, me = current
+    if me.departure is not None and me.departure.left:
+        raise ClientDisconnect()
+    result, held = gate._aside(me, work)
+    if me.departure is not None and me.departure.left:
+        raise ClientDisconnect()
+    return result, held
+
+
+__all__ = ["Departure", "ParseGate", "aside", "pass_turn"]

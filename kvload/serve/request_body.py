@@ -65,12 +65,21 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
     body = bytearray()
+    # its chunks kept, then joined once: freed together, glibc can hand them back (kvload.serve.worker._trim), and a
+    # 20 MB body queued in the lane holds ~1x of the process's memory; a bytearray grown chunk by chunk moves as it
+    # grows, among the connection's buffers, and left holes: ~2x even trimmed, ~3x untrimmed (BENCHMARKS.md)
+    chunks: list[bytes] = []
+    got = 0
 
     async def read() -> None:
+        nonlocal body, got
         async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > limit:
+            chunks.append(chunk)
+            got += len(chunk)
+            if got > limit:
                 raise _too_large(limit, f"more than {limit:,} bytes sent")
+        body = bytearray().join(chunks)
+        chunks.clear()
 
     reader = asyncio.ensure_future(read())
     stop = asyncio.ensure_future(stopping.wait())
@@ -79,7 +88,7 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
             await asyncio.wait((reader, stop), return_when=asyncio.FIRST_COMPLETED)
     except TimeoutError:
         expected = f"of {int(length):,}" if length.isdigit() else "of a chunked body"
-        raise BadRequest(f"the request body did not arrive in time: {len(body):,} bytes {expected} came within "
+        raise BadRequest(f"the request body did not arrive in time: {got:,} bytes {expected} came within "
                          f"{timeout:g} s (--request-read-timeout sets it)", status=408, code="request_timeout",
                          headers={"Connection": "close"}) from None
     finally:  # whichever did not finish (a cancelled handler leaves neither behind)

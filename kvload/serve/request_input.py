@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import threading
+import weakref
 from typing import Any
 
 from fastapi import Request
 
 from engine.serving import ServingEngine
-from kvload.serve.parse_gate import pass_turn
+from kvload.serve.parse_gate import aside, pass_turn
 from kvload.serve.protocol import MAX_REQUEST_ID_CHARS, BadRequest, Job, parse, request_id
 from kvload.serve.request_body import _load, _shutting_down
 from kvload.serve.state import ServeState
@@ -140,11 +144,39 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
                 ids = engine.prompt_ids(prompt, add_special_tokens=job.add_special_tokens)
                 cut.append(len(ids) > keep)
                 prompt = kept(ids)
+            elif isinstance(prompt, str) and len(prompt) > ASIDE_CHARS and engine.tokenizer is not None:
+                engine.check_prompt_chars(prompt)  # as encode: one too long by its characters is refused untokenized
+                prompt, held = aside(functools.partial(_tokenize_aside, engine, prompt, job.add_special_tokens))
+                if engine.stopping or not held:
+                    raise _shutting_down()
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
             raise BadRequest(f"{field}: {detail}", param=field) from None
     return out, cut or [False] * len(out)
+
+
+#: A text prompt of more characters than this is tokenized off the parse gate (``parse_gate.aside``), on a copy of the
+#: tokenizer, one such prompt at a time: a prompt under the character bound (~660 KB for SmolLM2 at 8,192 tokens)
+#: took seconds in one turn, and every request sent meanwhile waited for it. The same tokenizer's encode of the whole
+#: text, so the same tokens.
+ASIDE_CHARS = 64 << 10
+
+#: each engine tokenizer's copy, and the lock that lets one prompt at a time use it
+_COPIES: weakref.WeakKeyDictionary[Any, tuple[Any, threading.Lock]] = weakref.WeakKeyDictionary()
+_COPIES_LOCK = threading.Lock()
+
+
+def _tokenize_aside(engine: ServingEngine, text: str, add_special_tokens: bool, where: str = "prompt 0") -> list[int]:
+    """``text``'s token ids on the server's copy of the engine's tokenizer (made at the first such prompt, ~0.5 s for
+    SmolLM2's), one text at a time; what :meth:`ServingEngine.encode` (or ``tokenize``) of it would tokenize."""
+    tok = engine.tokenizer
+    with _COPIES_LOCK:
+        got = _COPIES.get(tok)
+        if got is None:
+            got = _COPIES[tok] = (copy.deepcopy(tok), threading.Lock())
+    with got[1]:
+        return engine.tokenize(text, add_special_tokens=add_special_tokens, where=where, tokenizer=got[0])
 
 
 def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:
