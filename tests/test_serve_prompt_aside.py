@@ -1,5 +1,5 @@
 """One big text prompt (past 64 KiB of text, under the character bound) is tokenized off the parse gate, on a copy of
-the tokenizer: a small request sent meanwhile is answered. It was tokenized in one turn (seconds for ~660 KB on
+the tokenizer: a small request sent meanwhile is answered. It was tokenized in one turn (~0.5 s for ~660 KB on
 SmolLM2), and every request sent meanwhile waited for all of it. Its tokens are the whole text's, as before."""
 
 from __future__ import annotations

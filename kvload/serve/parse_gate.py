@@ -269,8 +269,9 @@ def pass_turn() -> bool:
 def aside(work: Callable[[], Any]) -> tuple[Any, bool]:
     """``work()`` off the gate: the requests waiting (or coming) take the turn meanwhile, then the parse takes it back;
     for work that needs no tokenizer the gate guards (one prompt's encode on a tokenizer of its own: a prompt of
-    hundreds of KB took seconds in one turn). (its result, False when the server gave up on this request meanwhile);
-    ``ClientDisconnect`` when its client left. ``work()`` in place where no gate is held here (the Python API)."""
+    hundreds of KB took ~0.5 s, more on a slower tokenizer, in one turn). (its result, False when the server gave up
+    on this request meanwhile); ``ClientDisconnect`` when its client left. ``work()`` in place where no gate is held
+    here (the Python API)."""
     current = _CURRENT.get()
     if current is None:
         return work(), True

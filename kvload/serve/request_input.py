@@ -158,8 +158,8 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
 
 #: A text prompt of more characters than this is tokenized off the parse gate (``parse_gate.aside``), on a copy of the
 #: tokenizer, one such prompt at a time: a prompt under the character bound (~660 KB for SmolLM2 at 8,192 tokens)
-#: took seconds in one turn, and every request sent meanwhile waited for it. The same tokenizer's encode of the whole
-#: text, so the same tokens.
+#: took ~0.5 s in one turn (more on a slower tokenizer), and every request sent meanwhile waited for it. The same
+#: tokenizer's encode of the whole text, so the same tokens.
 ASIDE_CHARS = 64 << 10
 
 #: each engine tokenizer's copy, and the lock that lets one prompt at a time use it
