@@ -445,14 +445,22 @@ class ServingEngine:
         per_token = None if isinstance(self._per_token, bool) else self._per_token
         return fewest_tokens(text, per_token), per_token
 
-    def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt") -> list[int]:
+    def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt",
+                 tokenizer: Any = None) -> list[int]:
         """Token ids of ``text`` as the tokenizer gives them (``add_special_tokens``: its BOS and the like), no
-        other check (vLLM's /tokenize); ``GenerationError`` naming ``where`` without a tokenizer."""
+        other check (vLLM's /tokenize); ``GenerationError`` naming ``where`` without a tokenizer. ``tokenizer``: a
+        copy of the engine's to encode with (the server's for a big prompt tokenized off its parse gate)."""
         check_text(where, text)
         if self.tokenizer is None:
             raise GenerationError(f"{where}: the model {self.executor.name} has no tokenizer (presets have random "
                                   "weights and none); only token ids are served")
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
+        tok = self.tokenizer if tokenizer is None else tokenizer
+        return [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
+
+    def check_prompt_chars(self, text: str) -> None:
+        """What :meth:`encode` checks of a text prompt before tokenizing it: refused when it has more characters
+        than ``max_seq_len`` of the tokenizer's longest tokens cover."""
+        self._check_chars("generate: prompt 0", text)
 
     def token_strs(self, token_ids: Sequence[int]) -> list[str]:
         """The tokenizer's own string of each token (``convert_ids_to_tokens``: ``Ġthe``, ``<|im_end|>``)."""

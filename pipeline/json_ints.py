@@ -42,6 +42,48 @@ class LongInts:
         return int(text)
 
 
+class Abandoned(Exception):
+    """A parse :class:`SharedInts` ended because the one who wanted it is gone."""
+
+
+class SharedInts(LongInts):
+    """:class:`LongInts` that hands out one ``int`` object per value under 2**18 (every token id of every vocabulary
+    served) for the whole document, and ends the parse with :class:`Abandoned` at its next integer once ``gone.left``
+    is true (``gone``, when given: an object another thread sets that on).
+
+    ``json.loads`` made a fresh 28-byte int per literal, so a parsed list of token ids held 36 bytes per id against
+    ~7 in its JSON: 20 MB of ids became 103 MB, held while the request waited for its turn. Shared, an id costs the
+    list's 8-byte pointer (~1.3x the JSON), and the parse runs ~1.5x faster (a list index, not an allocation). The
+    table (2 MiB) lives for one parse."""
+
+    __slots__ = ("_gone", "_table")
+
+    SIZE = 1 << 18
+
+    def __init__(self, gone: Any = None) -> None:
+        super().__init__()
+        self._gone = gone if gone is not None else _Never
+        self._table: list[int | None] = [None] * self.SIZE
+
+    def __call__(self, text: str) -> int | TooLongInt:
+        if self._gone.left:
+            raise Abandoned("the parse is no longer wanted")
+        if len(text) <= 6:  # within the digit limit (at least 640, when set)
+            value = int(text)
+            if 0 <= value < self.SIZE:
+                shared = self._table[value]
+                if shared is None:
+                    self._table[value] = value
+                    return value
+                return shared
+            return value
+        return super().__call__(text)
+
+
+class _Never:
+    left = False
+
+
 def _join(path: str, key: Any) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"

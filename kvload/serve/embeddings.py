@@ -13,6 +13,7 @@ too (``kvload.serve.scoring``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -29,7 +30,7 @@ from engine.executor import POOLED
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
-from kvload.serve.parse_gate import ParseGate, pass_turn
+from kvload.serve.parse_gate import Departure, ParseGate, aside, pass_turn
 from kvload.serve.pooled_encoding import Encoding, base64_floats, bytes_response, encoding_of
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
@@ -45,7 +46,7 @@ from kvload.serve.protocol import (
 )
 from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down, on_disconnect
-from kvload.serve.request_input import _check_model, _header_request_id
+from kvload.serve.request_input import _check_model, _header_request_id, _tokenize_aside, can_aside
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
 from pipeline.errors import GenerationError, KvBuildError, first_line
@@ -119,8 +120,13 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
         try:
             if isinstance(item, str) and params.truncate_prompt_tokens is None:  # past max_seq_len by its characters
                 engine.check_embedding_chars(where, item, what)  # alone: refused untokenized
-            ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
-                if isinstance(item, str) else item
+            if can_aside(engine, item):  # as _encode
+                ids, held = aside(functools.partial(_tokenize_aside, engine, item, add_special_tokens, where))
+                if not held:
+                    raise _shutting_down()
+            else:
+                ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
+                    if isinstance(item, str) else item
             # cut as asked; in the vocabulary; it fits
             ids = engine.check(ids, params, pool=True, what=what).prompt_token_ids
         except (GenerationError, KvBuildError) as exc:
@@ -173,16 +179,19 @@ async def pooling_route(state: ServeState, request: Request, gate: ParseGate, st
     """A pooling route (``/v1/embeddings``, ``/score``, ``/rerank``): the body read and parsed as the completions'
     are, every input queued as one request (all in one batch, sharing steps), then ``answer(job, rows)`` with each
     input's captured last hidden row, in order."""
+    departure = Departure()  # as the completions' (kvload.serve.handlers._serve): a client gone is not parsed further
     try:
-        raw = await _read(request, state, gate, stopping)
+        raw = await _read(request, state, gate, stopping, departure)
+        async with gate.turn(departure) as turn:
+            if state.engine.stopping:
+                raise _shutting_down()
+            job = await _on_worker(stopping, lambda: None, parse, state, raw, gone=departure, held=turn)
+        if departure.left:
+            raise ClientDisconnect()
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
-    async with gate.turn():
-        if state.engine.stopping:
-            raise _shutting_down()
-        if await request.is_disconnected():
-            return Response(status_code=CLIENT_CLOSED)
-        job = await _on_worker(stopping, lambda: None, parse, state, raw)
+    finally:
+        departure.close()
     return await pooling_run(state, request, job, answer)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from kvload.serve.protocol import BadRequest
-from pipeline.json_ints import LongInts, too_long_int, too_long_message
+from pipeline.json_ints import Abandoned, LongInts, SharedInts, too_long_int, too_long_message
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
 #: The status nginx logs for a client that closed the connection before the answer; nobody receives it.
@@ -65,12 +65,21 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
     if length.isdigit() and int(length) > limit:  # the HTTP layer refuses a malformed Content-Length itself
         raise _too_large(limit, f"Content-Length {int(length):,}")
     body = bytearray()
+    # its chunks kept, then joined once: freed together, glibc can hand them back (kvload.serve.worker._trim), and a
+    # 20 MB body queued in the lane holds ~1x of the process's memory; a bytearray grown chunk by chunk moves as it
+    # grows, among the connection's buffers, and left holes: ~2x even trimmed, ~3x untrimmed (BENCHMARKS.md)
+    chunks: list[bytes] = []
+    got = 0
 
     async def read() -> None:
+        nonlocal body, got
         async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > limit:
+            chunks.append(chunk)
+            got += len(chunk)
+            if got > limit:
                 raise _too_large(limit, f"more than {limit:,} bytes sent")
+        body = bytearray().join(chunks)
+        chunks.clear()
 
     reader = asyncio.ensure_future(read())
     stop = asyncio.ensure_future(stopping.wait())
@@ -79,7 +88,7 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
             await asyncio.wait((reader, stop), return_when=asyncio.FIRST_COMPLETED)
     except TimeoutError:
         expected = f"of {int(length):,}" if length.isdigit() else "of a chunked body"
-        raise BadRequest(f"the request body did not arrive in time: {len(body):,} bytes {expected} came within "
+        raise BadRequest(f"the request body did not arrive in time: {got:,} bytes {expected} came within "
                          f"{timeout:g} s (--request-read-timeout sets it)", status=408, code="request_timeout",
                          headers={"Connection": "close"}) from None
     finally:  # whichever did not finish (a cancelled handler leaves neither behind)
@@ -112,16 +121,17 @@ def _too_large(limit: int, got: str) -> BadRequest:
 class LoadedBody:
     """A request body already read as JSON (:func:`_load` of it, done ahead, off the parse gate): its size, and its
     value or the refusal ``_load`` raised, raised again when the parse under the gate asks for it (so a big body's
-    refusal comes where a small one's does, in the same words). The raw bytes are not kept."""
+    refusal comes where a small one's does, in the same words). The raw bytes are not kept: a bytearray's are
+    dropped (cleared) once decoded, before the JSON's value is built. ``gone``: as :func:`_load`'s."""
 
     __slots__ = ("error", "size", "value")
 
-    def __init__(self, raw: bytes | bytearray) -> None:
+    def __init__(self, raw: bytes | bytearray, gone: Any = None) -> None:
         self.size = len(raw)
         self.value: Any = None
         self.error: Exception | None = None
         try:
-            self.value = _load(raw)
+            self.value = _load(raw, gone, big=True)
         except Exception as exc:  # a refusal (or a failure): the parse raises it in its turn
             self.error = exc
 
@@ -133,14 +143,22 @@ class LoadedBody:
 Body = bytes | bytearray | LoadedBody
 
 
-def _load(raw: Body) -> Any:
+def _load(raw: Body, gone: Any = None, *, big: bool = False) -> Any:
     """A request body's JSON, in UTF-8, UTF-16 or UTF-32 (a BOM or none: RFC 4627's detection by the first bytes'
     zeros, what ``json.loads`` of bytes, so vLLM's FastAPI, reads); ``BadRequest`` for one that is not text in its
-    encoding, nested too deeply, not JSON, or with a key given twice. A :class:`LoadedBody`: what loading it gave."""
+    encoding, nested too deeply, not JSON, or with a key given twice. A :class:`LoadedBody`: what loading it gave.
+
+    ``gone`` (a :class:`kvload.serve.parse_gate.Departure`): once its ``left`` is set, the parse ends at its next step
+    or integer with :class:`~pipeline.json_ints.Abandoned` (its client left: seconds of ``json.loads`` for no one).
+    ``big``: a big body loaded ahead of its turn (:class:`LoadedBody`, whose owner wants the bytes no more): ``raw``, a
+    bytearray, is cleared once decoded, so its bytes are not held beside the value being built, and each token id's
+    int is shared (:class:`~pipeline.json_ints.SharedInts`: a parsed list of ids is ~1.3x its JSON, not ~5x)."""
     if isinstance(raw, LoadedBody):
         if raw.error is not None:
             raise raw.error
         return raw.value
+    gone = gone if gone is not None else _Staying
+    given = raw
     encoding = json.detect_encoding(raw)
     try:
         # decoded here, strictly (json.loads of bytes lets UTF-8-encoded surrogates through), then depth-checked as
@@ -153,12 +171,19 @@ def _load(raw: Body) -> Any:
                          f"({exc.reason}); JSON request bodies must be UTF-8 (or UTF-16 or UTF-32)") from None
     if encoding not in ("utf-8", "utf-8-sig"):
         raw = text.encode("utf-8")  # strict decoding left no lone surrogate, so this cannot fail
+    if gone.left:
+        raise Abandoned("the request body's client left")
     if json_depth(raw) > MAX_DEPTH:  # before parsing: json's decoder recurses once per level
         raise BadRequest(f"the request body nests too deeply: at most {MAX_DEPTH} levels of arrays and objects "
                          "are accepted (an OpenAI request needs about 5)")
+    if big and isinstance(given, bytearray):
+        given.clear()  # its text is decoded: 1x the body less at the parse's peak
+    del raw, given
+    if gone.left:
+        raise Abandoned("the request body's client left")
     # int() refuses a literal past sys.get_int_max_str_digits(): it was a 500 with Python's advice, then a line naming
     # no field; such a literal is kept as a marker and the first one's field named
-    ints = LongInts()
+    ints = SharedInts(gone) if big else LongInts()  # a small body's: no 2 MiB table for a few ints
     try:
         # json keeps the last of a key given twice: refused, as in config.json and audit files
         body = json.loads(text, object_pairs_hook=unique_keys(lambda m: BadRequest(f"the request body is ambiguous: "
@@ -171,3 +196,9 @@ def _load(raw: Body) -> Any:
         raise BadRequest(f"{where or 'the request body'}: {too_long_message(digits)}; no field takes an integer past "
                          "2**63 - 1", param=where.split('.')[0].split('[')[0] or None)
     return body
+
+
+class _Staying:
+    """A client not watched (:func:`_load` with no ``gone``): never left."""
+
+    left = False

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import threading
+import weakref
 from typing import Any
 
 from fastapi import Request
 
 from engine.serving import ServingEngine
-from kvload.serve.parse_gate import pass_turn
+from kvload.serve.parse_gate import aside, pass_turn
 from kvload.serve.protocol import MAX_REQUEST_ID_CHARS, BadRequest, Job, parse, request_id
 from kvload.serve.request_body import _load, _shutting_down
 from kvload.serve.state import ServeState
@@ -140,11 +144,53 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
                 ids = engine.prompt_ids(prompt, add_special_tokens=job.add_special_tokens)
                 cut.append(len(ids) > keep)
                 prompt = kept(ids)
+            elif can_aside(engine, prompt):
+                engine.check_prompt_chars(prompt)  # as encode: one too long by its characters is refused untokenized
+                prompt, held = aside(functools.partial(_tokenize_aside, engine, prompt, job.add_special_tokens))
+                if engine.stopping or not held:
+                    raise _shutting_down()
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
             raise BadRequest(f"{field}: {detail}", param=field) from None
     return out, cut or [False] * len(out)
+
+
+#: A text prompt of more characters than this is tokenized off the parse gate (``parse_gate.aside``), on a copy of the
+#: tokenizer, one such prompt at a time: a prompt under the character bound (~660 KB for SmolLM2 at 8,192 tokens)
+#: took ~0.5 s in one turn (more on a slower tokenizer), and every request sent meanwhile waited for it. The same
+#: tokenizer's encode of the whole text, so the same tokens.
+ASIDE_CHARS = 64 << 10
+
+#: each engine tokenizer's copy, and the lock that lets one prompt at a time use it
+_COPIES: weakref.WeakKeyDictionary[Any, tuple[Any, threading.Lock]] = weakref.WeakKeyDictionary()
+_COPIES_LOCK = threading.Lock()
+
+
+def can_aside(engine: ServingEngine, text: Any) -> bool:
+    """Whether ``text`` is a prompt to tokenize off the gate: text past :data:`ASIDE_CHARS` and a tokenizer that can be
+    copied (the copy made here, on the gate, at the first such prompt: ~0.5 s for SmolLM2's). A tokenizer that cannot
+    be copied keeps such prompts on the gate, as before, rather than share one tokenizer between two threads."""
+    if not (isinstance(text, str) and len(text) > ASIDE_CHARS and engine.tokenizer is not None):
+        return False
+    tok = engine.tokenizer
+    with _COPIES_LOCK:
+        got = _COPIES.get(tok)
+        if got is None:
+            try:
+                got = (copy.deepcopy(tok), threading.Lock())
+            except Exception:  # any tokenizer class: one that cannot be copied stays on the gate
+                got = (None, threading.Lock())
+            _COPIES[tok] = got
+    return got[0] is not None
+
+
+def _tokenize_aside(engine: ServingEngine, text: str, add_special_tokens: bool, where: str = "prompt 0") -> list[int]:
+    """``text``'s token ids on the server's copy of the engine's tokenizer (:func:`can_aside` made it), one text at a
+    time; what :meth:`ServingEngine.encode` (or ``tokenize``) of it would tokenize."""
+    copied, lock = _COPIES[engine.tokenizer]
+    with lock:
+        return engine.tokenize(text, add_special_tokens=add_special_tokens, where=where, tokenizer=copied)
 
 
 def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from engine.prompts import template_reads
 from engine.reasoning import ReasoningText
@@ -184,6 +185,8 @@ class _Run(_OpenAIDocuments):
         for i, ids in enumerate(self.prompts):
             if self.engine.stopping:  # as in _encode: up to 1,024 checks would only end in EngineStopped
                 raise _shutting_down()
+            if self.cancelled:  # given up on (its client left: Departure.on_leave): the other checks are for no one
+                raise ClientDisconnect()
             params = job.params
             room = self.engine.room(ids)
             if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves

@@ -1,0 +1,82 @@
+"""One big text prompt (past 64 KiB of text, under the character bound) is tokenized off the parse gate, on a copy of
+the tokenizer: a small request sent meanwhile is answered. It was tokenized in one turn (~0.5 s for ~660 KB on
+SmolLM2), and every request sent meanwhile waited for all of it. Its tokens are the whole text's, as before."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.llm_support import with_tokenizer
+from tests.serve_support import TIMEOUT, serving
+
+BIG = " ".join(f"w{i % 500 + 1}" for i in range(20_000))  # ~100,000 characters: 20,000 tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings"])
+def test_a_big_prompt_is_tokenized_off_the_gate_and_a_small_request_is_answered_meanwhile(tiny_checkpoints,
+                                                                                          tmp_path, monkeypatch, path):
+    field, small_body = ("prompt", {"prompt": "w1 w2", "max_tokens": 1}) if path == "/v1/completions" else \
+        ("input", {"input": "w1 w2"})
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
+    with serving(str(words), dtype="float32", max_seq_len=64, kv_cache_config={"max_tokens": 512}) as served:
+        tok = served.state.engine.tokenizer
+        expected = len(tok(BIG)["input_ids"])
+        entered, release = threading.Event(), threading.Event()
+        real = type(tok).__call__
+
+        def held(self, text, *args, **kwargs):
+            if isinstance(text, str) and len(text) > 65536:
+                entered.set()
+                release.wait(TIMEOUT)  # gives up in the end: a failure, not a hang
+            return real(self, text, *args, **kwargs)
+
+        monkeypatch.setattr(type(tok), "__call__", held)
+        answers: dict[str, httpx.Response] = {}
+
+        def send_big() -> None:
+            with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+                answers["big"] = http.post(path, json={**small_body, field: BIG})
+
+        big = threading.Thread(target=send_big)
+        big.start()
+        try:
+            assert entered.wait(TIMEOUT)
+            with httpx.Client(base_url=served.url, timeout=TIMEOUT / 4) as http:  # main: a ReadTimeout here
+                small = http.post(path, json=small_body)
+            assert small.status_code == 200, small.text
+            assert not release.is_set() and big.is_alive()
+        finally:
+            release.set()
+            big.join(TIMEOUT)
+        # refused by its token count, the whole text's, in the words of before
+        assert answers["big"].status_code == 400
+        message = answers["big"].json()["error"]["message"]
+        if field == "prompt":
+            assert message == (f"prompt: {expected} tokens leave no room to generate under max_seq_len=64; shorten "
+                               "it or raise max_seq_len")
+        else:
+            assert message.startswith(f"input: {expected} tokens;"), message
+
+
+def test_a_tokenizer_that_cannot_be_copied_tokenizes_a_big_prompt_on_the_gate_as_before(tiny_checkpoints, tmp_path,
+                                                                                        monkeypatch):
+    from kvload.serve import request_input
+
+    def refuse(value, memo=None):
+        raise TypeError("cannot pickle 'Tokenizer' object")
+
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
+    with serving(str(words), dtype="float32", max_seq_len=64, kv_cache_config={"max_tokens": 512}) as served:
+        monkeypatch.setattr(request_input.copy, "deepcopy", refuse)  # the server up: only the tokenizer's copy fails
+        expected = len(served.state.engine.tokenizer(BIG)["input_ids"])
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            big = http.post("/v1/completions", json={"prompt": BIG, "max_tokens": 1})
+            small = http.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 1})
+        # not a 500: the same refusal as from the copy, then the server answers as before
+        assert big.status_code == 400, big.text
+        assert big.json()["error"]["message"] == (f"prompt: {expected} tokens leave no room to generate under "
+                                                  "max_seq_len=64; shorten it or raise max_seq_len")
+        assert small.status_code == 200, small.text
