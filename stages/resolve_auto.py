@@ -159,6 +159,10 @@ class ResolveAuto:
         spec_name = ctx.spec.name if ctx.spec is not None else "the model"
         if current != AUTO:  # a model default got here first; keep it and say so
             return current, "model_default", f"{spec_name} set it through its model defaults"
+        proposed = ctx.model_defaults.get(path)
+        if proposed is not None:  # an explicit "auto" kept the model default out: it lets the model decide, as unset
+            return proposed, "model_default", (f"{spec_name} proposes {str(proposed).lower()} in its model defaults; "
+                                               f"the explicit \"auto\" (via {origin.source}) lets the model decide")
         if path == "device":
             if cuda_available():
                 return "cuda", "auto", "a CUDA device is available"
@@ -178,12 +182,6 @@ class ResolveAuto:
         if path == "kv_cache_config.dtype":
             return ctx.args.dtype, "auto", f"follows the model dtype ({ctx.args.dtype})"
         if path == V2:
-            proposed = ctx.model_defaults.get(V2)
-            if proposed is not None:
-                why = f"{spec_name} proposes {str(proposed).lower()} in its model defaults"
-                if origin.explicit:
-                    why += f"; the explicit \"auto\" (via {origin.source}) lets the model decide"
-                return proposed, "model_default", why
             return False, "auto", f"{spec_name} proposes no V2 default, so \"auto\" means false"
         if path == "attention_backend":
             kinds = {layer.kind for layer in ctx.spec.kv_layers()} if ctx.spec is not None else None
