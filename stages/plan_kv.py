@@ -439,7 +439,8 @@ def arena_setting(ctx: Context, layout: KvLayout, emit: Emit) -> tuple[bool, str
     kv = ctx.args.kv_cache_config
     unfit = arena_unfit_reason(layout)
     if unfit is not None:
-        if ARENA_FIELD in ctx.user_fields and kv.pool_arena in (True, False):
+        user = ctx.user_fields.get(ARENA_FIELD)
+        if user is not None and user.value in (True, False):  # an explicit "auto" asked for nothing: as unset
             emit(SettingIgnored(field=ARENA_FIELD, value=kv.pool_arena,
                                 reason=f"{unfit}; pool_arena chooses between one slab arena and split pools for V2 "
                                        "layer groups of unequal pages (DeepSeek V4)"))
