@@ -333,6 +333,11 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         budget = budget_for(fallback)
         reason = (f"{unbounded}, so {DEFAULT_MAX_TOKENS_FIELD}={kv.default_max_tokens}{capped} applies "
                   f"({budget_reason(budget)}); set kv_cache_config.max_tokens to choose")
+    elif fallback is not None and DEFAULT_MAX_TOKENS_FIELD in ctx.user_fields:
+        rule = RULE_FIELDS.get(budget.limited_by or "", "a rule")
+        emit(SettingIgnored(field=DEFAULT_MAX_TOKENS_FIELD, value=fallback,
+                            reason=f"it sizes the pools only when no rule bounds the budget, and {rule} bounds it "
+                                   f"({budget_reason(budget)})"))
     ranks = ctx.ranks
     agreed = min_budget(ranks, budget, reason) if ranks is not None and ranks.distributed else None
     if agreed is not None:
