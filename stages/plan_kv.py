@@ -433,7 +433,7 @@ def fit_max_seq_len(ctx: Context, layout: KvLayout, budget: KvBudget, emit: Emit
     emit(FieldDerived(field="max_seq_len", old=limit, new=low, source="kv_budget",
                       reason=f"auto (vLLM's max_model_len -1): the KV budget ({budget.budget_bytes:,} B, set by "
                              f"{RULE_FIELDS.get(rule, rule)}) holds one sequence of {low} tokens, not the "
-                             f"checkpoint's {limit}"))
+                             f"{'model default' if 'max_seq_len' in ctx.model_defaults else 'checkpoint'}'s {limit}"))
     return attrs.evolve(budget, max_seq_len=low)
 
 

@@ -207,6 +207,16 @@ class ResolveAuto:
             return
         if current is not None and not auto:
             return
+        proposed = ctx.model_defaults.get("max_seq_len") if auto else None
+        if proposed is not None:  # an explicit "auto" kept the model default out: it lets the model decide, as unset
+            spec_name = ctx.spec.name if ctx.spec is not None else "the model"
+            set_field(ctx.args, "max_seq_len", proposed)
+            ctx.fit_max_seq_len = True
+            emit(AutoResolved(field="max_seq_len", original=AUTO, old=AUTO, new=proposed, source="model_default",
+                              reason=f"{spec_name} proposes {proposed} in its model defaults; the explicit \"auto\" "
+                                     "lets the model decide, lowered by the KV plan to the longest sequence its budget "
+                                     "holds when that is less (vLLM's max_model_len -1/auto)"))
+            return
         limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
         if limit is None:
             why = "auto (vLLM's max_model_len -1) starts from it" if auto else "set max_seq_len"
@@ -232,8 +242,8 @@ class ResolveAuto:
         user = ctx.user_fields.get("max_seq_len")
         limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
         n = ctx.args.max_seq_len
-        if user is None or limit is None or n is None or n <= limit:
-            return
+        if user is None or user.value == AUTO or limit is None or n is None or n <= limit:
+            return  # an explicit "auto" is a model default's length, or one within the limit
         rope = ctx.spec.rope_scaling()
         checkpoint = ctx.checkpoint
         config = checkpoint.gguf_path or checkpoint.path / "config.json"
