@@ -38,6 +38,7 @@ from pipeline.config import AUTO, GenerationDefaults, KvCacheConfig, LlmArgs, fr
 from pipeline.converter import unstructure
 from pipeline.errors import KvloadError
 from pipeline.paths import flatten, unflatten
+from pipeline.vllm_compat import SAME_MEANING
 from stages.apply_model_defaults import MODEL_SETTABLE
 
 PRESETS = presets()
@@ -89,8 +90,13 @@ AUTO_DEFAULT = sorted(p for p, v in flatten(framework_defaults()).items() if v =
 #: Fields each source can give: the API and a YAML file every one, the command line those with a flag.
 CLI_FLAG = {f.path: f for f in FLAGS if f.const is None}
 CLI_FIELDS = sorted({f.path for f in FLAGS} | {p for p in FIELDS if p.startswith("override_generation_config.")})
-SOURCES = ["api", "config_file", "cli"]
-SOURCE_FIELDS = {"api": FIELDS, "config_file": FIELDS, "cli": [p for p in FIELDS if p in CLI_FIELDS]}
+#: The Python API three ways: keyword dicts, config objects (``KvCacheConfig(...)``: its explicit fields only), and
+#: vLLM's keyword names of kvload fields (``block_size=``, ``max_model_len=-1``); the audit says "api" for each.
+SOURCES = ["api", "api_object", "api_vllm", "config_file", "cli"]
+LABEL = {"api": "api", "api_object": "api", "api_vllm": "api", "config_file": "config_file", "cli": "cli"}
+SOURCE_FIELDS = {**dict.fromkeys(("api", "api_object", "api_vllm", "config_file"), FIELDS),
+                 "cli": [p for p in FIELDS if p in CLI_FIELDS]}
+VLLM_NAME = {path: name for name, path in SAME_MEANING.items()}
 
 
 def test_the_tables_cover_every_field():
@@ -105,8 +111,21 @@ def test_the_tables_cover_every_field():
 
 
 def _storable(source: str, path: str, value: Any) -> bool:
-    """Whether ``source`` can give ``value`` for ``path`` (a flag cannot say null)."""
-    return source != "cli" or value is not None
+    """Whether ``source`` can give ``value`` for ``path`` (a flag cannot say null; vLLM's None is its unset)."""
+    return value is not None or not (source == "cli" or (source == "api_vllm" and path in VLLM_NAME))
+
+
+def _api_tree(source: str, leaves: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of an API call giving ``leaves`` the ``source`` way."""
+    if source == "api_vllm":
+        named = {VLLM_NAME.get(p, p): (-1 if p == "max_seq_len" and v == AUTO else v) for p, v in leaves.items()}
+        return unflatten(named)
+    tree = unflatten(leaves)
+    if source == "api_object":
+        for key, cls in (("kv_cache_config", KvCacheConfig), ("override_generation_config", GenerationDefaults)):
+            if key in tree:
+                tree[key] = cls(**tree[key])
+    return tree
 
 
 # --- running one plan from one source -------------------------------------------------------
@@ -146,9 +165,9 @@ class Run:
         return sorted(out)
 
 
-def _plan_api(model: str, leaves: dict[str, Any], config_file: str | None = None) -> Run:
+def _plan_api(model: str, leaves: dict[str, Any], config_file: str | None = None, source: str = "api") -> Run:
     try:
-        result = pipeline.plan(model, log=False, config_file=config_file, **unflatten(leaves))
+        result = pipeline.plan(model, log=False, config_file=config_file, **_api_tree(source, leaves))
     except KvloadError as exc:
         return Run(None, getattr(exc, "audit", None), f"{type(exc).__name__}: {exc}")
     return Run(flatten(unstructure(result.args)), result.audit, None)
@@ -217,8 +236,8 @@ def plan(source: str, model: str, leaves: dict[str, Any], spec_dir: Path,
         config_file = str(tmp / "under.yaml")
         Path(config_file).write_text(yaml.safe_dump(unflatten(file_leaves)), encoding="utf-8")
     try:
-        if source == "api":
-            return _plan_api(where, leaves, config_file=config_file)
+        if source.startswith("api"):
+            return _plan_api(where, leaves, config_file=config_file, source=source)
         if source == "config_file":
             return _plan_yaml(where, leaves, tmp)
         return _plan_cli(where, leaves, tmp, config_file=config_file)
@@ -270,7 +289,7 @@ def _user_leaves(source: str, model: str) -> st.SearchStrategy[dict[str, Any]]:
 @st.composite
 def cases(draw: Any) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
     source = draw(st.sampled_from(SOURCES))
-    model = draw(st.sampled_from(MODELS))
+    model = draw(st.sampled_from([SPEC, *MODELS, SPEC]))  # the model that proposes every settable field, oftener
     proposals = draw(proposal_values) if model == SPEC else {}
     user = draw(_user_leaves(source, model))
     return source, model, proposals, user
@@ -293,14 +312,14 @@ def test_an_explicit_value_always_wins_and_the_audit_names_its_source(spec_dir, 
     assert run.error is None, run.error
     snapshot = run.of("user_fields_snapshotted")[0]["fields"]
     for field, value in user.items():
-        assert snapshot[field] == {"value": value, "source": source}, field
+        assert snapshot[field] == {"value": value, "source": LABEL[source]}, field
         parsed = [e for e in run.of("args_parsed") if e["field"] == field]
-        assert [(e["new"], e["source"]) for e in parsed] == [(value, source)], field
+        assert [(e["new"], e["source"]) for e in parsed] == [(value, LABEL[source])], field
         if value != AUTO and not (field == "max_seq_len" and value is None):
             assert run.final[field] == value, field  # explicit (also equal to the default) wins
         if field in proposals:
             skipped = [e for e in run.of("model_default_skipped") if e["field"] == field]
-            assert [(e["kept"], e["kept_source"]) for e in skipped] == [(value, source)], field
+            assert [(e["kept"], e["kept_source"]) for e in skipped] == [(value, LABEL[source])], field
             assert not [e for e in run.of("model_default_applied") if e["field"] == field], field
     for field, value in proposals.items():
         if field not in user:
@@ -314,7 +333,7 @@ def test_an_explicit_value_always_wins_and_the_audit_names_its_source(spec_dir, 
 def test_a_flag_or_argument_wins_over_the_config_file_and_both_over_a_model_default(spec_dir, case, data):
     source, model, proposals, user = case
     if source == "config_file":
-        source = "api"
+        source = "api"  # a file under the Python keywords, or under the flags
     file_leaves = data.draw(_user_leaves("config_file", model), label="file")
     path, spec_cls = spec_dir
     spec_cls.proposals = proposals
@@ -323,14 +342,14 @@ def test_a_flag_or_argument_wins_over_the_config_file_and_both_over_a_model_defa
     snapshot = run.of("user_fields_snapshotted")[0]["fields"]
     conflicts = {e["field"]: e for e in run.of("source_conflict")}
     for field in set(user) | set(file_leaves):
-        value, label = (user[field], source) if field in user else (file_leaves[field], "config_file")
+        value, label = (user[field], LABEL[source]) if field in user else (file_leaves[field], "config_file")
         assert snapshot[field] == {"value": value, "source": label}, field
         if value != AUTO and not (field == "max_seq_len" and value is None):
             assert run.final[field] == value, field
         if field in user and field in file_leaves and user[field] != file_leaves[field]:
             seen = conflicts.pop(field)
             assert (seen["kept"], seen["kept_source"], seen["overridden"], seen["overridden_source"]) == (
-                user[field], source, file_leaves[field], "config_file")
+                user[field], LABEL[source], file_leaves[field], "config_file")
         if field in proposals:
             skipped = [(e["kept"], e["kept_source"]) for e in run.of("model_default_skipped") if e["field"] == field]
             assert skipped == [(value, label)], field
@@ -351,7 +370,7 @@ def test_an_explicit_auto_is_the_field_left_unset(spec_dir, case, data):
     assert auto.final == unset.final
     assert auto.decisions() == unset.decisions()
     captured = [(e["field"], e["explicit"], e["source"]) for e in auto.of("auto_captured") if e["field"] == field]
-    assert captured == [(field, True, source)]
+    assert captured == [(field, True, LABEL[source])]
 
 
 @PROPERTY
@@ -369,7 +388,7 @@ def test_every_auto_is_captured_before_anything_changes_it_and_resolved_with_its
             continue
         seen = captured[field]
         assert (seen["original"], seen["explicit"], seen["source"]) == (
-            AUTO, field in user, source if field in user else "default"), field
+            AUTO, field in user, LABEL[source] if field in user else "default"), field
         changes = [e for e in run.events if e.get("field") == field and "new" in e and e["event"] != "args_parsed"]
         assert changes and all(e["seq"] > seen["seq"] for e in changes), field
         resolved = [e for e in changes if e["event"] == "auto_resolved"]
@@ -443,4 +462,4 @@ def test_the_property_tables_count():
     """What the properties range over (the report's counts)."""
     assert len(MODELS) == len(PRESETS) + 1 == 7
     assert len(FIELDS) == 36 and len(MODEL_SETTABLE) == 12 and len(AUTO_DEFAULT) == 8
-    assert [len(SOURCE_FIELDS[s]) for s in SOURCES] == [36, 36, 31]
+    assert [len(SOURCE_FIELDS[s]) for s in SOURCES] == [36, 36, 36, 36, 31]
