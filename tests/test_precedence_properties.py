@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import shutil
 import tempfile
@@ -456,6 +457,53 @@ def test_a_setting_that_changes_a_value_changes_the_plan_or_is_said_to_be_ignore
     acted = planned != unset
     others = {k for k in after.final if after.final[k] != before.final[k]} - {field}
     assert acted or others, f"{field}={value!r} changed the args and nothing else, with no setting_ignored"
+
+
+#: One value for every field a model may set, none of them the framework default (the spec's proposals in the sweeps).
+ALL_PROPOSED = {p: next(v for v in VALUES[p][1:] if v not in (AUTO, None)) for p in sorted(MODEL_SETTABLE)}
+
+
+#: A budget that bounds the pools on this CPU (without one a plan has no pools for a setting to act on).
+BUDGET = {"kv_cache_config.max_tokens": 4096}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_auto_field_given_auto_is_unset_on_every_model(spec_dir, source):
+    """The sweep beside the property: every "auto"-default field x every model (the spec proposing every settable
+    field), explicitly "auto" against left out, from one source."""
+    path, spec_cls = spec_dir
+    spec_cls.proposals = ALL_PROPOSED
+    for model, field in itertools.product(MODELS, [p for p in AUTO_DEFAULT if p in SOURCE_FIELDS[source]]):
+        unset = plan(source, model, BUDGET, path)
+        auto = plan(source, model, {**BUDGET, field: AUTO}, path)
+        assert (auto.error, auto.final, auto.decisions()) == (unset.error, unset.final, unset.decisions()), \
+            (model, field)
+
+
+def test_every_plan_setting_that_changes_a_value_acts_or_is_said_to_be_ignored_on_every_model(spec_dir):
+    """The sweep beside the property: every plan field x each of its values x every model, one at a time over a
+    bounded budget."""
+    path, spec_cls = spec_dir
+    spec_cls.proposals = ALL_PROPOSED
+    silent = []
+    for model, field in itertools.product(MODELS, PLAN_FIELDS):
+        base = BUDGET if field != "kv_cache_config.max_tokens" else {}
+        before = plan("api", model, base, path)
+        for value in VALUES[field]:
+            if value == 0 or (model == "tiny-deepseek-v4" and value is False and field.endswith("manager_v2")):
+                continue
+            after = plan("api", model, {**base, field: value}, path)
+            if after.error or before.error or after.final[field] == before.final[field]:
+                continue
+            if [e for e in after.of("setting_ignored") if e["field"] == field]:
+                continue
+            planned, unset = _plan_of(after, model, {**base, field: value}, path), _plan_of(before, model, base, path)
+            if planned is None or planned["total_bytes"] is None:
+                continue
+            others = {k for k in after.final if after.final[k] != before.final[k]} - {field}
+            if planned == unset and not others:
+                silent.append((model, field, value))
+    assert silent == []
 
 
 def test_the_property_tables_count():
