@@ -419,9 +419,10 @@ def test_the_audit_replays_to_the_resolved_args_and_its_user_values_reproduce_th
 
 
 #: The settings a plan acts on (the KV plan, the route, the resolved args); the others act when a load builds the
-#: manager or generate runs (block reuse, partial reuse, resume threshold, window scratch: the V2 manager; batch and
-#: token limits, policy, drafts, backends, sampling defaults, weights seed: the engine), each tested there.
-PLAN_FIELDS = ["dtype", "device", "max_seq_len", "kv_cache_config.use_kv_cache_manager_v2",
+#: manager or loads weights, or generate runs (block reuse, partial reuse, resume threshold, window scratch: the V2
+#: manager; the model dtype: the weights, and the plan only through kv_cache_config.dtype and linear_backend when
+#: they are "auto"; batch and token limits, policy, drafts, backends, sampling defaults, weights seed: the engine).
+PLAN_FIELDS = ["device", "max_seq_len", "kv_cache_config.use_kv_cache_manager_v2",
                "kv_cache_config.tokens_per_block", "kv_cache_config.free_gpu_memory_fraction",
                "kv_cache_config.max_tokens", "kv_cache_config.default_max_tokens",
                "kv_cache_config.max_gpu_total_bytes", "kv_cache_config.host_cache_size", "kv_cache_config.dtype",
