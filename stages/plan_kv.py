@@ -333,6 +333,11 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         budget = budget_for(fallback)
         reason = (f"{unbounded}, so {DEFAULT_MAX_TOKENS_FIELD}={kv.default_max_tokens}{capped} applies "
                   f"({budget_reason(budget)}); set kv_cache_config.max_tokens to choose")
+    elif fallback is not None and DEFAULT_MAX_TOKENS_FIELD in ctx.user_fields:
+        rule = RULE_FIELDS.get(budget.limited_by or "", "a rule")
+        emit(SettingIgnored(field=DEFAULT_MAX_TOKENS_FIELD, value=fallback,
+                            reason=f"it sizes the pools only when no rule bounds the budget, and {rule} bounds it "
+                                   f"({budget_reason(budget)})"))
     ranks = ctx.ranks
     agreed = min_budget(ranks, budget, reason) if ranks is not None and ranks.distributed else None
     if agreed is not None:
@@ -428,7 +433,7 @@ def fit_max_seq_len(ctx: Context, layout: KvLayout, budget: KvBudget, emit: Emit
     emit(FieldDerived(field="max_seq_len", old=limit, new=low, source="kv_budget",
                       reason=f"auto (vLLM's max_model_len -1): the KV budget ({budget.budget_bytes:,} B, set by "
                              f"{RULE_FIELDS.get(rule, rule)}) holds one sequence of {low} tokens, not the "
-                             f"checkpoint's {limit}"))
+                             f"{'model default' if 'max_seq_len' in ctx.model_defaults else 'checkpoint'}'s {limit}"))
     return attrs.evolve(budget, max_seq_len=low)
 
 
@@ -439,7 +444,8 @@ def arena_setting(ctx: Context, layout: KvLayout, emit: Emit) -> tuple[bool, str
     kv = ctx.args.kv_cache_config
     unfit = arena_unfit_reason(layout)
     if unfit is not None:
-        if ARENA_FIELD in ctx.user_fields and kv.pool_arena in (True, False):
+        user = ctx.user_fields.get(ARENA_FIELD)
+        if user is not None and user.value in (True, False):  # an explicit "auto" asked for nothing: as unset
             emit(SettingIgnored(field=ARENA_FIELD, value=kv.pool_arena,
                                 reason=f"{unfit}; pool_arena chooses between one slab arena and split pools for V2 "
                                        "layer groups of unequal pages (DeepSeek V4)"))

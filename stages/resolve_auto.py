@@ -159,6 +159,10 @@ class ResolveAuto:
         spec_name = ctx.spec.name if ctx.spec is not None else "the model"
         if current != AUTO:  # a model default got here first; keep it and say so
             return current, "model_default", f"{spec_name} set it through its model defaults"
+        proposed = ctx.model_defaults.get(path)
+        if proposed is not None:  # an explicit "auto" kept the model default out: it lets the model decide, as unset
+            return proposed, "model_default", (f"{spec_name} proposes {str(proposed).lower()} in its model defaults; "
+                                               f"the explicit \"auto\" (via {origin.source}) lets the model decide")
         if path == "device":
             if cuda_available():
                 return "cuda", "auto", "a CUDA device is available"
@@ -178,12 +182,6 @@ class ResolveAuto:
         if path == "kv_cache_config.dtype":
             return ctx.args.dtype, "auto", f"follows the model dtype ({ctx.args.dtype})"
         if path == V2:
-            proposed = ctx.model_defaults.get(V2)
-            if proposed is not None:
-                why = f"{spec_name} proposes {str(proposed).lower()} in its model defaults"
-                if origin.explicit:
-                    why += f"; the explicit \"auto\" (via {origin.source}) lets the model decide"
-                return proposed, "model_default", why
             return False, "auto", f"{spec_name} proposes no V2 default, so \"auto\" means false"
         if path == "attention_backend":
             kinds = {layer.kind for layer in ctx.spec.kv_layers()} if ctx.spec is not None else None
@@ -208,6 +206,16 @@ class ResolveAuto:
                               reason=f"{spec_name} set it through its model defaults"))
             return
         if current is not None and not auto:
+            return
+        proposed = ctx.model_defaults.get("max_seq_len") if auto else None
+        if proposed is not None:  # an explicit "auto" kept the model default out: it lets the model decide, as unset
+            spec_name = ctx.spec.name if ctx.spec is not None else "the model"
+            set_field(ctx.args, "max_seq_len", proposed)
+            ctx.fit_max_seq_len = True
+            emit(AutoResolved(field="max_seq_len", original=AUTO, old=AUTO, new=proposed, source="model_default",
+                              reason=f"{spec_name} proposes {proposed} in its model defaults; the explicit \"auto\" "
+                                     "lets the model decide, lowered by the KV plan to the longest sequence its budget "
+                                     "holds when that is less (vLLM's max_model_len -1/auto)"))
             return
         limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
         if limit is None:
@@ -234,8 +242,8 @@ class ResolveAuto:
         user = ctx.user_fields.get("max_seq_len")
         limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
         n = ctx.args.max_seq_len
-        if user is None or limit is None or n is None or n <= limit:
-            return
+        if user is None or user.value == AUTO or limit is None or n is None or n <= limit:
+            return  # an explicit "auto" is a model default's length, or one within the limit
         rope = ctx.spec.rope_scaling()
         checkpoint = ctx.checkpoint
         config = checkpoint.gguf_path or checkpoint.path / "config.json"

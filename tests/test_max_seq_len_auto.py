@@ -89,3 +89,22 @@ def test_auto_is_the_longest_length_whose_pools_hold_one_sequence_and_one_token_
 
     assert fit["new"] == chosen < fit["old"]
     assert holds_one(chosen) and not holds_one(chosen + 1)
+
+
+@pytest.mark.parametrize(("max_tokens", "want"), [(100_000, 512), (200, 224)])
+def test_an_explicit_auto_starts_from_a_model_default_as_unset_does(spec_with_defaults, max_tokens, want):
+    """A model proposing max_seq_len 512: left unset the run has 512; "auto" skipped the proposal (the user set the
+    field, "resolve_auto lets the model decide", its model_default_skipped said) and then fitted from the checkpoint's
+    1,024 positions, the model's word dropped. Now it fits from the model's 512, at most."""
+    import kvload
+
+    ckpt = spec_with_defaults({"max_seq_len": 512})
+    with kvload.plan(str(ckpt), log=False, kv_cache_config={"max_tokens": max_tokens}) as unset:
+        assert unset.args.max_seq_len == 512
+    with kvload.plan(str(ckpt), max_seq_len="auto", log=False, kv_cache_config={"max_tokens": max_tokens}) as r:
+        assert r.args.max_seq_len == want
+        (auto,), derived = _fit_events(r)
+        assert (auto["old"], auto["new"], auto["source"]) == ("auto", 512, "model_default")
+        assert [(e["old"], e["new"]) for e in derived] == ([] if want == 512 else [(512, want)])
+        assert not r.audit.of("max_seq_len_beyond_positions")
+        assert r.audit.verify() == []

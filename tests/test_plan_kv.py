@@ -347,3 +347,17 @@ def test_the_auto_tier_is_chosen_and_said_before_any_budget_is():
     assert chosen["host_tier"] is False and result.kv.host_cache_size == 0
     (ignored,) = result.audit.of("setting_ignored")
     assert ignored["field"] == "kv_cache_config.max_util_for_resume" and "no host tier" in ignored["reason"]
+
+
+@pytest.mark.parametrize(("kv", "rule"), [({"max_tokens": 4096}, "kv_cache_config.max_tokens"),
+                                          ({"max_gpu_total_bytes": 2**20}, "kv_cache_config.max_gpu_total_bytes")])
+def test_a_user_default_max_tokens_that_a_budget_rule_overrules_is_a_setting_ignored_warning(kv, rule):
+    # it was accepted, recorded as the user's, and silently did nothing: the pools came from the other rule
+    import pipeline
+
+    result = pipeline.plan("tiny-llama", log=False, device="cpu", kv_cache_config={**kv, "default_max_tokens": 2048})
+    (ignored,) = result.audit.of("setting_ignored")
+    assert ignored["field"] == "kv_cache_config.default_max_tokens" and ignored["value"] == 2048
+    assert f"and {rule} bounds it" in ignored["reason"]
+    acting = pipeline.plan("tiny-llama", log=False, device="cpu", kv_cache_config={"default_max_tokens": 2048})
+    assert acting.kv.budget.limited_by == "max_tokens" and not acting.audit.of("setting_ignored")  # it sized them

@@ -202,6 +202,20 @@ def test_an_explicit_pool_arena_on_a_model_of_equal_pages_is_a_setting_ignored_w
     assert not [e for e in quiet.audit.of("setting_ignored") if e["field"] == ARENA]  # "auto": nothing to say
 
 
+@pytest.mark.parametrize(("model", "v2"), [("tiny-llama", "auto"), ("tiny-gemma3", "auto"), ("tiny-gemma3", True),
+                                         ("tiny-deepseek-v3", "auto")])
+def test_an_explicit_pool_arena_auto_says_nothing_where_unset_says_nothing(model, v2):
+    # "auto" written out warned "setting_ignored pool_arena=false" (the resolved value, which the user never wrote)
+    # wherever the layout has nothing to choose: an explicit "auto" is the field left unset
+    import pipeline
+
+    kv = {"max_tokens": 4096, "use_kv_cache_manager_v2": v2}
+    unset = pipeline.plan(model, log=False, device="cpu", kv_cache_config=kv)
+    auto = pipeline.plan(model, log=False, device="cpu", kv_cache_config={**kv, "pool_arena": "auto"})
+    assert auto.audit.of("setting_ignored") == unset.audit.of("setting_ignored") == []
+    assert auto.args == unset.args
+
+
 # --- the arena through the simulator ------------------------------------------------------------------------------
 
 

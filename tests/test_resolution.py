@@ -62,6 +62,21 @@ def test_model_default_decides_auto_in_both_directions(spec_with_defaults, model
     assert resolved(result) is model_value
 
 
+@pytest.mark.parametrize(("field", "model_value"), [("dtype", "float16"), ("kv_cache_config.dtype", "bfloat16"),
+                                                     (V2, True), (V2, False)])
+def test_an_explicit_auto_lets_the_model_default_decide_as_unset_does(log, spec_with_defaults, field, model_value):
+    # dtype: "auto" skipped the model's float16 (the user set the field) and then resolved as if the model had
+    # proposed nothing (float32 from the CPU rule), where the field left unset got float16
+    *parent, leaf = field.split(".")
+    ckpt = spec_with_defaults({parent[0]: {leaf: model_value}} if parent else {leaf: model_value})
+    unset = pipeline.plan(str(ckpt), log=False)
+    auto = pipeline.plan(str(ckpt), **({parent[0]: {leaf: "auto"}} if parent else {leaf: "auto"}))
+    assert pipeline.converter.unstructure(auto.args) == pipeline.converter.unstructure(unset.args)
+    assert pipeline.paths.get_in(auto.args, field) == model_value
+    assert log.has("model_default_skipped", field=field, proposed=model_value, kept="auto", kept_source="api")
+    assert log.has("auto_resolved", field=field, original="auto", old="auto", new=model_value, source="model_default")
+
+
 @pytest.mark.parametrize(
     ("defaults", "message"),
     [
