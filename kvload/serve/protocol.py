@@ -412,7 +412,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         problem = not_unicode(f"stop[{i}]", text)
         if problem is not None:
             raise BadRequest(problem, param="stop")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids  # 0, "" and false are no list: refused, never read as none
     _need(isinstance(stop_ids, list), "stop_token_ids", "a list of token ids (integers >= 0)", stop_ids)
     _as_api(check_stop_token_ids_count, len(stop_ids))
     _need(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "a list of token ids (integers >= 0)",
