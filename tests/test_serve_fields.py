@@ -437,6 +437,9 @@ def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
     ("/v1/completions", {"best_of": 10**400}, "best_of", "about 401 digits with n=1 is not supported: kvload serve "
                                                          "returns every sample it draws, so only best_of = n"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "tool-call parser"),
+    # JSON's false for a spec was taken for "not given" and the other kind served
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "w[0-9]", "choice": False}}, "structured_outputs",
+     "structured_outputs.choice: expected a non-empty list of non-empty strings, got False"),
     # rendered into the prompt as Python wrote it (a dict's repr, 9223372036854775808): the other routes refuse it
     *[("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "description": value}}],
         "tool_choice": "none"}, "tools[0].function.description", f"expected a string, got {shown}")
