@@ -363,8 +363,10 @@ def _item_meta(item: dict[str, Any], where: str, kind: str) -> None:
     kept and listed back (``input_items``) as sent, and a status of any JSON made the list one the openai client
     could not read."""
     item_id = item.get("id")
-    _need(item_id is None or (isinstance(item_id, str) and 1 <= len(item_id) <= MAX_REQUEST_ID_CHARS),
-          f"{where}.id", f"a string of 1 to {MAX_REQUEST_ID_CHARS} characters", item_id)
+    # printable, as request_id: a lone surrogate was kept, and every input_items listing of it failed to encode (500)
+    _need(item_id is None or (isinstance(item_id, str) and 1 <= len(item_id) <= MAX_REQUEST_ID_CHARS
+                              and item_id.isprintable()),
+          f"{where}.id", f"a string of 1 to {MAX_REQUEST_ID_CHARS} printable characters", item_id)
     _need(item.get("status") in (None, *_STATUSES), f"{where}.status", " or ".join(map(repr, _STATUSES)),
           item.get("status"))
     if kind == "message":
