@@ -613,7 +613,11 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     # an item's id and status are kept and listed back as sent: any JSON there broke input_items for the client
     ({"input": [{"role": "user", "content": "a", "status": {"any": 1}}]}, "input[0].status",
      "expected 'in_progress' or 'completed' or 'incomplete'"),
-    ({"input": [{"role": "user", "content": "a", "id": 5}]}, "input[0].id", "a string of 1 to 256 printable characters"),
+    ({"input": [{"role": "user", "content": "a", "id": 5}]}, "input[0].id",
+     "a string of 1 to 256 printable characters"),
+    # falsy formats were read as none given (plain text) and served
+    *[({"input": "a", "text": {"format": value}}, "text.format", says)
+      for value, says in ((False, "got False"), ("", "got ''"), (0, "got 0"), ({}, "type None is not supported"))],
     ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "phase": "draft"}]},
      "input[1].phase", "'commentary' or 'final_answer'"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "summary": [{"type": "x", "text": "t"}]},

@@ -455,7 +455,8 @@ def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
               value["verbosity"])
         ignored.append(("text.verbosity", value["verbosity"], "kvload does not steer how long an answer is "
                         "(max_output_tokens bounds it)"))
-    fmt = value.get("format") or {"type": "text"}
+    fmt = value.get("format")
+    fmt = {"type": "text"} if fmt is None else fmt  # 0, "", false and {} are no format: refused, never plain text
     _need(isinstance(fmt, dict), "text.format", _FORMATS, fmt)
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
