@@ -630,6 +630,22 @@ def test_a_bad_field_is_refused_naming_it(plain, body, param, says):
     assert says in refused(plain, param, **body)
 
 
+@pytest.mark.parametrize("output", ["ok \ud800", [{"type": "input_text", "text": "ok \ud800"}]])
+def test_a_lone_surrogate_in_a_calls_output_is_named_as_the_items_own_field(plain, output):
+    """It was named as the tool message the output becomes (``input[1].content``, param ``input``), a field the
+    request does not have. Sent as raw JSON: the openai client cannot encode a lone surrogate."""
+    body = {"model": plain.served.state.model_name, "input": [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": output}]}
+    r = plain.served.http.post("/v1/responses", content=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "input[1].output", error
+    assert error["message"].startswith("input[1].output"), error
+    assert "not valid Unicode text (a lone surrogate at character 3" in error["message"], error
+
+
 def test_call_arguments_that_are_not_json_are_named_as_the_items_own_field(plain):
     # the chat path's name, input[k].tool_calls[j].function.arguments, named a field no item has, and for the second
     # call of one reply the item of the first (the calls join one chat message, named by where it began)

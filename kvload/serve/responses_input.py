@@ -304,6 +304,8 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_of(output, f"{where}.output", ("input_text",))
+            # named here: the chat path would name the tool message it becomes ("input[k].content", param "input")
+            _check_unicode(output, f"{where}.output")
             turn = False
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":  # the thinking of the reply whose items follow: that assistant turn's reasoning
