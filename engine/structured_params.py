@@ -186,6 +186,10 @@ class StructuredOutputsParams:
             raise _refuse("json_object", f"expected true or false, got {self.json_object!r}"[:200])
         if self.json is False:  # not "json not given", as json_object=False is: the schema false
             raise _refuse("json", FALSE_SCHEMA)
+        for kind, expected in (("regex", "a non-empty string"), ("grammar", "a non-empty string"),
+                               ("choice", "a non-empty list of non-empty strings")):
+            if getattr(self, kind) is False:  # JSON's false is no text nor list: it was taken for "not given"
+                raise _refuse(kind, f"expected {expected}, got False")
         given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             got = "none" if not given else " and ".join(given)

@@ -191,6 +191,11 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
     ({}, "prompt", "required"),
     ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
     ({"prompt": [1, 2], "stop_token_ids": [99999]}, "stop_token_ids", "outside the vocabulary"),
+    # falsy values of the wrong type were read as "none given" and the request served
+    ({"prompt": [1, 2], "stop_token_ids": 0}, "stop_token_ids", "expected a list of token ids (integers >= 0), got 0"),
+    ({"prompt": [1, 2], "stop_token_ids": ""}, "stop_token_ids", "expected a list of token ids"),
+    ({"prompt": [1, 2], "stop_token_ids": False}, "stop_token_ids", "expected a list of token ids"),
+    ({"prompt": [1, 2], "stop_token_ids": {}}, "stop_token_ids", "expected a list of token ids"),
     ({"prompt": "hello"}, "prompt", "no tokenizer"),
     ({"prompt": [1, 2], "max_tokens": 5000}, "max_tokens", "KV pools hold 64"),
 ])

@@ -437,6 +437,13 @@ def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
     ("/v1/completions", {"best_of": 10**400}, "best_of", "about 401 digits with n=1 is not supported: kvload serve "
                                                          "returns every sample it draws, so only best_of = n"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "tool-call parser"),
+    # JSON's false for a spec was taken for "not given" and the other kind served
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "w[0-9]", "choice": False}}, "structured_outputs",
+     "structured_outputs.choice: expected a non-empty list of non-empty strings, got False"),
+    # rendered into the prompt as Python wrote it (a dict's repr, 9223372036854775808): the other routes refuse it
+    *[("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "description": value}}],
+        "tool_choice": "none"}, "tools[0].function.description", f"expected a string, got {shown}")
+      for value, shown in ((2**63, "9223372036854775808"), ({"a": 1}, "{'a': 1}"), ([], "[]"), (False, "False"))],
 ])
 def test_what_kvload_cannot_do_is_a_400_naming_the_field(served, path, extra, param, words):
     body = {"messages": CONV} if path.endswith("chat/completions") else {"prompt": PROMPT}

@@ -613,7 +613,11 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
     # an item's id and status are kept and listed back as sent: any JSON there broke input_items for the client
     ({"input": [{"role": "user", "content": "a", "status": {"any": 1}}]}, "input[0].status",
      "expected 'in_progress' or 'completed' or 'incomplete'"),
-    ({"input": [{"role": "user", "content": "a", "id": 5}]}, "input[0].id", "a string of 1 to 256 characters"),
+    ({"input": [{"role": "user", "content": "a", "id": 5}]}, "input[0].id",
+     "a string of 1 to 256 printable characters"),
+    # falsy formats were read as none given (plain text) and served
+    *[({"input": "a", "text": {"format": value}}, "text.format", says)
+      for value, says in ((False, "got False"), ("", "got ''"), (0, "got 0"), ({}, "type None is not supported"))],
     ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "phase": "draft"}]},
      "input[1].phase", "'commentary' or 'final_answer'"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "summary": [{"type": "x", "text": "t"}]},
@@ -624,6 +628,22 @@ def test_under_qwen3_only_a_reply_that_thinks_has_a_reasoning_item_and_reasoning
 ])
 def test_a_bad_field_is_refused_naming_it(plain, body, param, says):
     assert says in refused(plain, param, **body)
+
+
+@pytest.mark.parametrize("output", ["ok \ud800", [{"type": "input_text", "text": "ok \ud800"}]])
+def test_a_lone_surrogate_in_a_calls_output_is_named_as_the_items_own_field(plain, output):
+    """It was named as the tool message the output becomes (``input[1].content``, param ``input``), a field the
+    request does not have. Sent as raw JSON: the openai client cannot encode a lone surrogate."""
+    body = {"model": plain.served.state.model_name, "input": [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": output}]}
+    r = plain.served.http.post("/v1/responses", content=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "input[1].output", error
+    assert error["message"].startswith("input[1].output"), error
+    assert "not valid Unicode text (a lone surrogate at character 3" in error["message"], error
 
 
 def test_call_arguments_that_are_not_json_are_named_as_the_items_own_field(plain):

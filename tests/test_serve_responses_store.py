@@ -439,3 +439,22 @@ def test_the_flag_bounds_the_served_store(monkeypatch, capsys):
     for flags in (["--responses-store-max", "7"], ["--responses_store_max", "0"], []):
         assert command.cmd_serve(parse([*base, *flags])) == 0
     assert bounds == [7, 0, 1000]
+
+
+@pytest.mark.parametrize("key, value", [("id", "msg_\ud800"), ("id", "msg\x00\n1")])
+def test_an_input_items_id_that_is_no_printable_text_is_a_400_naming_it(kept, key, value):
+    """An input item's id is kept and listed back by ``input_items``: a lone surrogate in it was kept, and the
+    listing then failed to encode (a 500 for every later read of that response's items); no other response's
+    listing is touched."""
+    http = kept.served.http
+    kept.script.say("Hi.")
+    body = json.dumps({"input": [{"role": "user", "content": "Hello", key: value}], "max_output_tokens": 5})
+    r = http.post("/v1/responses", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == f"input[0].{key}" and error["message"].startswith(f"input[0].{key}: expected a string of "
+                                                                                 "1 to "), error
+    kept.script.say("Hi.")
+    fine = create(kept, input=[{"role": "user", "content": "Hello", "id": "msg_1"}], max_output_tokens=5)
+    listed = http.get(f"/v1/responses/{fine.id}/input_items")
+    assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "msg_1"

@@ -298,6 +298,11 @@ def test_a_grammar_that_matches_no_text_is_told_from_xgrammars_grammar(grammar, 
     ({"json": [1]}, r"structured_outputs\.json: expected a JSON schema \(a dict, or its JSON text\), got list"),
     ({"json": False}, r"^generate: structured_outputs\.json: admits no value: the schema is false"),  # not "none given"
     ({"choice": []}, r"structured_outputs\.choice: expected a non-empty list"),
+    # false is no spec: it was taken for "not given" (only json_object=False means that), the other kind served
+    ({"regex": "a", "choice": False}, r"^generate: structured_outputs\.choice: expected a non-empty list of non-empty "
+                                      r"strings, got False$"),
+    ({"json_object": True, "grammar": False}, r"^generate: structured_outputs\.grammar: expected a non-empty string"),
+    ({"choice": ["a"], "regex": False}, r"^generate: structured_outputs\.regex: expected a non-empty string"),
     ({"choice": ["a", ""]}, r"structured_outputs\.choice\[1\]: expected a non-empty string"),
     ({"regex": "a", "disable_any_whitespace": True}, r"disable_any_whitespace: applies to json and json_object"),
     # a schema sent as JSON text escapes the request body's depth check: 70 nested objects (140 levels) would

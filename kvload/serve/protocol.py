@@ -412,7 +412,8 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         problem = not_unicode(f"stop[{i}]", text)
         if problem is not None:
             raise BadRequest(problem, param="stop")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids  # 0, "" and false are no list: refused, never read as none
     _need(isinstance(stop_ids, list), "stop_token_ids", "a list of token ids (integers >= 0)", stop_ids)
     _as_api(check_stop_token_ids_count, len(stop_ids))
     _need(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "a list of token ids (integers >= 0)",
@@ -875,6 +876,11 @@ def _tools(body: dict[str, Any], empty: bool = False) -> list[dict[str, Any]] | 
         _need(isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(function, dict)
               and isinstance(function.get("name"), str) and bool(function["name"]), f"tools[{i}]",
               'a {"type": "function", "function": {"name": ..., "description"?, "parameters"?}} object', tool)
+        description = function.get("description")  # type: ignore[union-attr]
+        # the template renders it into the prompt: a number or object was shown to the model as Python wrote it
+        # (OpenAI's and vLLM's: a string; /v1/responses and /v1/messages check theirs so)
+        _need(description is None or isinstance(description, str), f"tools[{i}].function.description", "a string",
+              description)
         parameters = function.get("parameters")  # type: ignore[union-attr]
         need_schema(parameters, f"tools[{i}].function.parameters", optional=True)
         _check_unicode(function.get("name"), f"tools[{i}].function.name")  # type: ignore[union-attr]

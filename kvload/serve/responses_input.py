@@ -304,6 +304,8 @@ def _input(value: Any, ignored: list[tuple[str, Any, str]],
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_of(output, f"{where}.output", ("input_text",))
+            # named here: the chat path would name the tool message it becomes ("input[k].content", param "input")
+            _check_unicode(output, f"{where}.output")
             turn = False
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":  # the thinking of the reply whose items follow: that assistant turn's reasoning
@@ -363,8 +365,10 @@ def _item_meta(item: dict[str, Any], where: str, kind: str) -> None:
     kept and listed back (``input_items``) as sent, and a status of any JSON made the list one the openai client
     could not read."""
     item_id = item.get("id")
-    _need(item_id is None or (isinstance(item_id, str) and 1 <= len(item_id) <= MAX_REQUEST_ID_CHARS),
-          f"{where}.id", f"a string of 1 to {MAX_REQUEST_ID_CHARS} characters", item_id)
+    # printable, as request_id: a lone surrogate was kept, and every input_items listing of it failed to encode (500)
+    _need(item_id is None or (isinstance(item_id, str) and 1 <= len(item_id) <= MAX_REQUEST_ID_CHARS
+                              and item_id.isprintable()),
+          f"{where}.id", f"a string of 1 to {MAX_REQUEST_ID_CHARS} printable characters", item_id)
     _need(item.get("status") in (None, *_STATUSES), f"{where}.status", " or ".join(map(repr, _STATUSES)),
           item.get("status"))
     if kind == "message":
@@ -453,7 +457,8 @@ def _text(value: Any, ignored: list[tuple[str, Any, str]]) -> dict[str, Any]:
               value["verbosity"])
         ignored.append(("text.verbosity", value["verbosity"], "kvload does not steer how long an answer is "
                         "(max_output_tokens bounds it)"))
-    fmt = value.get("format") or {"type": "text"}
+    fmt = value.get("format")
+    fmt = {"type": "text"} if fmt is None else fmt  # 0, "", false and {} are no format: refused, never plain text
     _need(isinstance(fmt, dict), "text.format", _FORMATS, fmt)
     kind = fmt.get("type")
     if kind in ("text", "json_object"):

@@ -1,0 +1,760 @@
+"""Hostile-input sweep of ``kvload serve``'s generation routes: ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/responses`` (and its stored-response routes: GET, DELETE, ``/input_items``), ``/v1/messages`` and
+``/v1/messages/count_tokens``, ``/tokenize`` (prompt and chat forms), ``/detokenize``, and the GET routes
+(``/v1/models``, ``/v1/models/{name}``, ``/health``, ``/ping``, ``/load``, ``/metrics``, ``/version``), on a tiny
+random llama with a word tokenizer and a chat template (``tests/paged_support.py``, ``tests/llm_support.py``).
+
+Each field each route accepts (its parser's own list: ``protocol._COMPLETION``, ``_CHAT``, ``responses_input
+.ACCEPTED``, ``messages_input.ACCEPTED``, ...) is given hostile JSON (wrong types, -1, 0, 2**63, 10**400, a lone
+surrogate, a 1 MB string, nested junk) and ``NaN`` / ``Infinity`` / ``-Infinity`` as bare JSON numbers; each route
+also gets an unknown field, a typo, and odd raw bodies (not JSON, truncated, empty, an array, 100,000 brackets, wrong
+Content-Type, UTF-16, invalid UTF-8); the GET routes get hostile paths and query strings. Streaming routes get
+clients that hang up after the first chunk (a reset, or a plain close). Every route then takes 32 requests at once
+(``*.concurrency``): good ones (each checked against the baseline), bad ones, streams hung up after their first
+chunk, and clients that reset once the body is sent.
+
+After each case the same route's good request must answer as the baseline did (greedy: the same text), and the
+server must hold nothing once idle: admission slots, engine requests (running, waiting, live), the KV manager's
+requests and used blocks back at the baseline; a kept response (``/v1/responses`` answered 200) must read back (GET,
+``input_items``); the concurrency case runs three rounds, and threads and open fds must not grow from the second to
+the third. A suspect: a status outside 200/400/404/405/413/415, a server log record with a traceback or
+``request_failed``, an error body not in OpenAI's shape (Anthropic's on ``/v1/messages``), a 400 whose param and
+message do not name the field, a hang (past 30 s), a good request answering differently afterwards, anything left
+behind, a kept response that does not read back, a hostile value answered 200 that nothing should take, or a falsy
+value (false, "", 0, {}) answered 200 where its truthy sibling of the same type is refused (a parser reading
+``body.get(f) or default``); the values judged fine are in ``JUDGED_OK`` and ``NAMED_INSTEAD``, each with why.
+
+    python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --summary           # the whole sweep
+    python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --only chat.stop --summary
+    python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --nested --summary  # the nested fields alone
+
+Record (2-core VM shared with other helpers, 2026-12-05; main's run before the kept-response read-back was added,
+judged by this file's rules):
+
+    | tree | cases | suspects | completion | chat | responses | run |
+    |---|--:|--:|--:|--:|--:|--:|
+    | main at 5a33980 | 6,343 | 19 | 4 | 9 | 6 | 23.6 min |
+    | branch gensweep39 | 6,343 | 0 | 0 | 0 | 0 | 17.0 min |
+
+    main's: stop_token_ids 0, "", false or {} served as none given (both routes); chat's tools[0].function
+    .description of any JSON (a number, an object) rendered into the prompt; structured_outputs {"regex": ...,
+    "choice": false} (or grammar: false) served the regex; a Responses input item's id holding a lone surrogate kept,
+    and every GET .../input_items of it a 500; a lone surrogate in a function_call_output's output named input[1]
+    .content (param input); text.format false, "", 0 or {} served as plain text. No 5xx on any POST, no traceback,
+    nothing left behind (engine requests, KV blocks, slots), no hang, every good request after a case answered as the
+    baseline, streams hung up after their first chunk and 32 concurrent requests clean on every route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TIMEOUT = 30.0
+HOSTILE: dict[str, Any] = {
+    "str": "abc", "float": 1.5, "bool": True, "none": None, "list": [1], "dict": {"a": 1}, "neg": -1, "zero": 0,
+    "huge": 2 ** 63, "bignum": 10 ** 400, "surrogate": "\ud800", "empty_str": "", "empty_list": [],
+    "nested": [{"a": [None, {"b": [1.5, "\ud800"]}]}], "long_str": "w1 " * 350_000, "neg_float": -1e308,
+    "false": False, "one": 1, "empty_dict": {}}
+#: A falsy value and its truthy sibling of the same type: the first answered 200 while the second is refused is a
+#: suspect (a parser that reads ``body.get(field) or default`` takes 0, "" and false for "not given").
+SIBLINGS = {"false": "bool", "empty_str": "str", "zero": "one", "empty_dict": "dict"}  # [] is a well-typed list
+#: Bare JSON literals Python's json reads (and strict JSON does not): each given to every field.
+LITERALS = {"nan_lit": "NaN", "inf_lit": "Infinity", "neg_inf_lit": "-Infinity"}
+#: Case kinds (the name's last part) a 200 to is a suspect unless ``JUDGED_OK`` says why the field takes it.
+NEVER_OK = {"nested", "bignum", "surrogate", "nan_lit", "inf_lit", "neg_inf_lit", "huge", "neg_float", "long_str",
+            "typo", "unknown"}
+#: (route tag, field) -> the kinds judged fine for that field, and why.
+_HINT = "reported as setting_ignored (its first 200 characters) and used for nothing, echoed nowhere"
+JUDGED_OK: dict[tuple[str, str], tuple[set[str], str]] = {
+    **{(tag, "length_penalty"): ({"huge", "neg_float"}, "a finite number: reported as setting_ignored without "
+                                  "use_beam_search; with it, any finite exponent is a ranking (vLLM's float)")
+       for tag in ("completion", "chat")},
+    **{(tag, field): ({"surrogate", "long_str"}, _HINT) for tag in ("completion", "chat", "responses")
+       for field in ("session_id", "prompt_cache_key", "safety_identifier")},
+    **{(tag, "user"): ({"long_str"}, "OpenAI's end-user id, any string (a lone surrogate is refused: the Responses "
+                       "API echoes it); the request's size bounds it") for tag in ("completion", "chat", "responses")},
+    ("responses", "max_tool_calls"): ({"huge", "bignum"}, "an integer >= 1 bounding OpenAI's built-in tools, which "
+                                      "kvload has none of: reported as setting_ignored"),
+    **{(tag, "priority"): ({"zero"}, "0 is what every request gets without --scheduling-policy priority (1 is "
+                           "refused there)") for tag in ("completion", "chat", "responses")},
+    **{(tag, "logit_bias"): ({"empty_dict"}, "no bias: well typed") for tag in ("completion", "chat", "responses")},
+    **{(tag, "use_beam_search"): ({"false"}, "false is no beam search; true is refused only by the server's "
+                                  "max_beam_width=1") for tag in ("completion", "chat")},
+    ("chat", "continue_final_message"): ({"false"}, "true is refused only because the last message is the user's"),
+    **{(tag, "metadata"): ({"empty_dict"}, "no pairs: well typed ({\"a\": 1} is refused for its value)")
+       for tag in ("chat", "responses")},
+    **{(tag, "chat_template_kwargs.enable_thinking"): ({"huge", "bignum", "neg_float"}, "the template's keywords "
+                                                        "are free-form; only false switches qwen3's parser off")
+       for tag in ("chat",)},
+    ("chat", "response_format.json_schema.name"): ({"surrogate"}, "chat echoes it nowhere and no template reads it "
+                                                   "(/v1/responses, which echoes its name, refuses one)"),
+    ("chat", "messages.1.tool_calls.0.function.arguments"): ({"empty_str"}, "\"\" is no arguments ({}), as vLLM "
+                                                             "takes it; \"abc\" is no JSON"),
+    ("responses", "input.0.arguments"): ({"empty_str"}, "as chat's"),
+    ("responses", "background"): ({"false"}, "false is what kvload does; true is refused for what it asks"),
+    **{(tag, field): ({"empty_dict"}, "an object whose keys are all optional")
+       for tag, field in (("responses", "reasoning"), ("responses", "stream_options"), ("responses", "text"),
+                          ("messages", "output_config"), ("count_tokens", "output_config"))},
+    **{("messages", "messages.0.content.0.cache_control"): (
+        {"huge", "bignum", "surrogate", "nested", "neg_float"}, "any cache_control is reported as setting_ignored "
+        "(kvload caches every prefix), as the request's own and a tool's are; used for nothing")},
+    ("messages", "thinking.budget_tokens"): ({"huge", "bignum"}, "an integer >= 1, reported as setting_ignored "
+                                             "(kvload does not steer how long a model thinks)"),
+    ("messages", "metadata.user_id"): ({"surrogate"}, "Anthropic's opaque id, at most 256 characters, used for "
+                                       "nothing and echoed nowhere"),
+    **{(tag, "continue_final_message"): ({"false"}, "as chat's") for tag in ("tokenize_chat",)},
+    **{("chat", f"structured_outputs.{k}"): ({"false"}, "a flag: false is its default (true is refused here only "
+                                             "because the body's regex is a second kind)")
+       for k in ("json_object", "disable_any_whitespace")},
+    ("messages", "metadata"): ({"empty_dict"}, "no user_id: well typed"),
+    ("tokenize", "prompt"): ({"long_str"}, "/tokenize counts past the context (vLLM's; max_model_len is in the "
+                             "answer for the client to compare)"),
+}
+#: (route tag, kind) -> the param a 400 may name instead of the field, and why.
+NAMED_INSTEAD: dict[tuple[str, str], tuple[str, str]] = {
+    ("responses", "long_str"): ("store", "a 1 MB body is over what a kept response may hold: the refusal names "
+                                "store and says to send store: false"),
+    ("messages", "long_str"): ("messages", "the system prompt is the templated prompt's start: its length is "
+                               "refused as the prompt's (messages)"),
+    ("count_tokens", "long_str"): ("messages", "as /v1/messages"),
+}
+OK_STATUSES = (200, 400, 404, 405, 413, 415)
+
+
+@attrs.frozen
+class Raw:
+    """A body sent as these bytes (not JSON-encoded), with this Content-Type (None: no header)."""
+
+    data: bytes
+    media: str | None = "application/json"
+
+
+@attrs.frozen
+class Route:
+    tag: str
+    path: str
+    good: dict[str, Any]
+    fields: tuple[str, ...]
+    stream: bool = False  # takes "stream": true
+    anthropic: bool = False  # errors in Anthropic's document
+
+
+CHAT = [{"role": "user", "content": "w1 w2 w3"}]
+
+
+def routes() -> list[Route]:
+    from kvload.serve import messages_input, protocol, responses_input
+
+    return [
+        Route("completion", "/v1/completions", {"prompt": "w1 w2 w3", "max_tokens": 3},
+              tuple(sorted(protocol._COMPLETION)), stream=True),
+        Route("chat", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3}, tuple(sorted(protocol._CHAT)),
+              stream=True),
+        Route("responses", "/v1/responses", {"input": "w1 w2 w3", "max_output_tokens": 3},
+              tuple(sorted(responses_input.ACCEPTED)), stream=True),
+        Route("messages", "/v1/messages", {"model": "tiny", "messages": CHAT, "max_tokens": 3},
+              tuple(sorted(messages_input.ACCEPTED)), stream=True, anthropic=True),
+        Route("count_tokens", "/v1/messages/count_tokens", {"model": "tiny", "messages": CHAT},
+              tuple(sorted(messages_input.COUNT_ACCEPTED)), anthropic=True),
+        Route("tokenize", "/tokenize", {"prompt": "w1 w2 w3"}, tuple(sorted(protocol._TOKENIZE_PROMPT))),
+        Route("tokenize_chat", "/tokenize", {"messages": CHAT}, tuple(sorted(protocol._TOKENIZE_CHAT))),
+        Route("detokenize", "/detokenize", {"tokens": [1, 2, 3]}, ("model", "tokens")),
+    ]
+
+
+def answer_of(route: Route, doc: Any) -> Any:
+    """What a good answer says (its text or tokens), the part a later good request must repeat."""
+    if route.tag == "completion":
+        return doc["choices"][0]["text"]
+    if route.tag == "chat":
+        return doc["choices"][0]["message"]["content"]
+    if route.tag == "responses":
+        return [o.get("content") for o in doc["output"]]
+    if route.tag == "messages":
+        return doc["content"]
+    return {k: v for k, v in doc.items() if k not in ("id", "created")}
+
+
+def raw_bodies(route: Route) -> dict[str, Raw]:
+    text = json.dumps(route.good)
+    inner = text[1:-1]
+    first = next(iter(route.good))
+    out = {
+        "body.not_json": Raw(b"hello"), "body.truncated": Raw(text[:-3].encode()), "body.empty": Raw(b""),
+        "body.spaces": Raw(b"   "), "body.array": Raw(f"[{text}]".encode()), "body.string": Raw(b'"w1"'),
+        "body.null": Raw(b"null"), "body.number": Raw(b"1"), "body.deep": Raw(("[" * 100_000 + "]" * 100_000).encode()),
+        "body.deep_obj": Raw(('{"a":' * 50_000 + "1" + "}" * 50_000).encode()),
+        "body.deep_field": Raw(f'{{{inner}, "{first}": {"[" * 5000}1{"]" * 5000}}}'.encode()),
+        "body.dup_keys": Raw(f"{{{inner}, {inner}}}".encode()),
+        "body.trailing": Raw(f"{text} {text}".encode()), "body.utf16": Raw(text.encode("utf-16")),
+        "body.bom": Raw(b"\xef\xbb\xbf" + text.encode()), "body.latin1": Raw(text.encode().replace(b"w1", b"w\xe91")),
+        "body.surrogate_esc": Raw(text.replace("w1", "w1\\udc00").encode()),
+        "body.key_surrogate": Raw(f'{{{inner}, "\\ud800": 1}}'.encode()),
+        "body.null_key": Raw(f'{{{inner}, "": 1}}'.encode()),
+        "body.nul_key": Raw(f'{{{inner}, "\\u0000": 1}}'.encode()),
+        "body.text_plain": Raw(text.encode(), "text/plain"), "body.no_type": Raw(text.encode(), None),
+        "body.form": Raw(b"prompt=w1", "application/x-www-form-urlencoded"),
+        "body.multipart": Raw(b"--x--", "multipart/form-data; boundary=x"),
+        "body.json_charset": Raw(text.encode(), "application/json; charset=utf-8"),
+        "body.json_latin1_charset": Raw(text.encode(), "application/json; charset=latin-1"),
+        "body.big_number": Raw(f'{{{inner}, "max_tokens": {"9" * 5000}}}'.encode()),
+        "body.big_float": Raw(f'{{{inner}, "temperature": 1e999999}}'.encode()),
+        "body.many_keys": Raw(("{" + inner + "," + ",".join(f'"k{i}": 1' for i in range(100_000)) + "}").encode()),
+    }
+    return out
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+#: Nested fields, each (route tag, the good body's extra fields that make the path exist, the path): every hostile
+#: value is put at the path (dotted; a number indexes a list).
+NESTED: list[tuple[str, dict[str, Any], str]] = [
+    *[("chat", {}, f"messages.0.{k}") for k in ("role", "content", "name", "tool_calls", "tool_call_id",
+                                                "reasoning_content")],
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1"}]}]}, "messages.0.content.0"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1"}]}]},
+     "messages.0.content.0.text"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1"}]}]},
+     "messages.0.content.0.type"),
+    ("chat", {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ("chat", {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.1.tool_calls.0.function"),
+    *[("chat", {"stream": True, "stream_options": {"include_usage": True}}, f"stream_options.{k}")
+      for k in ("include_usage", "continuous_usage_stats")],
+    *[("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object"}}}}, f"response_format.{k}") for k in ("type", "json_schema", "json_schema.name",
+                                                                  "json_schema.schema", "json_schema.strict")],
+    *[("chat", {"tools": [WEATHER], "tool_choice": "required"}, k)
+      for k in ("tools.0", "tools.0.type", "tools.0.function", "tools.0.function.name",
+                "tools.0.function.parameters", "tools.0.function.description")],
+    *[("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, k)
+      for k in ("tool_choice.type", "tool_choice.function", "tool_choice.function.name")],
+    *[("chat", {"structured_outputs": {"regex": "w[0-9]"}}, f"structured_outputs.{k}")
+      for k in ("regex", "json", "choice", "grammar", "json_object", "disable_any_whitespace")],
+    ("chat", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
+    ("chat", {"logit_bias": {"5": 1}}, "logit_bias.5"),
+    ("chat", {"metadata": {"k": "v"}}, "metadata.k"),
+    ("completion", {"logit_bias": {"5": 1}}, "logit_bias.5"),
+    ("completion", {"prompt": [5, 6, 7]}, "prompt.1"),
+    ("completion", {"prompt": [[5, 6, 7], [8]]}, "prompt.1"),
+    ("completion", {"prompt": ["w1", "w2"]}, "prompt.1"),
+    ("completion", {"stop": ["w9", "w8"]}, "stop.1"),
+    ("completion", {"allowed_token_ids": [5, 6]}, "allowed_token_ids.1"),
+    ("completion", {"bad_words": ["w9"]}, "bad_words.0"),
+    ("completion", {"stop_token_ids": [5]}, "stop_token_ids.0"),
+    *[("responses", {"input": [{"role": "user", "content": "w1"}]}, f"input.0.{k}") for k in ("role", "content",
+                                                                                            "type", "id", "status")],
+    *[("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "w1"}]}]},
+       f"input.0.content.0.{k}") for k in ("type", "text")],
+    *[("responses", {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                               {"type": "function_call_output", "call_id": "c1", "output": "w2"}]}, f"input.{k}")
+      for k in ("0.call_id", "0.name", "0.arguments", "1.call_id", "1.output")],
+    *[("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
+       f"text.{k}") for k in ("format", "format.type", "format.name", "format.schema", "format.strict", "verbosity")],
+    *[("responses", {"reasoning": {"effort": "low"}}, f"reasoning.{k}") for k in ("effort", "summary")],
+    ("responses", {"metadata": {"k": "v"}}, "metadata.k"),
+    *[("responses", {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                     "tool_choice": "required"}, f"tools.0.{k}") for k in ("type", "name", "parameters", "strict")],
+    ("responses", {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f"}},
+     "tool_choice.name"),
+    ("responses", {"stream": True, "stream_options": {"include_obfuscation": False}},
+     "stream_options.include_obfuscation"),
+    *[("messages", {}, f"messages.0.{k}") for k in ("role", "content")],
+    *[("messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1"}]}]},
+       f"messages.0.content.0.{k}") for k in ("type", "text", "cache_control")],
+    *[("messages", {"system": [{"type": "text", "text": "w1"}]}, f"system.0.{k}") for k in ("type", "text")],
+    *[("messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, f"thinking.{k}")
+      for k in ("type", "budget_tokens")],
+    ("messages", {"output_config": {"effort": "low"}}, "output_config.effort"),
+    ("messages", {"metadata": {"user_id": "u"}}, "metadata.user_id"),
+    *[("messages", {"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}},
+       k) for k in ("tools.0.name", "tools.0.input_schema", "tool_choice.type", "tools.0")],
+    *[("messages", {"messages": [*CHAT, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "w2"}]}]}, f"messages.{k}")
+      for k in ("1.content.0.input", "1.content.0.id", "1.content.0.name", "2.content.0.tool_use_id",
+                "2.content.0.content")],
+    ("tokenize_chat", {}, "messages.0.content"),
+    ("detokenize", {}, "tokens.1"),
+    ("tokenize", {"prompt": "w1"}, "prompt"),
+]
+
+
+def put(body: Any, path: str, value: Any) -> Any:
+    """A deep copy of ``body`` with ``value`` at the dotted ``path``."""
+    body = json.loads(json.dumps(body))
+    keys = path.split(".")
+    node = body
+    for k in keys[:-1]:
+        node = node[int(k)] if isinstance(node, list) else node[k]
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return body
+
+
+def field_cases(route: Route, nested_only: bool = False) -> dict[str, Any]:
+    cases: dict[str, Any] = {}
+    if nested_only:
+        return {f"{path}.{k}": put({**route.good, **extra}, path, v) for tag, extra, path in NESTED if tag == route.tag
+                for k, v in HOSTILE.items() if k != "long_str"}
+    text = json.dumps(route.good)
+    inner = text[1:-1]
+    for f in route.fields:
+        for k, v in HOSTILE.items():
+            cases[f"{f}.{k}"] = {**route.good, f: v}
+        for k, lit in LITERALS.items():
+            body = {kk: vv for kk, vv in route.good.items() if kk != f}
+            rest = json.dumps(body)[1:-1]
+            cases[f"{f}.{k}"] = Raw(f'{{{rest}{", " if rest else ""}"{f}": {lit}}}'.encode())
+    for tag, extra, path in NESTED:
+        if tag == route.tag:
+            for k, v in HOSTILE.items():
+                if k != "long_str":
+                    cases[f"{path}.{k}"] = put({**route.good, **extra}, path, v)
+    cases["typo"] = {**route.good, "max_token": 3} if "max_tokens" in route.good else {**route.good, "promt": "w1"}
+    cases["unknown"] = {**route.good, "zzz": 1}
+    cases["unknown_long"] = {**route.good, "z" * 100_000: 1}
+    cases["unknown_surrogate"] = Raw(f'{{{inner}, "z\\ud800": 1}}'.encode())
+    cases.update(raw_bodies(route))
+    return cases
+
+
+# --- the server ---------------------------------------------------------------------------------------------------
+
+
+class Captured(logging.Handler):
+    """Every log record with a traceback, or that says a request failed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if record.exc_info or "Traceback" in msg or "request_failed" in msg or record.levelno >= logging.ERROR:
+            self.records.append(f"{record.name}: {msg[:300]}")
+
+
+def audit_failures(served: Any, seen: int) -> tuple[list[str], int]:
+    """The audit log's request_failed records (and any with an exception) past the first ``seen``."""
+    head, tail, _ = served.state.result.audit.tail()
+    records = [*head, *tail]
+    bad = [json.dumps(r, default=str)[:300] for r in records[seen:]
+           if r.get("event") in ("request_failed", "engine_failed") or "exception" in r or "Traceback" in str(r)]
+    return bad, len(records)
+
+
+def held(served: Any, base_used: int) -> dict[str, int]:
+    state = served.state
+    engine = state.engine
+    snap = engine.snapshot()
+    manager = snap["manager"]
+    used = sum(g.used for g in manager.groups.values()) if manager is not None else 0
+    out = {"in_flight": state.in_flight, "running": snap["running"], "waiting": snap["waiting"],
+           "live": len(engine._live), "kv_requests": manager.requests if manager is not None else 0,
+           "kv_used_over_baseline": used - base_used}
+    return {k: v for k, v in out.items() if v}
+
+
+def leftovers(served: Any, base_used: int, wait: float = 5.0) -> str:
+    deadline = time.monotonic() + wait
+    while True:
+        h = held(served, base_used)
+        if not h or time.monotonic() > deadline:
+            return ", ".join(f"{k}={v}" for k, v in h.items())
+        time.sleep(0.02)
+
+
+def resources() -> dict[str, int]:
+    return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))}
+
+
+class Sweep:
+    def __init__(self, served: Any, http: Any, capture: Captured) -> None:
+        self.served, self.http, self.capture = served, http, capture
+        self.baseline: dict[str, Any] = {}
+        self.audit_seen = audit_failures(served, 0)[1]
+        self.base_used = 0
+
+    def post(self, path: str, body: Any, method: str = "POST") -> Any:
+        if isinstance(body, Raw):
+            return self.http.request(method, path, content=body.data,
+                                     headers={} if body.media is None else {"content-type": body.media})
+        return self.http.request(method, path, content=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+
+    def good_answer(self, route: Route) -> Any:
+        r = self.post(route.path, route.good)
+        if r.status_code != 200:
+            return f"status {r.status_code}: {r.text[:200]}"
+        return answer_of(route, r.json())
+
+    def after(self, rec: dict[str, Any], route: Route | None) -> dict[str, Any]:
+        """The checks once a case is answered: the same route's good request, leftovers, log records."""
+        if route is not None:
+            try:
+                got = self.good_answer(route)
+                rec["still_ok"] = True if got == self.baseline[route.tag] else f"answer now {str(got)[:200]}"
+            except Exception as e:
+                rec["still_ok"] = f"{type(e).__name__}: {e}"[:200]
+        left = leftovers(self.served, self.base_used)
+        if left:
+            rec["left"] = left
+        logs, self.audit_seen = audit_failures(self.served, self.audit_seen)
+        logs += self.capture.records
+        self.capture.records.clear()
+        if logs:
+            rec["log"] = logs[:3]
+        return rec
+
+    def probe(self, route: Route | None, name: str, body: Any, path: str, method: str = "POST") -> dict[str, Any]:
+        start = time.monotonic()
+        try:
+            r = self.post(path, body, method) if method in ("POST", "DELETE") or body is not None else \
+                self.http.request(method, path)
+            rec: dict[str, Any] = {"case": name, "status": r.status_code, "s": round(time.monotonic() - start, 3),
+                                   "body": r.text[:8000], "ctype": r.headers.get("content-type", "")}
+        except Exception as e:
+            rec = {"case": name, "status": None, "exc": f"{type(e).__name__}: {e}"[:300],
+                   "s": round(time.monotonic() - start, 3)}
+        if route is not None and route.tag == "responses" and rec["status"] == 200:
+            self.read_back(rec)
+        return self.after(rec, route)
+
+    def read_back(self, rec: dict[str, Any]) -> None:
+        """A kept response read back (GET, and its input items): what was kept must be servable."""
+        try:
+            rid = json.loads(rec["body"])["id"]
+        except (ValueError, KeyError, TypeError):
+            return
+        for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items"):
+            r = self.http.get(path)
+            if r.status_code not in (200, 404):  # 404: not kept (store: false)
+                rec["read_back"] = f"GET {path.replace(rid, '{id}')}: {r.status_code} {r.text[:200]}"
+
+    def hangup(self, route: Route, name: str, body: dict[str, Any], reset: bool) -> dict[str, Any]:
+        """A streaming request whose client goes once the first chunk (``data:``) is in."""
+        data = json.dumps(body).encode()
+        head = (f"POST {route.path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        start = time.monotonic()
+        rec: dict[str, Any] = {"case": name, "status": None}
+        try:
+            with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=TIMEOUT) as sock:
+                sock.sendall(head + data)
+                got = b""
+                while b"data:" not in got and b"event:" not in got:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+                rec["status"] = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/") else None
+                rec["body"] = got[:300].decode("utf-8", "replace")
+                if reset:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        except Exception as e:
+            rec["exc"] = f"{type(e).__name__}: {e}"[:300]
+        rec["s"] = round(time.monotonic() - start, 3)
+        return self.after(rec, route)
+
+    def concurrency(self, route: Route, name: str, n: int = 32) -> dict[str, Any]:
+        """``n`` requests at once: good (checked against the baseline), bad, streams hung up after the first chunk,
+        clients that reset once the body is sent."""
+        results: list[Any] = []
+        long_body = {**route.good}
+        for key in ("max_tokens", "max_output_tokens"):
+            if key in long_body:
+                long_body[key] = 40
+
+        def one(i: int) -> None:
+            import httpx
+
+            try:
+                kind = i % 4
+                if kind == 0:
+                    with httpx.Client(base_url=self.served.url, timeout=TIMEOUT) as c:
+                        r = c.post(route.path, json=route.good)
+                    results.append("ok" if r.status_code == 200 and answer_of(route, r.json()) ==
+                                   self.baseline[route.tag] else f"good: {r.status_code} {r.text[:100]}")
+                elif kind == 1:
+                    with httpx.Client(base_url=self.served.url, timeout=TIMEOUT) as c:
+                        r = c.post(route.path, json={**route.good, "zzz": i})
+                    results.append("refused" if r.status_code == 400 else f"bad: {r.status_code} {r.text[:100]}")
+                elif kind == 2 and route.stream:
+                    rec = self._stream_and_go({**long_body, "stream": True}, route.path, reset=i % 8 == 2)
+                    results.append("gone" if rec is None else rec)
+                else:
+                    data = json.dumps(long_body).encode()
+                    head = (f"POST {route.path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(data)}\r\n\r\n").encode()
+                    with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=TIMEOUT) as sock:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                        sock.sendall(head + (data if i % 8 < 4 else data[: len(data) // 2]))
+                        time.sleep(0.02 * (i % 5))
+                    results.append("gone")
+            except Exception as e:
+                results.append(f"{type(e).__name__}: {e}"[:100])
+
+        start = time.monotonic()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT * 3)
+        hung = sum(t.is_alive() for t in threads)
+        counts: dict[str, int] = {}
+        for r in results:
+            counts[r] = counts.get(r, 0) + 1
+        worst = next((r for r in results if r not in ("ok", "refused", "gone")), None)
+        rec: dict[str, Any] = {"case": name, "status": 200 if worst is None and not hung else worst or "hung",
+                               "s": round(time.monotonic() - start, 3), "body": json.dumps(counts)[:1000]}
+        if hung:
+            rec["exc"] = f"{hung} clients still waiting after {TIMEOUT * 3} s"
+        rec = self.after(rec, route)
+        if "left" in rec:  # a longer wait: an abort lands at the next step
+            rec["left"] = leftovers(self.served, self.base_used, wait=30.0) or None
+            if rec["left"] is None:
+                del rec["left"]
+        return rec
+
+    def _stream_and_go(self, body: dict[str, Any], path: str, reset: bool) -> str | None:
+        data = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=TIMEOUT) as sock:
+            sock.sendall(head + data)
+            got = b""
+            while b"data:" not in got:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    return f"stream ended before a chunk: {got[:100]!r}"
+                got += chunk
+            if not got.startswith(b"HTTP/1.1 200"):
+                return f"stream: {got[:100]!r}"
+            if reset:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        return None
+
+
+# --- judging ------------------------------------------------------------------------------------------------------
+
+
+def error_of(rec: dict[str, Any], anthropic: bool) -> tuple[dict[str, Any] | None, str]:
+    """The error object, or None and why the body is not in the route's error shape."""
+    try:
+        doc = json.loads(rec["body"])
+    except (ValueError, KeyError, TypeError):
+        return None, "not JSON"
+    if anthropic:
+        if not (isinstance(doc, dict) and doc.get("type") == "error" and isinstance(doc.get("error"), dict)
+                and isinstance(doc["error"].get("type"), str) and isinstance(doc["error"].get("message"), str)):
+            return None, "not Anthropic's error shape"
+        return doc["error"], ""
+    if not (isinstance(doc, dict) and isinstance(doc.get("error"), dict)
+            and isinstance(doc["error"].get("message"), str) and isinstance(doc["error"].get("type"), str)
+            and "param" in doc["error"] and "code" in doc["error"]):
+        return None, "not OpenAI's error shape"
+    return doc["error"], ""
+
+
+def suspect(r: dict[str, Any]) -> list[str]:
+    why = []
+    name = r["case"]
+    tag = name.split(".", 1)[0]
+    anthropic = tag in ("messages", "count_tokens")
+    parts = name.split(".")
+    kind = parts[-1]
+    # the field a case puts its value in: "stop" of "chat.stop.neg", "role" of "chat.messages.0.role.str"
+    path = parts[1:-1]
+    field = next((p for p in reversed(path) if not p.isdigit()), None) if path and path[0] not in ("body", "stream") \
+        and not name.startswith("get.") and "concurrency" not in name else None
+    if r.get("exc"):
+        why.append(f"no answer: {r['exc'][:120]}")
+    answered = isinstance(r["status"], int)
+    if (answered and r["status"] not in OK_STATUSES and not name.endswith("hangup")) or \
+            (not answered and not r.get("exc")):
+        why.append(f"status {r['status']}")
+    if isinstance(r["status"], int) and r["status"] >= 400 and "hangup" not in name and "concurrency" not in name:
+        error, bad_shape = error_of(r, anthropic)
+        if error is None:
+            why.append(f"{r['status']}: {bad_shape}")
+        else:
+            msg = str(error.get("message", ""))
+            if "\n" in msg:
+                why.append("multi-line message")
+            if r["status"] == 400 and field is not None:
+                named = str(error.get("param") or "") + " " + msg
+                instead = NAMED_INSTEAD.get((tag, kind), ("\0", ""))[0]
+                if field not in named and instead not in named:
+                    why.append(f"400 not naming {field}")
+    if r["status"] == 200 and kind in NEVER_OK:
+        ok, _ = JUDGED_OK.get((tag, ".".join(path) or kind), (set(), ""))
+        if kind not in ok:
+            why.append("a hostile value accepted")
+    if r.get("sibling_refused") and kind not in JUDGED_OK.get((tag, ".".join(path)), (set(), ""))[0]:
+        why.append(f"accepted while {r['sibling_refused']} is refused")
+    if r.get("still_ok", True) is not True:
+        why.append(f"good request after: {r['still_ok']}")
+    if r.get("left"):
+        why.append(f"left behind: {r['left']}")
+    if r.get("log"):
+        why.append(f"server log: {r['log'][0][:160]}")
+    if r.get("read_back"):
+        why.append(f"kept response unreadable: {r['read_back'][:160]}")
+    if r.get("grew"):
+        why.append(f"grew: {r['grew']}")
+    if isinstance(r.get("s"), float) and r["s"] > TIMEOUT:
+        why.append(f"took {r['s']} s")
+    return why
+
+
+def mark_siblings(rows: list[dict[str, Any]]) -> None:
+    """Marks each falsy value answered 200 whose truthy sibling (``SIBLINGS``) of the same field was refused."""
+    status = {r["case"]: r["status"] for r in rows}
+    for r in rows:
+        stem, _, kind = r["case"].rpartition(".")
+        if kind in SIBLINGS and r["status"] == 200 and status.get(f"{stem}.{SIBLINGS[kind]}") == 400:
+            r["sibling_refused"] = SIBLINGS[kind]
+
+
+# --- GET routes ---------------------------------------------------------------------------------------------------
+
+
+def get_cases(stored: str) -> list[tuple[str, str, str]]:
+    """(name, method, path) of the GET/DELETE routes with hostile paths and queries."""
+    junk = {"long": "x" * 8000, "pct_surrogate": "%ED%A0%80", "pct_nul": "a%00b", "pct_bad": "%zz", "dots": "..%2F..",
+            "unicode": "%E2%98%83", "slash": "a/b/c"}
+    cases = [("get.models.plain", "GET", "/v1/models"), ("get.models.query", "GET", "/v1/models?zzz=1"),
+             ("get.health.plain", "GET", "/health"), ("get.health.query", "GET", "/health?x=%00"),
+             ("get.ping.post", "POST", "/ping"), ("get.load.plain", "GET", "/load"),
+             ("get.metrics.plain", "GET", "/metrics"), ("get.metrics.query", "GET", "/metrics?name[]=%ff"),
+             ("get.version.plain", "GET", "/version"), ("get.models.head", "HEAD", "/v1/models"),
+             ("get.completions.get", "GET", "/v1/completions"), ("get.chat.put", "PUT", "/v1/chat/completions"),
+             ("get.unknown.path", "GET", "/v1/zzz"), ("get.slash.path", "POST", "/v1/completions/")]
+    for k, v in junk.items():
+        cases += [(f"get.model_card.{k}", "GET", f"/v1/models/{v}"),
+                  (f"get.stored.{k}", "GET", f"/v1/responses/{v}"),
+                  (f"get.stored_delete.{k}", "DELETE", f"/v1/responses/{v}"),
+                  (f"get.input_items.{k}", "GET", f"/v1/responses/{v}/input_items")]
+    q = {"limit_neg": "limit=-1", "limit_huge": "limit=" + "9" * 5000, "limit_zero": "limit=0",
+         "limit_float": "limit=1.5", "limit_sup": "limit=%C2%B2", "order_bad": "order=zzz", "after_bad": "after=zzz",
+         "dup_limit": "limit=1&limit=2", "unknown": "zzz=1", "surrogate": "after=%ED%A0%80", "nul": "order=a%00",
+         "long_after": "after=" + "x" * 8000, "empty_limit": "limit=", "stream": "stream=true"}
+    for k, v in q.items():
+        cases += [(f"get.input_items.{k}", "GET", f"/v1/responses/{stored}/input_items?{v}"),
+                  (f"get.stored.{k}", "GET", f"/v1/responses/{stored}?{v}")]
+    cases += [("get.stored.ok", "GET", f"/v1/responses/{stored}"),
+              ("get.input_items.ok", "GET", f"/v1/responses/{stored}/input_items"),
+              ("get.stored_delete.ok", "DELETE", f"/v1/responses/{stored}"),
+              ("get.stored.after_delete", "GET", f"/v1/responses/{stored}"),
+              ("get.stored_delete.again", "DELETE", f"/v1/responses/{stored}")]
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="results, one JSON line a case")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    ap.add_argument("--nested", action="store_true", help="only the nested fields' cases (NESTED)")
+    ap.add_argument("--summary", action="store_true", help="list the suspects (else the counts only)")
+    a = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import httpx
+
+    from models.weights import random_model
+    from tests.classify_support import VOCAB
+    from tests.llm_support import word_tokenizer
+    from tests.paged_support import tiny_config
+    from tests.serve_support import serving
+
+    work = Path(tempfile.mkdtemp(prefix="serve_gen_sweep-"))
+    ckpt = work / "gen"
+    random_model(tiny_config("llama"), device="cpu", dtype="float32", seed=0).save_pretrained(ckpt)
+    tok = word_tokenizer(VOCAB)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w3{% endif %}")
+    tok.save_pretrained(ckpt)
+    capture = Captured()
+    logging.getLogger().addHandler(capture)
+    rows: list[dict[str, Any]] = []
+    with a.out.open("w") as out, serving(str(ckpt), dtype="float32", max_seq_len=64, max_num_tokens=16,
+                                         kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
+                                         state={"model_name": "tiny"}) as served, \
+            httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+        def record(rec: dict[str, Any]) -> None:
+            rows.append(rec)
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+
+        sweep = Sweep(served, http, capture)
+        all_routes = routes()
+        for route in all_routes:
+            sweep.baseline[route.tag] = sweep.good_answer(route)
+        time.sleep(0.5)
+        snap = served.state.engine.snapshot()["manager"]
+        sweep.base_used = sum(g.used for g in snap.groups.values())
+        capture.records.clear()
+        for route in all_routes:
+            cases = field_cases(route, a.nested)
+            for name, body in cases.items():
+                full = f"{route.tag}.{name}"
+                if a.only in full:
+                    record(sweep.probe(route, full, body, route.path))
+            if route.stream and not a.nested:
+                for reset in (True, False):
+                    full = f"{route.tag}.stream.{'reset' if reset else 'close'}_hangup"
+                    if a.only in full:
+                        long = {**route.good, "stream": True}
+                        for key in ("max_tokens", "max_output_tokens"):
+                            if key in long:
+                                long[key] = 40
+                        record(sweep.hangup(route, full, long, reset))
+            full = f"{route.tag}.concurrency"
+            if a.only in full and not a.nested:
+                rounds = []
+                for i in range(3):
+                    rec = sweep.concurrency(route, f"{full}{i}")
+                    time.sleep(1.0)
+                    rec["resources"] = resources()
+                    rounds.append(rec)
+                grow = {k: rounds[2]["resources"][k] - rounds[1]["resources"][k] for k in ("threads", "fds")}
+                if any(v > 0 for v in grow.values()) and rounds[2]["resources"]["fds"] > rounds[0]["resources"]["fds"]:
+                    rounds[2]["grew"] = grow
+                for rec in rounds:
+                    record(rec)
+        # a stored response for the stored-response routes
+        stored = http.post("/v1/responses", json={**all_routes[2].good, "store": True}).json().get("id", "resp_x")
+        for name, method, path in get_cases(stored):
+            if a.only in name and not a.nested:
+                record(sweep.probe(None, name, None if method in ("GET", "HEAD") else Raw(b""), path, method))
+    mark_siblings(rows)
+    bad = [(r, suspect(r)) for r in rows if suspect(r)]
+    print(f"{len(rows)} cases, {len(bad)} suspects")
+    if a.summary:
+        for r, why in bad:
+            print(f"{r['case']}: {'; '.join(why)} -- {str(r.get('body', r.get('exc', '')))[:200]!r}")
+
+
+if __name__ == "__main__":
+    main()
