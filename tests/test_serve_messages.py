@@ -183,6 +183,18 @@ def test_count_tokens_is_the_prompts_token_count(plain):
                                              **body).usage.input_tokens > counted.input_tokens
 
 
+def test_count_tokens_counts_a_conversation_past_the_context(plain):
+    """A client counts to learn how much to trim: a conversation longer than the context is counted (as /tokenize
+    counts it), not refused with "leave no room to generate" as /v1/messages refuses it."""
+    limit = plain.served.state.engine.executor.max_seq_len
+    long = [{"role": "user", "content": " ".join(["sky"] * (2 * limit))}]
+    counted = plain.client.messages.count_tokens(model=plain.served.state.model_name, messages=long)
+    assert counted.input_tokens == plain.served.http.post("/tokenize", json={"messages": long}).json()["count"]
+    assert counted.input_tokens > limit
+    with pytest.raises(anthropic.BadRequestError, match="no room to generate"):
+        create(plain, messages=long)
+
+
 def test_claude_codes_attribution_block_is_dropped_so_the_prefix_cache_holds(plain):
     """Claude Code puts a per-request hash first in ``system`` (vLLM drops the block): kept, no turn's prompt began as
     the last one's, so the prefix cache reused nothing."""

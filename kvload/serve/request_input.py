@@ -117,9 +117,10 @@ def _not_served(model: str, served: tuple[str, ...]) -> BadRequest:
                       status=404, code="model_not_found")
 
 
-def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool]]:
+def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[list[int]], list[bool]]:
     """Token ids of every prompt, kept to their last (``truncation_side`` "right": first) ``truncate_prompt_tokens``
-    (and whether each was cut); ``BadRequest`` naming the prompt or the messages when one is unusable."""
+    (and whether each was cut); ``BadRequest`` naming the prompt or the messages when one is unusable. ``room``
+    false: a conversation is counted past the context, not refused (count_tokens, as /tokenize counts)."""
     keep = _kept_tokens(engine, job)
 
     def kept(ids: list[int]) -> list[int]:
@@ -128,7 +129,7 @@ def _encode(engine: ServingEngine, job: Job) -> tuple[list[list[int]], list[bool
     if job.kind == "chat":
         try:
             ids = engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
-                                         room=keep is None)  # cut first, then it fits
+                                         room=room and keep is None)  # cut first, then it fits
         except GenerationError as exc:
             raise _messages_error(exc, job.template) from None
         return [kept(ids)], [keep is not None and len(ids) > keep]

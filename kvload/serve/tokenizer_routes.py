@@ -46,10 +46,11 @@ def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
 
 def _count_tokens(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
     """Anthropic's ``POST /v1/messages/count_tokens`` (on a worker thread): the prompt's tokens, as
-    ``/v1/messages`` templates the same body; ``BadRequest`` naming the Messages field."""
+    ``/v1/messages`` templates the same body, also past the context (a client counts to learn what to trim; as
+    ``/tokenize`` counts); ``BadRequest`` naming the Messages field."""
     chat, request = messages_to_chat(_load(raw), state.tool_call_parser, state.reasoning_parser, count=True)
     try:
-        ids, _ = _encode(state.engine, _parse_body(state, chat, "chat"))
+        ids, _ = _encode(state.engine, _parse_body(state, chat, "chat"), room=False)
     except BadRequest as exc:
         raise messages_error(exc, request) from None
     return {"input_tokens": len(ids[0])}
