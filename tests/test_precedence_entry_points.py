@@ -371,3 +371,33 @@ def test_a_started_server_reports_what_the_same_intent_gives_kvload_llm(intent, 
         got = {"max_model_len": str(seen["max_model_len"]), **{k: seen["info"][k] for k in list(expected)[1:]}}
         assert got == expected, argv
 
+
+# --- a setting the user turned on through an entry point's switch -------------------------------------
+
+
+EVENTS_ON = {"enable_kv_cache_events": True, "publisher": "null"}
+
+
+@pytest.mark.parametrize("entry", ["LLM", "serve"])
+def test_kv_events_the_user_turned_on_stay_on_over_a_model_default_of_none(spec, entry):
+    """vLLM's enable_kv_cache_events (LLM's kv_events_config, serve's --kv-events-config) turns KV cache events on:
+    the entry point fills event_buffer_max_size for it. A model proposing 0 (events off) turned them off again, with
+    nothing said (the user's explicit switch lost to a model default); a model's own buffer size keeps them on."""
+    from kvload.serve.command import EVENT_BUFFER_DEFAULT
+
+    path, spec_cls = spec
+    for proposed, expected in ((0, EVENT_BUFFER_DEFAULT), (16, 16)):
+        spec_cls.proposals = {"kv_cache_config.event_buffer_max_size": proposed}
+        with _captured_load() as got:
+            if entry == "LLM":
+                with contextlib.suppress(_Started):
+                    kvload.llm.LLM(str(path), log=False, kv_events_config=EVENTS_ON)
+            else:
+                _cli("serve", str(path), *SERVE, "--kv-events-config", json.dumps(EVENTS_ON), "--log-level", "error")
+        assert got, entry
+        run = Run(flatten(unstructure(got[0].args)), got[0].audit, None)
+        assert run.final["kv_cache_config.event_buffer_max_size"] == expected, proposed
+        skipped = [(e["proposed"], e["kept"], e["kept_source"]) for e in run.of("model_default_skipped")
+                   if e["field"] == "kv_cache_config.event_buffer_max_size"]
+        assert skipped == ([(0, EVENT_BUFFER_DEFAULT, entry)] if proposed == 0 else []), proposed
+        assert flatten(run.audit.replay()) == run.final and run.audit.verify() == []
