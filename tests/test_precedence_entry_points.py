@@ -42,6 +42,7 @@ from pipeline.converter import unstructure
 from pipeline.paths import flatten, unflatten
 from stages import BuildKvManager, plan_stages
 from tests.test_precedence_properties import (
+    ALL_PROPOSED,
     AUTO_DEFAULT,
     MODELS,
     PROPERTY,
@@ -286,6 +287,35 @@ def test_the_same_intent_resolves_alike_through_every_entry_point_and_source(spe
         for source in sources[1:]:
             assert runs[entry, source].final == runs[entry, sources[0]].final, (entry, source)
             assert runs[entry, source].decisions() == runs[entry, sources[0]].decisions(), (entry, source)
+
+
+
+@pytest.mark.parametrize("entry_source", [(e, s) for e, sources in ENTRY_SOURCES.items() for s in sources],
+                         ids=lambda es: f"{es[0]}-{es[1]}")
+def test_every_field_and_value_one_at_a_time_through_every_entry_point(spec, entry_source):
+    """The sweep beside the properties (whose draws leave some entry x source x value out): every field x each of
+    its values, one at a time, on the spec proposing every settable field: the value wins and is the user's, the
+    entry point's budget default is its own, and "auto" is the field left unset."""
+    entry, source = entry_source
+    path, spec_cls = spec
+    spec_cls.proposals = ALL_PROPOSED
+    unset = start(entry, source, SPEC, {}, path)
+    assert unset.error is None, unset.error
+    wrong = []
+    for field in _fields(source):
+        for value in [v for v in VALUES[field] if _storable(source, field, v)]:
+            run = start(entry, source, SPEC, {field: value}, path)
+            snapshot = run.of("user_fields_snapshotted")[0]["fields"] if run.error is None else {}
+            derived = [(e["old"], e["source"]) for e in _derived(run)]
+            ok = (run.error is None and set(snapshot) == {"model", field}
+                  and snapshot[field] == {"value": value, "source": LABEL[source]}
+                  and (value == AUTO or (field == "max_seq_len" and value is None) or run.final[field] == value)
+                  and derived == ([] if field == DEFAULT_MAX_TOKENS_FIELD else [(None, entry)]))
+            if ok and value == AUTO and field in AUTO_DEFAULT:
+                ok = (run.final, run.decisions()) == (unset.final, unset.decisions())
+            if not ok:
+                wrong.append((field, value, run.error))
+    assert wrong == []
 
 
 # --- the budget defaults, one by one --------------------------------------------------------------
