@@ -39,6 +39,7 @@ from kvload.serve.command import DEFAULT_MAX_TOKENS as SERVE_LENGTH
 from pipeline.config import AUTO
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD
 from pipeline.converter import unstructure
+from pipeline.errors import ConfigError
 from pipeline.paths import flatten, unflatten
 from stages import BuildKvManager, plan_stages
 from tests.test_precedence_properties import (
@@ -431,3 +432,24 @@ def test_kv_events_the_user_turned_on_stay_on_over_a_model_default_of_none(spec,
                    if e["field"] == "kv_cache_config.event_buffer_max_size"]
         assert skipped == ([(0, EVENT_BUFFER_DEFAULT, entry)] if proposed == 0 else []), proposed
         assert flatten(run.audit.replay()) == run.final and run.audit.verify() == []
+
+
+@pytest.mark.parametrize("way", ["LLM keyword", "LLM config_file", "serve flag", "serve config_file"])
+def test_kv_events_turned_on_beside_a_user_buffer_of_none_are_refused_however_the_buffer_is_given(tmp_path, way):
+    """The user's event_buffer_max_size 0 (events off) beside vLLM's enable_kv_cache_events is a contradiction each
+    entry point refuses before anything loads. kvload.LLM read only its keyword: the same 0 in its config_file left
+    the events off without a word (the switch accepted, not acting, no setting_ignored)."""
+    config = tmp_path / "events.yaml"
+    config.write_text(yaml.safe_dump({"kv_cache_config": {"event_buffer_max_size": 0}}), encoding="utf-8")
+    with _captured_load() as got:
+        if way.startswith("LLM"):
+            given = {"config_file": str(config)} if way.endswith("config_file") else {
+                "kv_cache_config": {"event_buffer_max_size": 0}}
+            with pytest.raises(ConfigError, match="enable_kv_cache_events is true but kv_cache_config"
+                                                  r"\.event_buffer_max_size is 0"):
+                kvload.llm.LLM("tiny-llama", log=False, kv_events_config=EVENTS_ON, **given)
+        else:
+            given = ["--config", str(config)] if way.endswith("config_file") else ["--event_buffer_max_size", "0"]
+            err = _cli("serve", "tiny-llama", *SERVE, *given, "--kv-events-config", json.dumps(EVENTS_ON))
+            assert "enable_kv_cache_events is true but kv_cache_config.event_buffer_max_size is 0" in err
+    assert got == []  # refused before the load
