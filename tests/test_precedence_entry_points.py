@@ -319,6 +319,28 @@ def test_every_field_and_value_one_at_a_time_through_every_entry_point(spec, ent
     assert wrong == []
 
 
+
+def test_every_value_resolves_alike_through_every_entry_point_and_source(spec):
+    """The sweep beside the same-intent property: every field with a flag x each of its values, one at a time over a
+    bound budget, given every way of every entry point."""
+    path, spec_cls = spec
+    spec_cls.proposals = ALL_PROPOSED
+    differ = []
+    for field in _fields("cli"):
+        for value in [v for v in VALUES[field] if _storable("cli", field, v)]:
+            leaves = {field: value, **BOUND}
+            runs = {(entry, source): start(entry, source, SPEC, leaves, path)
+                    for entry, sources in ENTRY_SOURCES.items() for source in sources}
+            first = runs["LLM", "api"]
+            for (entry, source), run in runs.items():
+                if run.error is not None or _without_own(run) != _without_own(first):
+                    differ.append((field, value, entry, source, run.error))
+                own = runs[entry, ENTRY_SOURCES[entry][0]]
+                if (run.final, run.decisions()) != (own.final, own.decisions()):
+                    differ.append((field, value, entry, source, "differs from the entry point's first way"))
+    assert differ == []
+
+
 # --- the budget defaults, one by one --------------------------------------------------------------
 
 
