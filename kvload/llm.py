@@ -91,9 +91,10 @@ def _no_lora(call: str, lora_request: Any) -> None:
                               f"adapters; accepted: None, got {type(lora_request).__name__}")
 
 
-def _kv_events(value: Any, kv_cache_config: Any) -> Any:
+def _kv_events(value: Any, kv_cache_config: Any, config_file: Any = None) -> Any:
     """vLLM's ``kv_events_config`` keyword checked (None when not given), before anything loads: events on with the
-    user's ``event_buffer_max_size`` 0 is refused, as ``kvload serve --kv-events-config`` refuses it."""
+    user's ``event_buffer_max_size`` 0 (the keyword's, else the config file's) is refused, as ``kvload serve
+    --kv-events-config`` refuses it."""
     if value is None:
         return None
     from kvload.serve.kv_publisher import kv_events_argument
@@ -104,6 +105,14 @@ def _kv_events(value: Any, kv_cache_config: Any) -> Any:
     else:  # a KvCacheConfig: its value counts only where the user set it
         size = getattr(kv_cache_config, "event_buffer_max_size", None) \
             if "event_buffer_max_size" in getattr(kv_cache_config, "_explicit", ()) else None
+    if size is None and config_file is not None:  # the file's 0 turned the events off without a word
+        from pipeline.sources import read_yaml
+
+        try:
+            kv = read_yaml(os.fspath(config_file)).get("kv_cache_config")
+        except (ConfigError, TypeError):  # not the events' problem: the load names the file
+            kv = None
+        size = kv.get("event_buffer_max_size") if isinstance(kv, Mapping) else None
     if events.enable_kv_cache_events and size is not None and plain_scalar(size) == 0:
         raise ConfigError("kv_events_config: enable_kv_cache_events is true but kv_cache_config.event_buffer_max_size "
                           "is 0 (events off); drop that setting or give N > 0", path="kv_events_config",
@@ -258,7 +267,7 @@ class LLM:
         if seed is not None and not (is_int(seed) and 0 <= seed <= MAX_INT):  # checked before anything loads
             detail = f"expected an integer in [0, 2**63 - 1] or None, got {short(seed)}"
             raise ConfigError(f"seed: {detail}", path="seed", detail=detail, source="api")
-        events = _kv_events(llm_args.pop("kv_events_config", None), llm_args.get("kv_cache_config"))
+        events = _kv_events(llm_args.pop("kv_events_config", None), llm_args.get("kv_cache_config"), config_file)
         reasoning_parser = vllm_reasoning_parser(llm_args.pop("reasoning_parser", None), True, "api")
         # the keyword beats a config file's reasoning_parser (a source_conflict); parse_args takes both (Context)
         given = llm_args if reasoning_parser is None else {**llm_args, "reasoning_parser": reasoning_parser}

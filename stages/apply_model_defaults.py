@@ -140,6 +140,7 @@ class ApplyModelDefaults:
         view = freeze(copy.deepcopy(ctx.args))  # models read the args; they never write them
         leaves = validate_model_defaults(spec.get_model_defaults(view), spec.name)
         ctx.model_defaults = leaves
+        framework = flatten(framework_defaults())
         for path, value in leaves.items():
             current = get_in(ctx.args, path)
             user = ctx.user_fields.get(path)
@@ -148,6 +149,15 @@ class ApplyModelDefaults:
                        if user.value == AUTO else f"the user set it ({user.source}); an explicit value always wins")
                 emit(ModelDefaultSkipped(field=path, proposed=value, kept=current, kept_source=user.source,
                                          spec=spec.name, reason=why))
+                continue
+            switched = ctx.request.caller_defaults.get(path) if ctx.request is not None else None
+            if (switched is not None and switched.over_default and current == switched.value
+                    and value == framework[path]):
+                # the caller turned the setting on for a switch the user gave (vLLM's enable_kv_cache_events): the
+                # model's framework default would turn it off again, the user's switch losing to a model default
+                emit(ModelDefaultSkipped(field=path, proposed=value, kept=current, kept_source=switched.source,
+                                         spec=spec.name, reason=f"{switched.reason}; the model's {value!r} would "
+                                                                "turn it off"))
                 continue
             set_field(ctx.args, path, value)
             emit(ModelDefaultApplied(field=path, old=current, new=get_in(ctx.args, path), source="model_default",
