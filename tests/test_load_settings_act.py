@@ -155,6 +155,10 @@ CASES = [
       for key, value in (("temperature", 0.5), ("repetition_penalty", 1.2), ("max_new_tokens", 7),
                          ("do_sample", True))],
     _case("v1", {"override_generation_config": {"max_new_tokens": 7}}, "tokens", workload="defaults"),
+    # top_p, top_k, min_p under a greedy default temperature: only a request that asks for a temperature samples
+    *[_case("v1", {"override_generation_config": {key: value}}, IGNORED, workload="defaults")
+      for key, value in (("top_p", 0.9), ("top_k", 5), ("min_p", 0.1))],
+    _case("v1", {"override_generation_config": {"do_sample": False, "top_p": 0.9}}, IGNORED, workload="defaults"),
     _case("v1", {"override_generation_config": {"temperature": 0.5, "top_p": 0.9}}, "defaults", workload="defaults"),
     _case("v1", {"override_generation_config": {"temperature": 0.5, "top_k": 5}}, "defaults", workload="defaults"),
     _case("v1", {"override_generation_config": {"temperature": 0.5, "min_p": 0.1}}, "defaults", workload="defaults"),
