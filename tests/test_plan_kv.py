@@ -423,3 +423,16 @@ def test_the_loaded_host_tier_is_the_one_the_audit_sized():
         (sized,) = llm.audit.of("kv_host_tier_sized")
         (built,) = llm.audit.of("kv_manager_built")
     assert sized["sized_by"] == "auto" and built["host_bytes"] == sized["host_bytes"] > 0
+
+
+def test_explaining_host_cache_size_shows_the_bytes_it_sized():
+    """`kvload explain --field host_cache_size` on a CPU plan: the null stays null, and the chain says how much host
+    memory it came to and why."""
+    from kvload.explain import field_chain, render_chain
+
+    result = _cpu_plan()
+    chain = field_chain(result.audit, "kv_cache_config.host_cache_size")
+    (step,) = [s for s in chain["chain"] if s["event"] == "kv_host_tier_sized"]
+    assert step["source"] == "plan" and step["changed"] is False and step["host_bytes"] == result.kv.host_bytes
+    (line,) = [line for line in render_chain(chain) if "kv_host_tier_sized" in line or "(auto)" in line]
+    assert f"null: {result.kv.host_bytes:,} B of host memory" in line
