@@ -104,6 +104,11 @@ def field_chain(audit: AuditLog, path: str) -> dict[str, Any]:
             steps.append(_step(e, source=f"plan ({e.get('hardware')})", old=None, new=None, changed=False,
                                reason=e.get("reason"), host_tier=e.get("host_tier")))
             continue
+        if name == "kv_host_tier_sized" and path == HOST:  # what the value (auto, bytes, 0) came to in host memory
+            if e.get("sized_by") != "kv_host_tier_chosen":  # that choice's own step says it
+                steps.append(_step(e, source="plan", old=e.get("host_cache_size"), new=e.get("host_cache_size"),
+                                   changed=False, reason=e.get("reason"), host_bytes=e.get("host_bytes")))
+            continue
         if e.get("field") != path:
             continue
         if name == "args_parsed":
@@ -188,6 +193,8 @@ def _change(step: dict[str, Any]) -> str:
         return f"{literal(step['old'])} → {step['new']}"
     if step["event"] == "kv_host_tier_chosen":  # the value stays null; what it meant on this accelerator
         return "null: a host tier" if step.get("host_tier") else "null: no host tier"
+    if step["event"] == "kv_host_tier_sized":  # the value stays; the bytes it sized
+        return f"{literal(step['new'])}: {step.get('host_bytes') or 0:,} B of host memory"
     if not step["changed"]:
         return f"{literal(step['new'])} (kept)" if step["event"] != "auto_captured" else '"auto" captured'
     old = step["old"]
@@ -356,7 +363,8 @@ READ_EVENTS = frozenset({
     "model_resolved", "executor_routed", "user_fields_snapshotted", "pipeline_finished", "stage_failed",
     "stage_finished", "sampling_defaults_resolved", "auto_captured", "auto_resolved", "route_fallback",
     "model_default_applied", "model_default_skipped", "field_derived", "source_conflict", "setting_ignored",
-    "max_seq_len_beyond_positions", "hf_config_overridden", "kv_host_tier_chosen", "kv_budget_computed",
+    "max_seq_len_beyond_positions", "hf_config_overridden", "kv_host_tier_chosen", "kv_host_tier_sized",
+    "kv_budget_computed",
     "kv_manager_built", "args_parsed",
 })
 

@@ -553,6 +553,20 @@ class KvHostTierChosen(Event):
     reason: str
 
 
+@event("kv_host_tier_sized")
+class KvHostTierSized(Event):
+    """V2's host tier as the plan sizes it (before anything is allocated): its bytes and slots per layer group,
+    and which setting or rule sized it: ``host_cache_size`` the user's (or a model's), auto (null: one host slot
+    per device block, capped at a share of the host memory available), the accelerator's costs
+    (``kv_host_tier_chosen``), or the slab arena (no tier)."""
+
+    host_cache_size: int | None  # the setting as resolved: bytes, 0 = none, None = auto
+    host_bytes: int  # the tier's host memory (0 = none)
+    host_slots: dict[str, int]  # slots per layer group ({} = none)
+    sized_by: str  # "host_cache_size" | "auto" | "kv_host_tier_chosen" | "pool_arena"
+    reason: str
+
+
 @event("kv_budget_short", level="warning")
 class KvBudgetShort(Event):
     """The KV pools hold no whole sequence of ``max_seq_len``: a request that long would never be admitted."""

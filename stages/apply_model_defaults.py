@@ -30,7 +30,7 @@ from pipeline.events import (
     ModelSpecFallback,
     SettingIgnored,
 )
-from pipeline.generation_config import resolve_sampling_defaults
+from pipeline.generation_config import FROM_DO_SAMPLE, FROM_FILE, FROM_OVERRIDE, resolve_sampling_defaults
 from pipeline.paths import flatten, get_in, unflatten
 
 #: The fields a model may propose. Memory limits, the device and the model itself are the
@@ -223,3 +223,33 @@ class ApplyModelDefaults:
             override_source=override[-1] if override else None)
         ctx.sampling_defaults = defaults
         emit(defaults.event())
+        for path, value, why in greedy_default_inert(ctx, defaults):
+            emit(SettingIgnored(field=path, value=value, reason=why))
+
+
+#: The sampling defaults that change nothing while the default temperature is 0 (greedy), with their no-op values.
+_SAMPLING_ONLY_DEFAULTS = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
+
+
+def greedy_default_inert(ctx: Context, defaults: Any) -> list[tuple[str, Any, str]]:
+    """``(field, value, why)`` for each ``override_generation_config`` key the user set that greedy decoding leaves
+    unused: top_p, top_k or min_p while the default temperature is 0 (kvload's own, or do_sample false). It acts, in
+    part: only on a request that asks for a temperature above 0 and leaves that key unset."""
+    values, sources = defaults.values, defaults.sources
+    if values.get("temperature", 0.0) != 0:
+        return []
+    by = {FROM_DO_SAMPLE: "do_sample is false", FROM_FILE: "the generation_config.json's temperature 0",
+          FROM_OVERRIDE: "override_generation_config's temperature 0"}.get(sources.get("temperature", ""),
+                                                                          "kvload's built-in default")
+    advice = "" if sources.get("temperature") == FROM_DO_SAMPLE else (
+        " (override_generation_config.temperature sets a sampled default)")
+    out = []
+    for key, unset in _SAMPLING_ONLY_DEFAULTS:
+        path = f"override_generation_config.{key}"
+        value = values.get(key)
+        if path not in ctx.user_fields or value is None or value == unset or (key == "top_k" and value < 0):
+            continue
+        out.append((path, value, f"in part: the default temperature is 0 (greedy, {by}), so a request that takes "
+                                 f"the defaults samples nothing and {key} changes none of its tokens; it applies to "
+                                 f"a request that asks for a temperature above 0 and leaves {key} unset{advice}"))
+    return out

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from cache_backends.budget import (
+    AUTO_HOST_FRACTION,
     BudgetError,
     KvBudget,
     PoolPlan,
@@ -39,6 +40,7 @@ from pipeline.events import (
     KvBudgetComputed,
     KvBudgetShort,
     KvHostTierChosen,
+    KvHostTierSized,
     SettingIgnored,
 )
 from pipeline.text import cell, table
@@ -79,6 +81,8 @@ class KvPlan:
     limited_by_rank: int | None = None  # with several ranks: whose budget (the smallest) every rank took
     rank_budget_bytes: list[int | None] | None = None  # with several ranks: each rank's own budget
     arena_slabs: int | None = None  # a slab arena (pool_arena): its slabs; None: pools of fixed sizes
+    host_sized_by: str | None = None  # V2: what sized the host tier (kv_host_tier_sized's sized_by); None when unknown
+    host_reason: str | None = None  # V2: kv_host_tier_sized's reason, the same line in --json
 
     @property
     def arena(self) -> bool:
@@ -145,6 +149,8 @@ class KvPlan:
             "host_bytes": self.host_bytes,
             "host_slots": self.host_slots,
             "host_choice": self.host_choice,
+            "host_sized_by": self.host_sized_by,
+            "host_reason": self.host_reason,
             "capacity_tokens": self.capacity_tokens,
             "max_concurrency": self.max_concurrency,
             "problem": self.problem,
@@ -376,12 +382,14 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
         warn_inert_partial_reuse(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
     host_size, host_choice = kv.host_cache_size, None
+    sized_by = "auto" if host_size is None else "host_cache_size"
     if arena and not host_size:  # the arena runs without a host tier (an asked-for one is arena_problem)
         host_size, host_choice = 0, "the slab arena (pool_arena) runs without a host tier"
+        sized_by = "pool_arena"
     if manager == "v2" and host_size is None and device_issue is None:  # the budget plays no part in it
         choice = choose_host_tier(ctx, layout, device)
         if choice is not None:
-            host_choice = choice.reason
+            host_choice, sized_by = choice.reason, "kv_host_tier_chosen"
             host_size = None if choice.keep else 0
             emit(KvHostTierChosen(hardware=choice.hardware, copy_us_per_token=choice.copy_s * 1e6,
                                   recompute_us_per_token=choice.recompute_s * 1e6, host_tier=choice.keep,
@@ -392,6 +400,13 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     if ranks is not None and ranks.distributed:
         problem, host_size, host_slots, host_bytes = agree_rest(ranks, layout, pools, problem, host_size, host_slots,
                                                                 host_bytes)
+    host_sized = None
+    if manager == "v2" and pools is not None and host_slots is not None and host_bytes is not None:
+        host_sized = KvHostTierSized(host_cache_size=host_size, host_bytes=host_bytes, host_slots=host_slots,
+                                     sized_by=sized_by, reason=host_tier_reason(sized_by, host_size, host_choice,
+                                                                                host_slots, host_bytes,
+                                                                                pools.num_blocks))
+        emit(host_sized)
     if manager == "v2":  # no tier is known before the pools are when the setting or the choice says 0
         warn_inert_v2_settings(ctx, layout, 0 if host_size == 0 else host_bytes, emit)
     plan = KvPlan(manager, route.kv_manager, route.scheduler, device, kv.dtype, kv.tokens_per_block,
@@ -399,7 +414,9 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
                   tensor_parallel_size=tp, heads=ctx.heads.to_dict() if ctx.heads is not None else None,
                   limited_by_rank=agreed.limited_by_rank if agreed is not None else None,
                   rank_budget_bytes=agreed.rank_budget_bytes if agreed is not None else None,
-                  arena_slabs=pools.slabs if pools is not None else None)
+                  arena_slabs=pools.slabs if pools is not None else None,
+                  host_sized_by=host_sized.sized_by if host_sized is not None else None,
+                  host_reason=host_sized.reason if host_sized is not None else None)
     # plan and run both say it as a warning, not only as a note in the table; a budget sized by
     # default_max_tokens (generate, for its own prompts) was chosen for shorter requests on purpose
     short = None if defaulted else budget_short(plan)
@@ -487,6 +504,26 @@ def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None
     reason = partial_reuse_off_reason(layout)
     if reason is not None:
         emit(SettingIgnored(field=field, value=True, reason=f"partial-block reuse is off: {reason}"))
+
+
+def host_tier_reason(sized_by: str, host_size: int | None, host_choice: str | None, slots: dict[str, int],
+                     nbytes: int, device_blocks: dict[str, int]) -> str:
+    """One line saying what sized the V2 host tier (``kv_host_tier_sized``'s reason)."""
+    if host_choice is not None:  # the slab arena, or the accelerator's costs
+        return host_choice
+    if sized_by == "auto":
+        scaled = any(slots.get(name, 0) < n for name, n in device_blocks.items())
+        fit = (f"scaled down to {AUTO_HOST_FRACTION:.0%} of the host memory available" if scaled
+               else "one host slot per device block")
+        return (f"{HOST_FIELD} null (auto): {nbytes:,} B of host memory, {fit} ({_per_group(slots)}); set "
+                f"{HOST_FIELD} to a size in bytes, or 0 for no host tier")
+    if not slots:
+        return f"{HOST_FIELD}=0: no host tier; requests moved out are preempted for recompute"
+    return f"{HOST_FIELD}={host_size:,} B: {nbytes:,} B of host memory in whole blocks ({_per_group(slots)})"
+
+
+def _per_group(slots: dict[str, int]) -> str:
+    return ", ".join(f"{name}: {n:,} slot(s)" for name, n in slots.items())
 
 
 def plan_host_tier(layout: KvLayout, pools: PoolPlan, host_cache_size: int | None,

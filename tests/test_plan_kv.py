@@ -361,3 +361,78 @@ def test_a_user_default_max_tokens_that_a_budget_rule_overrules_is_a_setting_ign
     assert f"and {rule} bounds it" in ignored["reason"]
     acting = pipeline.plan("tiny-llama", log=False, device="cpu", kv_cache_config={"default_max_tokens": 2048})
     assert acting.kv.budget.limited_by == "max_tokens" and not acting.audit.of("setting_ignored")  # it sized them
+
+
+# --- the V2 host tier's size is a budget decision the audit records (kv_host_tier_sized) ---------------------------
+
+
+def _cpu_plan(**kv):
+    import pipeline
+
+    return pipeline.plan("tiny-llama", log=False, device="cpu", max_seq_len=512,
+                         kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 4096, **kv})
+
+
+def test_a_cpu_plans_auto_sized_host_tier_is_in_its_audit_and_its_json():
+    """host_cache_size null on a CPU: nothing is priced (no kv_host_tier_chosen), yet the plan sizes a tier of host
+    memory; the audit says how big and why, beside kv_budget_computed, and --json carries the same line."""
+    result = _cpu_plan()
+    (budget,) = result.audit.of("kv_budget_computed")
+    (sized,) = result.audit.of("kv_host_tier_sized")
+    assert sized["seq"] > budget["seq"] and sized["stage"] == "plan_kv"
+    kv = result.kv
+    assert sized["host_cache_size"] is None and sized["sized_by"] == "auto"
+    assert sized["host_bytes"] == kv.host_bytes > 0 and sized["host_slots"] == kv.host_slots
+    assert sized["reason"].startswith("kv_cache_config.host_cache_size null (auto): ")
+    assert f"{kv.host_bytes:,} B of host memory" in sized["reason"]
+    assert kv.to_dict()["host_sized_by"] == "auto" and kv.to_dict()["host_reason"] == sized["reason"]
+
+
+@pytest.mark.parametrize(("kv", "sized_by", "some"), [({"host_cache_size": 2**20}, "host_cache_size", True),
+                                                      ({"host_cache_size": 0}, "host_cache_size", False)])
+def test_a_host_cache_size_given_is_recorded_as_what_sized_the_tier(kv, sized_by, some):
+    result = _cpu_plan(**kv)
+    (sized,) = result.audit.of("kv_host_tier_sized")
+    assert sized["sized_by"] == sized_by and sized["host_cache_size"] == kv["host_cache_size"]
+    assert (sized["host_bytes"] > 0) is some and sized["host_bytes"] == result.kv.host_bytes
+    assert sized["host_bytes"] <= kv["host_cache_size"]
+
+
+def test_a_priced_auto_tier_is_recorded_as_sized_by_that_choice():
+    result = _plan_on("tiny-llama", "h200")
+    (chosen,) = result.audit.of("kv_host_tier_chosen")
+    (sized,) = result.audit.of("kv_host_tier_sized")
+    assert sized["sized_by"] == "kv_host_tier_chosen" and sized["reason"] == chosen["reason"]
+    assert sized["host_bytes"] == 0 and sized["host_slots"] == {}
+
+
+def test_v1_has_no_host_tier_to_size():
+    import pipeline
+
+    result = pipeline.plan("tiny-llama", log=False, device="cpu",
+                           kv_cache_config={"use_kv_cache_manager_v2": False, "max_tokens": 4096})
+    assert result.audit.of("kv_host_tier_sized") == [] and result.kv.to_dict()["host_sized_by"] is None
+
+
+def test_the_loaded_host_tier_is_the_one_the_audit_sized():
+    """kvload.LLM on a CPU: the manager's host tier (kv_manager_built) is the size kv_host_tier_sized recorded."""
+    import kvload
+
+    with kvload.LLM("tiny-llama", device="cpu", max_seq_len=256, log=False,
+                    kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 1024}) as llm:
+        (sized,) = llm.audit.of("kv_host_tier_sized")
+        (built,) = llm.audit.of("kv_manager_built")
+    assert sized["sized_by"] == "auto" and built["host_bytes"] == sized["host_bytes"] > 0
+
+
+def test_explaining_host_cache_size_shows_the_bytes_it_sized():
+    """`kvload explain --field host_cache_size` on a CPU plan: the null stays null, and the chain says how much host
+    memory it came to and why."""
+    from kvload.explain import field_chain, render_chain
+
+    result = _cpu_plan()
+    chain = field_chain(result.audit, "kv_cache_config.host_cache_size")
+    (step,) = [s for s in chain["chain"] if s["event"] == "kv_host_tier_sized"]
+    assert step["source"] == "plan" and step["changed"] is False and step["host_bytes"] == result.kv.host_bytes
+    (line,) = [line for line in render_chain(chain) if "kv_host_tier_sized" in line or "(auto)" in line]
+    assert f"null: {result.kv.host_bytes:,} B of host memory" in line
