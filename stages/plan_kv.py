@@ -363,8 +363,12 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     unbacked = ctx.request is not None and ctx.request.pools_unbacked
     arena, arena_problem = arena_setting(ctx, layout, emit)
     if budget.budget_bytes is None:
-        problem = problem or (f"no KV cache budget: {budget.unbounded_reason}; set kv_cache_config.max_tokens or "
-                              "kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
+        # a caller's default budget (kvload.LLM's, generate's, serve's) that the user's own null turned off: say so,
+        # or the refusal reads as if nothing had been asked
+        nulled = (f", and {DEFAULT_MAX_TOKENS_FIELD}=None (given) turns off the default budget"
+                  if DEFAULT_MAX_TOKENS_FIELD in ctx.user_fields and fallback is None else "")
+        problem = problem or (f"no KV cache budget: {budget.unbounded_reason}{nulled}; set kv_cache_config.max_tokens "
+                              "or kv_cache_config.max_gpu_total_bytes (--max_tokens / --max_gpu_total_bytes)")
     elif arena:
         try:
             pools = plan_arena(layout, budget.budget_bytes, args.max_seq_len)

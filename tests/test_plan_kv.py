@@ -436,3 +436,19 @@ def test_explaining_host_cache_size_shows_the_bytes_it_sized():
     assert step["source"] == "plan" and step["changed"] is False and step["host_bytes"] == result.kv.host_bytes
     (line,) = [line for line in render_chain(chain) if "kv_host_tier_sized" in line or "(auto)" in line]
     assert f"null: {result.kv.host_bytes:,} B of host memory" in line
+
+
+def test_a_users_null_default_max_tokens_is_named_when_no_budget_is_left():
+    """kvload.LLM sizes CPU pools from its own default_max_tokens; a user's explicit None turns that off (the user's
+    value wins), and the refusal names that None instead of reading as if nothing had been asked."""
+    import kvload
+    from pipeline import KvBuildError
+
+    with pytest.raises(KvBuildError) as refused:
+        kvload.LLM("tiny-llama", kv_cache_config={"default_max_tokens": None})
+    message = str(refused.value)
+    assert message.startswith("no KV cache budget: cpu has no free-memory rule to size it from, and "
+                              "kv_cache_config.default_max_tokens=None (given) turns off the default budget;"), message
+    assert "\n" not in message
+    # left out, the caller's default sizes the pools
+    assert kvload.LLM("tiny-llama").result.kv_manager is not None
