@@ -28,6 +28,21 @@ value (false, "", 0, {}) answered 200 where its truthy sibling of the same type 
     python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --only chat.stop --summary
     python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --nested --summary  # the nested fields alone
 
+``--group`` runs one other server instead, each with its own cases (judged by the same rules, ``--only`` narrows):
+``parsers`` (``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser deepseek_r1``): the fields the
+parsers read (chat's ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``reasoning_effort``, ``include_reasoning``,
+assistant turns' ``reasoning_content`` and ``tool_calls``; Responses' ``reasoning``, ``include``, reasoning and
+function-call items; Messages' ``thinking``, ``tool_choice``, thinking and redacted_thinking blocks) hostile at the
+top and below (``PARSER_FIELDS``, ``PARSER_NESTED``), and each streaming route with tools hung up after its first
+chunk; ``auth`` (``--api-key``): every route, the open ones too, under 25 Authorization / X-Api-Key header sets sent
+as raw bytes (missing, wrong, a prefix, two headers, latin-1, a control byte, 60 KB, ...; ``AUTH_HEADERS``): a right
+key must be served, a wrong one a 401 in the route's error shape with ``WWW-Authenticate: Bearer`` and nothing held;
+``admin`` (``--enable-reset-prefix-cache``, KV events on): ``/v1/kvload/audit``, ``/explain``, ``/kv_events`` and
+``/reset_prefix_cache`` with hostile queries, bodies and methods, and a reset while a stream runs (409, the stream
+unharmed).
+
+    python scripts/serve_gen_sweep.py --out /tmp/p.jsonl --group parsers --summary
+
 Record (2-core VM shared with other helpers, 2026-12-05; main's run before the kept-response read-back was added,
 judged by this file's rules):
 
@@ -101,6 +116,10 @@ JUDGED_OK: dict[tuple[str, str], tuple[set[str], str]] = {
     **{(tag, "chat_template_kwargs.enable_thinking"): ({"huge", "bignum", "neg_float"}, "the template's keywords "
                                                         "are free-form; only false switches qwen3's parser off")
        for tag in ("chat",)},
+    ("chat", "chat_template_kwargs.thinking"): ({"huge", "bignum", "neg_float"}, "as enable_thinking"),
+    **{("messages", f"messages.1.content.0.{k}"): ({"surrogate"}, "Anthropic's opaque string, used for nothing and "
+                                                   "echoed nowhere (the template is given none)")
+       for k in ("signature", "data")},
     ("chat", "response_format.json_schema.name"): ({"surrogate"}, "chat echoes it nowhere and no template reads it "
                                                    "(/v1/responses, which echoes its name, refuses one)"),
     ("chat", "messages.1.tool_calls.0.function.arguments"): ({"empty_str"}, "\"\" is no arguments ({}), as vLLM "
@@ -296,6 +315,240 @@ NESTED: list[tuple[str, dict[str, Any], str]] = [
     ("detokenize", {}, "tokens.1"),
     ("tokenize", {"prompt": "w1"}, "prompt"),
 ]
+
+
+# --- the other servers (--group) ----------------------------------------------------------------------------------
+
+#: --group parsers (a server started with ``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser
+#: deepseek_r1``): each route's fields a parser reads, hostile at the top and below (``NESTED`` and these).
+PARSER_FIELDS = {"chat": ("tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "include_reasoning",
+                          "chat_template_kwargs", "messages"),
+                 "responses": ("tools", "tool_choice", "parallel_tool_calls", "reasoning", "include", "input"),
+                 "messages": ("tools", "tool_choice", "thinking", "messages")}
+_R_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+PARSER_NESTED: list[tuple[str, dict[str, Any], str]] = [
+    *[("chat", {"messages": [*CHAT, {"role": "assistant", "content": "w1", "reasoning_content": "w2",
+                                     "tool_calls": [{"id": "c1", "type": "function", "function": {
+                                         "name": "get_weather", "arguments": "{\"city\": \"w1\"}"}}]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "w3"}], "tools": [WEATHER]},
+       f"messages.{k}") for k in ("1.reasoning_content", "1.reasoning", "1.tool_calls.0.id", "1.tool_calls.0.type",
+                                  "1.tool_calls", "2.tool_call_id", "2.content", "2.name")],
+    *[("chat", {"tools": [WEATHER], "tool_choice": "auto"}, k) for k in ("tool_choice", "parallel_tool_calls",
+                                                                         "tools.0.function.strict")],
+    *[("chat", {"tools": [WEATHER], "reasoning_effort": "low", "include_reasoning": True}, k)
+      for k in ("reasoning_effort", "include_reasoning")],
+    ("chat", {"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs.thinking"),
+    *[("responses", {"tools": [_R_TOOL], "tool_choice": "auto"}, k) for k in ("tool_choice", "parallel_tool_calls",
+                                                                            "tools.0.description")],
+    *[("responses", {"reasoning": {"effort": "low", "summary": "auto"}}, f"reasoning.{k}")
+      for k in ("effort", "summary", "generate_summary")],
+    *[("responses", {"input": [{"type": "reasoning", "id": "rs_1", "summary": [
+        {"type": "summary_text", "text": "w1"}], "content": [{"type": "reasoning_text", "text": "w2"}]},
+        {"role": "user", "content": "w1"}]}, f"input.0.{k}")
+      for k in ("id", "summary", "summary.0", "summary.0.text", "summary.0.type", "content", "content.0.text",
+                "content.0.type", "encrypted_content", "type")],
+    *[("responses", {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
+                                "id": "fc_1", "status": "completed"},
+                               {"type": "function_call_output", "call_id": "c1", "output": "w2"}],
+                     "tools": [_R_TOOL]}, f"input.{k}")
+      for k in ("0.id", "0.status", "0.type", "1.type", "1.id", "1.status", "1.output")],
+    ("responses", {"include": ["reasoning.encrypted_content"]}, "include.0"),
+    *[("messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, f"thinking.{k}")
+      for k in ("type", "budget_tokens", "display")],
+    *[("messages", {"thinking": {"type": "disabled"}}, f"thinking.{k}") for k in ("type", "budget_tokens")],
+    *[("messages", {"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "auto"}},
+       k) for k in ("tool_choice", "tool_choice.type", "tool_choice.disable_parallel_tool_use", "tools.0.description",
+                    "tools.0.type")],
+    ("messages", {"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {
+        "type": "tool", "name": "f"}}, "tool_choice.name"),
+    *[("messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": [*CHAT, {
+        "role": "assistant", "content": [{"type": "thinking", "thinking": "w1", "signature": "s"},
+                                         {"type": "text", "text": "w2"}]}, {"role": "user", "content": "w3"}]},
+       f"messages.1.content.0.{k}") for k in ("thinking", "signature", "type")],
+    *[("messages", {"messages": [*CHAT, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "w2"}]}, {"role": "user",
+                                                                                     "content": "w3"}]},
+       f"messages.1.content.0.{k}") for k in ("data", "type")],
+]
+
+
+def parser_cases(route: Route) -> dict[str, Any]:
+    """--group parsers: the route's top-level fields a parser reads (``PARSER_FIELDS``), every hostile value (the
+    1 MB string and the literals too), and ``NESTED`` and ``PARSER_NESTED`` below them."""
+    fields = PARSER_FIELDS.get(route.tag, ())
+    cases = {name: body for name, body in field_cases(route).items() if name.split(".", 1)[0] in fields}
+    for tag, extra, path in PARSER_NESTED:
+        if tag == route.tag:
+            for k, v in HOSTILE.items():
+                if k != "long_str":
+                    cases[f"{path}.{k}"] = put({**route.good, **extra}, path, v)
+    return cases
+
+
+#: --group auth: the key the server takes, and each Authorization / X-Api-Key header set with whether it passes.
+KEY = "sk-sweep-key"
+AUTH_HEADERS: dict[str, tuple[list[tuple[bytes, bytes]], bool]] = {
+    "right": ([(b"Authorization", b"Bearer " + KEY.encode())], True),
+    "lower_scheme": ([(b"Authorization", b"bearer " + KEY.encode())], True),
+    "two_spaces": ([(b"Authorization", b"Bearer  " + KEY.encode())], True),
+    "x_api_key": ([(b"X-Api-Key", KEY.encode())], True),
+    "x_api_key_and_wrong_bearer": ([(b"Authorization", b"Bearer no"), (b"X-Api-Key", KEY.encode())], True),
+    "missing": ([], False), "wrong": ([(b"Authorization", b"Bearer sk-wrong")], False),
+    "prefix": ([(b"Authorization", b"Bearer " + KEY[:-1].encode())], False),
+    "longer": ([(b"Authorization", b"Bearer " + KEY.encode() + b"x")], False),
+    "empty": ([(b"Authorization", b"")], False), "scheme_only": ([(b"Authorization", b"Bearer")], False),
+    "scheme_space": ([(b"Authorization", b"Bearer ")], False),
+    "no_scheme": ([(b"Authorization", KEY.encode())], False),
+    "basic": ([(b"Authorization", b"Basic " + KEY.encode())], False),
+    "tab": ([(b"Authorization", b"Bearer\t" + KEY.encode())], False),
+    "two_headers": ([(b"Authorization", b"Bearer " + KEY.encode()), (b"Authorization", b"Bearer no")], False),
+    "two_right": ([(b"Authorization", b"Bearer " + KEY.encode())] * 2, False),
+    "two_x_api_keys": ([(b"X-Api-Key", KEY.encode()), (b"X-Api-Key", b"no")], False),
+    "latin1": ([(b"Authorization", b"Bearer sk-sweep-k\xe9y")], False),
+    "utf8": ([(b"Authorization", "Bearer sk-sweep-k\u00e9y".encode())], False),
+    "control": ([(b"Authorization", b"Bearer sk-\x01sweep")], False),
+    "long": ([(b"Authorization", b"Bearer " + b"k" * 60_000)], False),
+    "x_api_key_empty": ([(b"X-Api-Key", b"")], False),
+    "x_api_key_bearer": ([(b"X-Api-Key", b"Bearer " + KEY.encode())], False),
+    "key_in_query": ([], False),
+}
+#: --group auth: every route (method, path, body) behind the gate, and those open to all (OPEN_PATHS).
+AUTH_ROUTES: dict[str, tuple[str, str, Any]] = {
+    "completion": ("POST", "/v1/completions", {"prompt": "w1 w2 w3", "max_tokens": 3}),
+    "completion_stream": ("POST", "/v1/completions", {"prompt": "w1 w2 w3", "max_tokens": 3, "stream": True}),
+    "chat": ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3}),
+    "responses": ("POST", "/v1/responses", {"input": "w1 w2 w3", "max_output_tokens": 3, "store": False}),
+    "messages": ("POST", "/v1/messages", {"model": "tiny", "messages": CHAT, "max_tokens": 3}),
+    "count_tokens": ("POST", "/v1/messages/count_tokens", {"model": "tiny", "messages": CHAT}),
+    "tokenize": ("POST", "/tokenize", {"prompt": "w1 w2 w3"}),
+    "detokenize": ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
+    "invocations": ("POST", "/invocations", {"prompt": "w1 w2 w3", "max_tokens": 3}),
+    "embeddings": ("POST", "/v1/embeddings", {"input": "w1"}), "pooling": ("POST", "/pooling", {"input": "w1"}),
+    "classify": ("POST", "/classify", {"input": "w1"}), "score": ("POST", "/score", {"text_1": "w1", "text_2": "w2"}),
+    "rerank": ("POST", "/v1/rerank", {"query": "w1", "documents": ["w2"]}),
+    "models": ("GET", "/v1/models", None), "model_card": ("GET", "/v1/models/tiny", None),
+    "models_head": ("HEAD", "/v1/models", None), "stored": ("GET", "/v1/responses/resp_zzz", None),
+    "stored_delete": ("DELETE", "/v1/responses/resp_zzz", None),
+    "input_items": ("GET", "/v1/responses/resp_zzz/input_items", None),
+    "audit": ("GET", "/v1/kvload/audit", None), "explain": ("GET", "/v1/kvload/explain?field=max_seq_len", None),
+    "kv_events": ("GET", "/v1/kvload/kv_events", None), "reset_prefix_cache": ("POST", "/reset_prefix_cache", None),
+    "unknown_path": ("GET", "/v1/zzz", None), "wrong_method": ("GET", "/v1/completions", None),
+    "options": ("OPTIONS", "/v1/completions", None),
+    "health": ("GET", "/health", None), "ping": ("POST", "/ping", None), "metrics": ("GET", "/metrics", None),
+    "version": ("GET", "/version", None), "load": ("GET", "/load", None),
+    "health_slash": ("GET", "/health/", None), "metrics_query": ("GET", "/metrics?x=1", None),
+}
+AUTH_OPEN = {"health", "ping", "metrics", "version", "load", "options", "metrics_query"}
+
+
+def raw_request(port: int, method: str, path: str, headers: list[tuple[bytes, bytes]], body: Any
+                ) -> tuple[int, dict[str, str], bytes]:
+    """One request over its own connection, headers sent as these bytes (httpx refuses some of them): the status,
+    the answer's headers (lower-case names) and its body (read to the close)."""
+    data = b"" if body is None else json.dumps(body).encode()
+    head = [f"{method} {path} HTTP/1.1".encode(), b"Host: t", b"Connection: close",
+            *[k + b": " + v for k, v in headers]]
+    if body is not None:
+        head += [b"Content-Type: application/json", f"Content-Length: {len(data)}".encode()]
+    elif method in ("POST", "DELETE"):
+        head.append(b"Content-Length: 0")
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"\r\n".join(head) + b"\r\n\r\n" + data)
+        got = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    top, _, rest = got.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1]) if lines and len(lines[0].split()) > 1 else 0
+    hdrs = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        hdrs[k.strip().lower()] = v.strip()
+    if hdrs.get("transfer-encoding") == "chunked":  # the stream's chunks joined
+        out, buf = b"", rest
+        while buf:
+            size, _, buf = buf.partition(b"\r\n")
+            n = int(size or b"0", 16)
+            if not n:
+                break
+            out, buf = out + buf[:n], buf[n + 2:]
+        rest = out
+    return status, hdrs, rest
+
+
+def auth_judge(name: str, status: int, hdrs: dict[str, str], body: bytes, passes: bool, route_name: str) -> list[str]:
+    """Why an auth case is a suspect: a refused header set answered other than 401 in the route's error shape (with
+    WWW-Authenticate: Bearer), or a right one answered 401; the gate's answers do not read as the route's own."""
+    why = []
+    if route_name in AUTH_OPEN or passes:
+        if status == 401:
+            why.append("401 for a key the server takes" if passes else "401 on an open path")
+        if status >= 500 or status == 0:
+            why.append(f"status {status}")
+        return why
+    if status == 431 and hdrs.get("content-type") == "application/json":  # a head past the limit: refused unread
+        return why
+    if status != 401:
+        why.append(f"status {status} (a request without the key served)")
+        return why
+    if "bearer" not in hdrs.get("www-authenticate", "").lower():
+        why.append("401 without WWW-Authenticate: Bearer")
+    if route_name == "models_head":
+        return why
+    rec = {"body": body.decode("utf-8", "replace")}
+    error, bad = error_of(rec, AUTH_ROUTES[route_name][1].startswith("/v1/messages"))
+    if error is None:
+        why.append(f"401: {bad}")
+    elif KEY in body.decode("utf-8", "replace"):
+        why.append("401 echoes the key")
+    return why
+
+
+#: --group admin: kvload's own routes and vLLM's /reset_prefix_cache, hostile query strings, bodies and methods.
+def admin_cases() -> list[tuple[str, str, str, Any]]:
+    """(name, method, path, body or None)."""
+    junk = {"long": "x" * 8000, "pct_surrogate": "%ED%A0%80", "pct_nul": "a%00b", "pct_bad": "%zz",
+            "unicode": "%E2%98%83", "dots": "..", "dotted": "a..b", "dot_end": "seed.", "dot_start": ".seed",
+            "dashes": "--seed", "flag": "--max-model-len", "bracket": "a[0]", "dunder": "__class__",
+            "proto": "__proto__", "deep": ".".join(["a"] * 2000), "space": "+seed+", "empty": "", "mapping":
+            "override_generation_config", "mapping_key": "override_generation_config.temperature",
+            "upper": "SEED", "tab": "se%09ed", "newline": "seed%0A", "glob": "*", "regex": "se.*d", "json":
+            "%7B%22a%22%3A1%7D", "int": "1", "known": "max_seq_len", "known2": "kv_cache_config.max_tokens"}
+    cases = [(f"get.explain.{k}", "GET", f"/v1/kvload/explain?field={v}", None) for k, v in junk.items()]
+    cases += [("get.explain.no_field", "GET", "/v1/kvload/explain", None),
+              ("get.explain.bare_field", "GET", "/v1/kvload/explain?field", None),
+              ("get.explain.two_fields", "GET", "/v1/kvload/explain?field=max_seq_len&field=max_seq_len", None),
+              ("get.explain.field_list", "GET", "/v1/kvload/explain?field[]=seed", None),
+              ("get.explain.other", "GET", "/v1/kvload/explain?field=max_seq_len&zzz=1", None),
+              ("get.explain.key_surrogate", "GET", "/v1/kvload/explain?%ED%A0%80=1", None),
+              ("get.explain.key_long", "GET", "/v1/kvload/explain?" + "z" * 8000 + "=1", None),
+              ("get.explain.many", "GET", "/v1/kvload/explain?" + "&".join(f"k{i}=1" for i in range(2000)), None),
+              ("get.explain.amp", "GET", "/v1/kvload/explain?&&&field=max_seq_len&&", None),
+              ("get.explain.semicolon", "GET", "/v1/kvload/explain?field=max_seq_len;zzz=1", None),
+              ("get.explain.post", "POST", "/v1/kvload/explain?field=max_seq_len", {"field": "seed"}),
+              ("get.explain.head", "HEAD", "/v1/kvload/explain?field=max_seq_len", None),
+              ("get.explain.head_bad", "HEAD", "/v1/kvload/explain?field=zzz", None)]
+    for route in ("audit", "kv_events"):
+        for k, q in {"plain": "", "unknown": "?zzz=1", "empty": "?", "amp": "?&", "pct": "?%ED%A0%80",
+                     "nul": "?a%00=1", "long": "?" + "z" * 8000, "eq": "?=", "many": "?" + "&".join(
+                         f"k{i}=1" for i in range(2000)), "pct_bad": "?%zz=1"}.items():
+            cases.append((f"get.{route}.{k}", "GET", f"/v1/kvload/{route}{q}", None))
+        cases += [(f"get.{route}.post", "POST", f"/v1/kvload/{route}", {"a": 1}),
+                  (f"get.{route}.delete", "DELETE", f"/v1/kvload/{route}", None),
+                  (f"get.{route}.head", "HEAD", f"/v1/kvload/{route}", None),
+                  (f"get.{route}.slash", "GET", f"/v1/kvload/{route}/", None)]
+    for k, b in {"plain": Raw(b"", None), "json": {"a": 1}, "not_json": Raw(b"hello"), "deep": Raw(b"[" * 100_000),
+                 "form": Raw(b"a=1", "application/x-www-form-urlencoded"), "big": Raw(b"x" * 2_000_000)}.items():
+        cases.append((f"get.reset_prefix_cache.{k}", "POST", "/reset_prefix_cache", b))
+    cases += [("get.reset_prefix_cache.query", "POST", "/reset_prefix_cache?zzz=%ED%A0%80", Raw(b"", None)),
+              ("get.reset_prefix_cache.get", "GET", "/reset_prefix_cache", None),
+              ("get.reset_prefix_cache.put", "PUT", "/reset_prefix_cache", None),
+              ("get.reset_prefix_cache.head", "HEAD", "/reset_prefix_cache", None),
+              ("get.reset_prefix_cache.slash", "POST", "/reset_prefix_cache/", Raw(b"", None))]
+    return cases
 
 
 def put(body: Any, path: str, value: Any) -> Any:
@@ -592,10 +845,12 @@ def suspect(r: dict[str, Any]) -> list[str]:
     if r.get("exc"):
         why.append(f"no answer: {r['exc'][:120]}")
     answered = isinstance(r["status"], int)
-    if (answered and r["status"] not in OK_STATUSES and not name.endswith("hangup")) or \
+    if (answered and r["status"] not in OK_STATUSES and not name.endswith("hangup")
+            and not (name.startswith("get.reset_prefix_cache.") and r["status"] == 409)) or \
             (not answered and not r.get("exc")):
         why.append(f"status {r['status']}")
-    if isinstance(r["status"], int) and r["status"] >= 400 and "hangup" not in name and "concurrency" not in name:
+    if isinstance(r["status"], int) and r["status"] >= 400 and "hangup" not in name and "concurrency" not in name \
+            and not name.endswith((".head", ".head_bad")):  # HEAD: no body
         error, bad_shape = error_of(r, anthropic)
         if error is None:
             why.append(f"{r['status']}: {bad_shape}")
@@ -608,6 +863,10 @@ def suspect(r: dict[str, Any]) -> list[str]:
                 instead = NAMED_INSTEAD.get((tag, kind), ("\0", ""))[0]
                 if field not in named and instead not in named:
                     why.append(f"400 not naming {field}")
+    if name.startswith("get.explain.") and r["status"] == 400:
+        error, _ = error_of(r, False)
+        if error is not None and not (isinstance(error.get("param"), str) and error["param"]):
+            why.append(f"400 naming {error.get('param')!r}, not the query parameter")
     if r["status"] == 200 and kind in NEVER_OK:
         ok, _ = JUDGED_OK.get((tag, ".".join(path) or kind), (set(), ""))
         if kind not in ok:
@@ -678,6 +937,11 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only the cases whose name contains this")
     ap.add_argument("--nested", action="store_true", help="only the nested fields' cases (NESTED)")
     ap.add_argument("--summary", action="store_true", help="list the suspects (else the counts only)")
+    ap.add_argument("--group", choices=("base", "parsers", "auth", "admin"), default="base",
+                    help="base: the server without parsers (the cases above); parsers: one with --tool-call-parser "
+                         "hermes --reasoning-parser deepseek_r1 and the fields they read; auth: one with --api-key "
+                         "and every route under odd Authorization / X-Api-Key headers; admin: one with "
+                         "--enable-reset-prefix-cache and KV events, kvload's admin routes' queries and bodies")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import httpx
@@ -698,10 +962,20 @@ def main() -> None:
     capture = Captured()
     logging.getLogger().addHandler(capture)
     rows: list[dict[str, Any]] = []
+    state: dict[str, Any] = {"model_name": "tiny"}
+    kv: dict[str, Any] = {"max_tokens": 512, "tokens_per_block": 4}
+    headers: dict[str, str] = {}
+    if a.group == "parsers":
+        state.update(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    elif a.group == "auth":
+        state.update(api_keys=(KEY,), enable_reset_prefix_cache=True)
+        headers = {"Authorization": f"Bearer {KEY}"}
+    elif a.group == "admin":
+        state.update(enable_reset_prefix_cache=True)
+        kv["event_buffer_max_size"] = 100
     with a.out.open("w") as out, serving(str(ckpt), dtype="float32", max_seq_len=64, max_num_tokens=16,
-                                         kv_cache_config={"max_tokens": 512, "tokens_per_block": 4},
-                                         state={"model_name": "tiny"}) as served, \
-            httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+                                         kv_cache_config=kv, state=state) as served, \
+            httpx.Client(base_url=served.url, timeout=TIMEOUT, headers=headers) as http:
         def record(rec: dict[str, Any]) -> None:
             rows.append(rec)
             out.write(json.dumps(rec) + "\n")
@@ -715,6 +989,9 @@ def main() -> None:
         snap = served.state.engine.snapshot()["manager"]
         sweep.base_used = sum(g.used for g in snap.groups.values())
         capture.records.clear()
+        if a.group != "base":
+            group_cases(a, sweep, all_routes, record)
+            all_routes = []
         for route in all_routes:
             cases = field_cases(route, a.nested)
             for name, body in cases.items():
@@ -744,16 +1021,85 @@ def main() -> None:
                 for rec in rounds:
                     record(rec)
         # a stored response for the stored-response routes
-        stored = http.post("/v1/responses", json={**all_routes[2].good, "store": True}).json().get("id", "resp_x")
-        for name, method, path in get_cases(stored):
-            if a.only in name and not a.nested:
-                record(sweep.probe(None, name, None if method in ("GET", "HEAD") else Raw(b""), path, method))
+        if a.group == "base":
+            stored = http.post("/v1/responses", json={**routes()[2].good, "store": True}).json().get("id", "resp_x")
+            for name, method, path in get_cases(stored):
+                if a.only in name and not a.nested:
+                    record(sweep.probe(None, name, None if method in ("GET", "HEAD") else Raw(b""), path, method))
     mark_siblings(rows)
-    bad = [(r, suspect(r)) for r in rows if suspect(r)]
+    bad = [(r, r["why"] if "why" in r else suspect(r)) for r in rows]
+    bad = [(r, why) for r, why in bad if why]
     print(f"{len(rows)} cases, {len(bad)} suspects")
     if a.summary:
         for r, why in bad:
             print(f"{r['case']}: {'; '.join(why)} -- {str(r.get('body', r.get('exc', '')))[:200]!r}")
+
+
+def group_cases(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> None:
+    """The cases of --group parsers, auth or admin (each on its own server)."""
+    if a.group == "parsers":
+        for route in all_routes:
+            if route.tag not in PARSER_FIELDS:
+                continue
+            for name, body in parser_cases(route).items():
+                full = f"{route.tag}.{name}"
+                if a.only in full:
+                    record(sweep.probe(route, full, body, route.path))
+            tools = {"chat": {"tools": [WEATHER], "tool_choice": "auto"}, "responses": {"tools": [_R_TOOL]},
+                     "messages": {"tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                  "thinking": {"type": "enabled", "budget_tokens": 1024}}}[route.tag]
+            for reset in (True, False):  # the parsers' streaming paths, hung up after the first chunk
+                full = f"{route.tag}.stream.tools_{'reset' if reset else 'close'}_hangup"
+                if a.only in full:
+                    long = {**route.good, **tools, "stream": True}
+                    for key in ("max_tokens", "max_output_tokens"):
+                        if key in long:
+                            long[key] = 40
+                    record(sweep.hangup(route, full, long, reset))
+    elif a.group == "auth":
+        port = sweep.served.server.port
+        chat = next(r for r in all_routes if r.tag == "chat")
+        for rname, (method, path, body) in AUTH_ROUTES.items():
+            for hname, (hdrs, passes) in AUTH_HEADERS.items():
+                full = f"auth.{rname}.{hname}"
+                if a.only not in full:
+                    continue
+                p = path + ("&" if "?" in path else "?") + f"api_key={KEY}" if hname == "key_in_query" else path
+                start = time.monotonic()
+                rec: dict[str, Any] = {"case": full}
+                try:
+                    status, got, text = raw_request(port, method, p, hdrs, body)
+                    rec.update(status=status, s=round(time.monotonic() - start, 3),
+                               body=text[:8000].decode("utf-8", "replace"))
+                    why = auth_judge(full, status, got, text, passes, rname)
+                except Exception as e:
+                    rec.update(status=None, exc=f"{type(e).__name__}: {e}"[:300])
+                    why = [f"no answer: {rec['exc']}"]
+                rec = sweep.after(rec, chat)
+                for k, label in (("left", "left behind"), ("log", "server log"), ("still_ok", "good request after")):
+                    if rec.get(k) and rec[k] is not True:
+                        why.append(f"{label}: {str(rec[k])[:160]}")
+                rec["why"] = why
+                record(rec)
+    else:
+        completion = next(r for r in all_routes if r.tag == "completion")
+        for name, method, path, body in admin_cases():
+            if a.only in name:
+                record(sweep.probe(completion, name, body, path, method))
+        full = "get.reset_prefix_cache.while_streaming"
+        if a.only in full:  # a reset while a stream holds blocks: 409, nothing dropped, the stream unharmed
+            import httpx
+
+            with httpx.Client(base_url=sweep.served.url, timeout=TIMEOUT) as c, \
+                    c.stream("POST", "/v1/completions", json={**completion.good, "max_tokens": 40,
+                                                              "stream": True}) as s:
+                it = s.iter_lines()
+                next(it)
+                rec = sweep.probe(None, full, Raw(b"", None), "/reset_prefix_cache")
+                rest = list(it)
+                if not rest or rest[-1] != "data: [DONE]":
+                    rec["still_ok"] = f"stream ended {rest[-1:]}"
+            record(sweep.after(rec, completion))
 
 
 if __name__ == "__main__":

@@ -444,6 +444,10 @@ def test_response_format_text_priority_zero_and_best_of_n_are_served(served):
     *[("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "description": value}}],
         "tool_choice": "none"}, "tools[0].function.description", f"expected a string, got {shown}")
       for value, shown in ((2**63, "9223372036854775808"), ({"a": 1}, "{'a': 1}"), ([], "[]"), (False, "False"))],
+    # likewise: a strict of any JSON was taken (vLLM's is a bool, /v1/responses checks its tools[i].strict so)
+    *[("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "strict": value}}],
+        "tool_choice": "none"}, "tools[0].function.strict", f"expected true or false, got {shown}")
+      for value, shown in ((2**63, "9223372036854775808"), ({"a": [1]}, "{'a': [1]}"), ("abc", "'abc'"), (0, "0"))],
 ])
 def test_what_kvload_cannot_do_is_a_400_naming_the_field(served, path, extra, param, words):
     body = {"messages": CONV} if path.endswith("chat/completions") else {"prompt": PROMPT}

@@ -389,3 +389,20 @@ def test_a_head_at_the_limit_is_served(served):
     pad = 16_384 - len(head) - len(b"\r\n\r\n")
     got, _, payload = _raw(served, head + b"a" * pad + b"\r\n\r\n")
     assert (got, json.loads(payload)) == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"HEAD /v1/models HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 60_000 + b"\r\n\r\n", 431),
+    (b"HEAD /health HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nContent-Length: 0\r\n\r\n", 400),
+    (b"HEAD /v1/models HTTP/1.2\r\nHost: t\r\n\r\n", 505)])
+def test_a_refused_head_request_is_answered_headers_only_and_logs_no_failure(served, head, status, caplog):
+    """A HEAD request refused below the app (a head past the limit, both lengths, another HTTP version) was
+    answered with the status line and then dropped: its error body is no HEAD answer's, h11 refused it, and asyncio
+    logged "Fatal error: protocol.data_received() call failed" with a traceback, a line any client could cause."""
+    with caplog.at_level(logging.WARNING):
+        got, headers, payload = _raw(served, head)
+    assert (got, headers["content-type"], headers["connection"], payload) == (status, "application/json", "close",
+                                                                              b"")
+    assert int(headers["content-length"]) > 0  # what the GET's body would be, as HEAD says
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    _served_normally(served)

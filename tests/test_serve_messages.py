@@ -527,3 +527,23 @@ def test_a_tool_call_with_an_integer_json_cannot_write_is_one_error_naming_the_c
                    "/v1/chat/completions (arguments as text)"}
     assert _tool_use({**call, "function": {"name": "count", "arguments": '{"n": [2, ' + "9" * 4300 + "]}"}})[
         "input"] == {"n": [2, int("9" * 4300)]}  # at the limit: read as before
+
+
+@pytest.mark.parametrize("block, field", [
+    ({"type": "thinking", "thinking": "a\ud800", "signature": "s"}, "thinking"),
+    ({"type": "thinking", "thinking": "a", "signature": 5}, "signature"),
+    ({"type": "thinking", "thinking": "a", "signature": {"a": [1]}}, "signature"),
+    ({"type": "redacted_thinking", "data": 10**30}, "data"),
+    ({"type": "redacted_thinking", "data": "x", "zzz": 1}, "zzz")])
+def test_a_thinking_blocks_bad_field_is_refused_naming_the_block_s_own_field(plain, block, field):
+    """A thinking block's lone surrogate was named as the chat path's messages[1].reasoning, a field the Messages
+    body does not have; a signature or redacted_thinking's data of any JSON (and any extra key) was served."""
+    body = {"model": plain.served.state.model_name, "max_tokens": 5, "messages": [
+        *HELLO, {"role": "assistant", "content": [block, {"type": "text", "text": "Hi."}]},
+        {"role": "user", "content": "More."}]}
+    r = plain.served.http.post("/v1/messages", content=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert error["message"].startswith(f"messages[1].content[0].{field}: "), error

@@ -458,3 +458,22 @@ def test_an_input_items_id_that_is_no_printable_text_is_a_400_naming_it(kept, ke
     fine = create(kept, input=[{"role": "user", "content": "Hello", "id": "msg_1"}], max_output_tokens=5)
     listed = http.get(f"/v1/responses/{fine.id}/input_items")
     assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "msg_1"
+
+
+@pytest.mark.parametrize("key, value, param", [
+    ("summary", [{"type": "summary_text", "text": "a\ud800"}], "input[0].summary"),
+    ("content", [{"type": "reasoning_text", "text": "a\ud800"}], "input[0].content"),
+    ("encrypted_content", "a\ud800", "input[0].encrypted_content")])
+def test_a_reasoning_items_text_that_is_no_unicode_is_a_400_naming_it_not_a_kept_500(kept, key, value, param):
+    """A reasoning item is kept and listed back as sent: a lone surrogate in its text (thinking no assistant turn
+    follows, or no template renders) was served 200, and every ``input_items`` listing of that response was then a
+    500 (it could not be encoded)."""
+    http = kept.served.http
+    kept.script.say("Hi.")
+    item = {"type": "reasoning", "id": "rs_1", "summary": [], key: value}
+    body = json.dumps({"input": [item, {"role": "user", "content": "Hello"}], "max_output_tokens": 5})
+    r = http.post("/v1/responses", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text[:300],
+                                  http.get(f"/v1/responses/{r.json().get('id')}/input_items").status_code)
+    error = r.json()["error"]
+    assert error["param"].startswith(param) and "not valid Unicode text (a lone surrogate" in error["message"], error

@@ -20,7 +20,15 @@ from typing import Any
 import attrs
 
 from kvload.serve.command import TOOL_CALL_PARSERS
-from kvload.serve.protocol import EFFORT_IGNORED, AsSent, BadRequest, need_schema, not_an_object, renamed_as
+from kvload.serve.protocol import (
+    EFFORT_IGNORED,
+    AsSent,
+    BadRequest,
+    _check_unicode,
+    need_schema,
+    not_an_object,
+    renamed_as,
+)
 
 #: The Messages fields kvload acts on or reports (count_tokens takes those that shape the prompt).
 ACCEPTED = frozenset({"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
@@ -235,9 +243,17 @@ def _messages(value: Any, ignored: list[tuple[str, Any, str]]) -> tuple[list[dic
                 _fields(block, at, {"type", "thinking", "signature", "cache_control"})
                 _need(isinstance(block.get("thinking"), str), f"{at}.thinking", "a string (the answer's thinking)",
                       block.get("thinking"))
+                # named here: the chat path would name the turn it becomes (messages[i].reasoning)
+                _check_unicode(block["thinking"], f"{at}.thinking")
+                # Anthropic's opaque string, used for nothing here: any JSON was taken
+                _need(block.get("signature") is None or isinstance(block["signature"], str), f"{at}.signature",
+                      "a string (the thinking's signature)", block.get("signature"))
                 _cache_control(block, at, ignored)
                 thoughts.append(block["thinking"])
             elif kind == "redacted_thinking" and role == "assistant":
+                _fields(block, at, {"type", "data", "cache_control"})
+                _need(isinstance(block.get("data"), str), f"{at}.data", "a string (the encrypted thinking)",
+                      block.get("data"))
                 ignored.append((at, kind, "thinking encrypted by another provider: the chat template is given none"))
             elif kind == "tool_result" and role == "user":
                 messages.append(_tool_result(block, at, calls, ignored))

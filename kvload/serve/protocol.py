@@ -881,6 +881,10 @@ def _tools(body: dict[str, Any], empty: bool = False) -> list[dict[str, Any]] | 
         # (OpenAI's and vLLM's: a string; /v1/responses and /v1/messages check theirs so)
         _need(description is None or isinstance(description, str), f"tools[{i}].function.description", "a string",
               description)
+        strict = function.get("strict")  # type: ignore[union-attr]
+        # likewise rendered (a template that writes the tool as JSON): any JSON was taken (vLLM's: a bool; /v1/responses
+        # checks its tools[i].strict so)
+        _need(strict is None or isinstance(strict, bool), f"tools[{i}].function.strict", "true or false", strict)
         parameters = function.get("parameters")  # type: ignore[union-attr]
         need_schema(parameters, f"tools[{i}].function.parameters", optional=True)
         _check_unicode(function.get("name"), f"tools[{i}].function.name")  # type: ignore[union-attr]

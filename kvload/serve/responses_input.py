@@ -383,8 +383,12 @@ def _item_meta(item: dict[str, Any], where: str, kind: str) -> None:
                                                                                                         "text"}
             for p in parts))
         _need(ok, f"{where}.{key}", f'a list of {{"type": "{part}", "text": ...}} parts', parts)
+        # kept and listed back as sent: a lone surrogate (in thinking no template renders, or one no assistant turn
+        # follows) was served, and every input_items listing of the response failed to encode it (500)
+        _check_unicode(parts, f"{where}.{key}")
     encrypted = item.get("encrypted_content")
     _need(encrypted is None or isinstance(encrypted, str), f"{where}.encrypted_content", "a string", encrypted)
+    _check_unicode(encrypted, f"{where}.encrypted_content")
 
 
 def _fields(item: dict[str, Any], where: str, allowed: set[str]) -> None:

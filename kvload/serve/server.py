@@ -435,12 +435,14 @@ class _Deadlines(H11Protocol):
         self._stalled: asyncio.TimerHandle | None = None
         self._phase: tuple[Any, ...] | None = None
         self._refused: h11.RemoteProtocolError | None = None
+        self._head_request = False  # the request in hand is a HEAD: its refusal is answered without a body
         next_event = self.conn.next_event
 
         def caught() -> Any:  # uvicorn drops h11's reason before send_400_response: kept here, for the answer
             try:
                 event = next_event()
                 if isinstance(event, h11.Request):
+                    self._head_request = event.method == b"HEAD"
                     _check_head_size(event, self.config.h11_max_incomplete_event_size or HEAD_LIMIT)
                     _check_version(event)
                     _check_framing(event)
@@ -466,6 +468,7 @@ class _Deadlines(H11Protocol):
         self._track()
 
     def on_response_complete(self) -> None:
+        self._head_request = False
         super().on_response_complete()
         self._track()
 
@@ -532,7 +535,11 @@ class _Deadlines(H11Protocol):
                    (b"connection", b"close")]
         self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers,
                                                          reason=http.HTTPStatus(status).phrase.encode())))
-        self.transport.write(self.conn.send(h11.Data(data=body)))
+        # a HEAD's answer has the headers a GET's would, and no body (RFC 9110 9.3.2): h11 refused the body's bytes
+        # ("Too much data for declared Content-Length"), which asyncio logged as a fatal error with a traceback and
+        # answered by dropping the connection after the status line
+        if not self._head_request:
+            self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
         if self.cycle is not None and not self.cycle.response_complete:
             # a request's body was being read: its app is running and holds a slot until it hears the client left,
