@@ -210,27 +210,24 @@ class ResolveAuto:
         proposed = ctx.model_defaults.get("max_seq_len") if auto else None
         if proposed is not None:  # an explicit "auto" kept the model default out: it lets the model decide, as unset
             spec_name = ctx.spec.name if ctx.spec is not None else "the model"
-            set_field(ctx.args, "max_seq_len", proposed)
-            ctx.fit_max_seq_len = True
-            emit(AutoResolved(field="max_seq_len", original=AUTO, old=AUTO, new=proposed, source="model_default",
-                              reason=f"{spec_name} proposes {proposed} in its model defaults; the explicit \"auto\" "
-                                     "lets the model decide, lowered by the KV plan to the longest sequence its budget "
-                                     "holds when that is less (vLLM's max_model_len -1/auto)"))
-            return
-        limit = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
-        if limit is None:
-            why = "auto (vLLM's max_model_len -1) starts from it" if auto else "set max_seq_len"
-            raise ConfigError(f"max_seq_len: the checkpoint declares no max_position_embeddings; {why}; set "
-                              "max_seq_len to a number", path="max_seq_len")
-        set_field(ctx.args, "max_seq_len", limit)
+            new, source = proposed, "model_default"
+            reason = (f"{spec_name} proposes {proposed} in its model defaults; the explicit \"auto\" lets the model "
+                      "decide")
+        else:
+            new = ctx.spec.max_position_embeddings() if ctx.spec is not None else None
+            if new is None:
+                why = "auto (vLLM's max_model_len -1) starts from it" if auto else "set max_seq_len"
+                raise ConfigError(f"max_seq_len: the checkpoint declares no max_position_embeddings; {why}; set "
+                                  "max_seq_len to a number", path="max_seq_len")
+            source, reason = "checkpoint", f"the checkpoint's max_position_embeddings {new}"
+        set_field(ctx.args, "max_seq_len", new)
         if auto:
             ctx.fit_max_seq_len = True
-            emit(AutoResolved(field="max_seq_len", original=AUTO, old=AUTO, new=limit, source="checkpoint",
-                              reason=f"the checkpoint's max_position_embeddings {limit}, lowered by the KV plan to "
-                                     "the longest sequence its budget holds when that is less (vLLM's max_model_len "
-                                     "-1/auto)"))
+            emit(AutoResolved(field="max_seq_len", original=AUTO, old=AUTO, new=new, source=source,
+                              reason=f"{reason}, lowered by the KV plan to the longest sequence its budget holds when "
+                                     "that is less (vLLM's max_model_len -1/auto)"))
             return
-        emit(FieldDerived(field="max_seq_len", old=None, new=limit, source="checkpoint",
+        emit(FieldDerived(field="max_seq_len", old=None, new=new, source="checkpoint",
                           reason="null takes the checkpoint's max_position_embeddings"))
 
     @staticmethod
