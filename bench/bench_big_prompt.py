@@ -87,6 +87,22 @@ def one_round(url: str, prompt: str) -> tuple[float, float, float]:
     return big[0][1], small, health
 
 
+def side_by_side(title: str, command: str, columns: list[str], got: dict[str, list[tuple[float, ...]]],
+                 sooner: list[tuple[int, str]]) -> str:
+    """The markdown table of :func:`interleaved`'s results: a row of medians per checkout (``columns[1:]``, in the
+    order ``one`` returns them), and with a baseline how much sooner this checkout is for each ``(column, what)``."""
+    table = Table(title, command + (" --baseline DIR" if "baseline" in got else ""), columns)
+    for name, rounds in got.items():
+        table.rows.append([name, *(f"{median([r[k] for r in rounds]):.3f}" for k in range(len(columns) - 1))])
+    if "baseline" in got:
+        base, this = got["baseline"], got["this checkout"]
+        for k, what in sooner:
+            table.notes.append(f"{what}: {ratio(median([r[k] for r in base]) / median([r[k] for r in this]))} "
+                               "sooner than the baseline's")
+    table.notes.append(", ".join(f"{k}: {v}" for k, v in machine().items()))
+    return table.markdown()
+
+
 def interleaved(trees: dict[str, Path], model: str, repeats: int,
                 one: Callable[[str], tuple[float, ...]]) -> dict[str, list[tuple[float, ...]]]:
     """A server per checkout in ``trees``, all up at once; ``repeats`` rounds of ``one(url)``, one server after the
@@ -116,18 +132,10 @@ def main() -> None:
     trees = {"this checkout": REPO, **({"baseline": args.baseline} if args.baseline else {})}
     got = interleaved(trees, args.model, args.repeats, lambda url: one_round(url, prompt))
     command = f"python -m bench.bench_big_prompt --model {args.model} --mb {args.mb:g} --repeats {args.repeats}"
-    table = Table(f"A {args.mb:g} MB prompt on kvload serve {args.model}", command + (" --baseline DIR" if
-                  args.baseline else ""), ["checkout", "big prompt refused, s", "small request meanwhile, s",
-                                           "/health meanwhile, s"])
-    for name, rounds in got.items():
-        table.rows.append([name, *(f"{median([r[k] for r in rounds]):.3f}" for k in range(3))])
-    if args.baseline:
-        base, this = got["baseline"], got["this checkout"]
-        for k, what in enumerate(("the refusal", "the small request")):
-            table.notes.append(f"{what}: {ratio(median([r[k] for r in base]) / median([r[k] for r in this]))} "
-                               "sooner than the baseline's")
-    table.notes.append(", ".join(f"{k}: {v}" for k, v in machine().items()))
-    print(table.markdown())
+    print(side_by_side(f"A {args.mb:g} MB prompt on kvload serve {args.model}", command,
+                       ["checkout", "big prompt refused, s", "small request meanwhile, s", "/health meanwhile, s"],
+                       got, [(0, "the refusal"), (1, "the small request")]))
+
 
 if __name__ == "__main__":
     main()

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_big_prompt import REPO, _post, interleaved
-from bench.common import Table, machine, median, ratio
+from bench.bench_big_prompt import REPO, _post, interleaved, side_by_side
 
 
 def one_round(url: str, prompts: list[str]) -> tuple[float, float]:
@@ -50,19 +49,10 @@ def main() -> None:
     got = interleaved(trees, args.model, args.repeats, lambda url: one_round(url, prompts))
     command = (f"python -m bench.bench_many_prompts --model {args.model} --prompts {args.prompts} --chars {args.chars} "
                f"--repeats {args.repeats}")
-    table = Table(f"{args.prompts} prompts of {args.chars:,} characters in one request on kvload serve {args.model}",
-                  command + (" --baseline DIR" if args.baseline else ""),
-                  ["checkout", "many-prompt request refused, s", "small request meanwhile, s"])
-    for name, rounds in got.items():
-        table.rows.append([name, *(f"{median([r[k] for r in rounds]):.3f}" for k in range(2))])
-    if args.baseline:
-        base, this = got["baseline"], got["this checkout"]
-        for k, what in ((1, "the small request"), (0, "the many-prompt request")):
-            table.notes.append(f"{what}: {ratio(median([r[k] for r in base]) / median([r[k] for r in this]))} "
-                               "sooner than the baseline's")
-    table.notes.append(", ".join(f"{k}: {v}" for k, v in machine().items()))
-    print(table.markdown())
-
+    print(side_by_side(f"{args.prompts} prompts of {args.chars:,} characters in one request on kvload serve "
+                       f"{args.model}", command, ["checkout", "many-prompt request refused, s",
+                                                  "small request meanwhile, s"],
+                       got, [(1, "the small request"), (0, "the many-prompt request")]))
 
 if __name__ == "__main__":
     main()

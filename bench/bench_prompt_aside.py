@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_big_prompt import REPO, _post, interleaved
-from bench.common import Table, machine, median, ratio
+from bench.bench_big_prompt import REPO, _post, interleaved, side_by_side
 
 
 def one_round(url: str, text: str, gap: float) -> tuple[float, float]:
@@ -48,20 +47,11 @@ def main() -> None:
     text = " ".join(rng.choice(words) for _ in range(args.chars // 3))[: args.chars]
     trees: dict[str, Any] = {"this checkout": REPO, **({"baseline": args.baseline} if args.baseline else {})}
     got = interleaved(trees, args.model, args.repeats, lambda url: one_round(url, text, args.gap))
-    table = Table(f"A small request sent while a {args.chars:,}-character prompt is tokenized on kvload serve "
-                  f"{args.model}", f"python -m bench.bench_prompt_aside --model {args.model} --chars {args.chars} "
-                  f"--repeats {args.repeats} --gap {args.gap:g}" + (" --baseline DIR" if args.baseline else ""),
-                  ["checkout", "big prompt refused, s", "small request meanwhile, s"])
-    for name, rounds in got.items():
-        table.rows.append([name, *(f"{median([r[k] for r in rounds]):.3f}" for k in range(2))])
-    if args.baseline:
-        base, this = got["baseline"], got["this checkout"]
-        for k, what in ((1, "the small request"), (0, "the big prompt's refusal")):
-            table.notes.append(f"{what}: {ratio(median([r[k] for r in base]) / median([r[k] for r in this]))} "
-                               "sooner than the baseline's")
-    table.notes.append(", ".join(f"{k}: {v}" for k, v in machine().items()))
-    print(table.markdown())
-
+    command = (f"python -m bench.bench_prompt_aside --model {args.model} --chars {args.chars} --repeats {args.repeats} "
+               f"--gap {args.gap:g}")
+    print(side_by_side(f"A small request sent while a {args.chars:,}-character prompt is tokenized on kvload serve "
+                       f"{args.model}", command, ["checkout", "big prompt refused, s", "small request meanwhile, s"],
+                       got, [(1, "the small request"), (0, "the big prompt's refusal")]))
 
 if __name__ == "__main__":
     main()
