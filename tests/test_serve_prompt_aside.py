@@ -97,6 +97,7 @@ CHAT_CASES = [  # (path, the big body, its status, the small body)
     ("/v1/responses", {"input": BIG, "max_output_tokens": 1}, 400, {"input": "w1 w2", "max_output_tokens": 1}),
     ("/v1/messages", _chat(BIG, max_tokens=1), 400, _chat("w1 w2", max_tokens=1)),
     ("/tokenize", _chat(BIG), 200, _chat("w1 w2")),
+    ("/pooling", _chat(BIG), 400, _chat("w1 w2")),
     ("/v1/completions", {"prompt": BIG, "max_tokens": 1, "truncate_prompt_tokens": 8}, 200,
      {"prompt": "w1 w2", "max_tokens": 1}),
 ]
@@ -106,10 +107,10 @@ CHAT_CASES = [  # (path, the big body, its status, the small body)
                          ids=[f"{c[0]}{'-truncated' if 'truncate_prompt_tokens' in c[1] else ''}" for c in CHAT_CASES])
 def test_a_long_chat_or_truncated_prompt_is_tokenized_off_the_gate_and_a_small_request_is_answered_meanwhile(
         tiny_checkpoints, tmp_path, monkeypatch, path, big_body, status, small_body):
-    """A chat's templated text (chat completions, responses, Anthropic's messages, /tokenize of messages) and a prompt
-    cut by truncate_prompt_tokens were tokenized in one turn of the parse gate however long: a small request sent
-    meanwhile waited for all of it. Now it is answered while the long one is tokenized, which then gets its answer
-    of before: refused by its token count, or its last 8 tokens kept."""
+    """A chat's templated text (chat completions, responses, Anthropic's messages, /tokenize and /pooling of
+    messages) and a prompt cut by truncate_prompt_tokens were tokenized in one turn of the parse gate however long: a
+    small request sent meanwhile waited for all of it. Now it is answered while the long one is tokenized, which then
+    gets its answer of before: refused by its token count, its ids, or its last 8 tokens kept."""
     words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
     with serving(str(words), dtype="float32", max_seq_len=64, kv_cache_config={"max_tokens": 512}) as served:
         tok = served.state.engine.tokenizer
@@ -126,5 +127,6 @@ def test_a_long_chat_or_truncated_prompt_is_tokenized_off_the_gate_and_a_small_r
             assert big.json()["tokens"] == ids
         elif status == 200:  # its last 8 tokens kept
             assert big.json()["usage"]["prompt_tokens"] == 8
-        else:
-            assert f"{len(ids)} tokens leave no room to generate" in big.text, big.text
+        else:  # refused by the count of all its tokens
+            field = "input" if path == "/v1/responses" else "messages"
+            assert big.json()["error"]["message"].startswith(f"{field}: {len(ids)} tokens"), big.text
