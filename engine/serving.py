@@ -386,13 +386,16 @@ class ServingEngine:
 
     def encode_messages(self, messages: list[dict[str, str]], template: Mapping[str, Any] | None = None, *,
                         add_special_tokens: bool = False, room: bool = True,
-                        instead: str = "use /v1/completions with token ids") -> list[int]:
+                        instead: str = "use /v1/completions with token ids",
+                        tokenize: Callable[[str, bool], list[int]] | None = None) -> list[int]:
         """Token ids of a chat conversation through the chat template (the tokenizer's, or
         ``template["chat_template"]``), ready for the reply. ``template``: ``engine.prompts.template_options``'
         keywords (vLLM's add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs);
         ``add_special_tokens``: the tokenizer's BOS on top of what the template writes (vLLM's, off by default);
         ``room``: refuse a conversation that leaves no room to generate (off for /tokenize); ``instead``: what the
-        refusal of a tokenizer without a chat template offers (the endpoint's own field for a prompt)."""
+        refusal of a tokenizer without a chat template offers (the endpoint's own field for a prompt); ``tokenize``:
+        ``tokenize(text, add_special_tokens)``, the templated text's ids as the tokenizer gives them (the server's
+        tokenizes a long one off its parse gate, on a copy of the tokenizer: the same ids)."""
         template = dict(template or {})
         for j, m in enumerate(messages):  # a lone surrogate would reach the tokenizer as a TypeError
             check_text(f"messages[{j}].content", m["content"])
@@ -407,7 +410,8 @@ class ServingEngine:
         check_text("messages: the chat template's text", text)
         if room:
             self._check_chars("messages", text)
-        ids = [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
+        ids = ([int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]] if tokenize is None
+               else tokenize(text, add_special_tokens))
         if room and len(ids) >= self.executor.max_seq_len:
             raise GenerationError(f"messages: {len(ids)} tokens leave no room to generate under "
                                   f"max_seq_len={self.executor.max_seq_len}")

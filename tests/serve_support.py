@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -222,3 +223,47 @@ def typed_events(served: Served, path: str, body: dict[str, Any], models: Any) -
                 assert event.type == kind  # the SSE event name is the event's type
                 out.append(event)
     return out
+
+
+def answered_meanwhile(served: Served, monkeypatch: Any, path: str, big_body: dict[str, Any], small_path: str,
+                       small_body: dict[str, Any]) -> tuple[httpx.Response, httpx.Response, list[str]]:
+    """``big_body`` posted to ``path``, its long text's tokenizing held until a small request (``small_body`` to
+    ``small_path``) is answered, or until that request waits at the parse gate behind it; (the big answer, the small
+    one, the order of "small answered" and "big tokenized")."""
+    gate = served.server.server.config.app.state.parse_gate
+    tok = served.state.engine.tokenizer
+    real = type(tok).__call__
+    entered = threading.Event()
+    order: list[str] = []
+
+    def held(self: Any, text: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(text, str) and len(text) > 65536:
+            entered.set()
+            # the small request answered meanwhile, or (main) queued at the gate this tokenizing holds
+            for _ in range(int(TIMEOUT / 0.01)):
+                if "small answered" in order or gate.waiting():
+                    break
+                time.sleep(0.01)
+            order.append("big tokenized")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "__call__", held)
+    answers: dict[str, httpx.Response] = {}
+
+    def send_big() -> None:
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            answers["big"] = http.post(path, json=big_body)
+
+    big = threading.Thread(target=send_big)
+    big.start()
+    try:
+        while big.is_alive() and not entered.wait(0.05):
+            pass
+        assert entered.is_set(), answers["big"].text[:300]  # its long text tokenized
+        with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+            small = http.post(small_path, json=small_body)
+        order.append("small answered")
+    finally:
+        big.join(TIMEOUT)
+    monkeypatch.setattr(type(tok), "__call__", real)
+    return answers["big"], small, order

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.llm_support import with_tokenizer
-from tests.serve_support import TIMEOUT, serving
+from tests.serve_support import TIMEOUT, answered_meanwhile, serving
 
 BIG = " ".join(f"w{i % 500 + 1}" for i in range(20_000))  # ~100,000 characters: 20,000 tokens
 
@@ -80,3 +80,53 @@ def test_a_tokenizer_that_cannot_be_copied_tokenizes_a_big_prompt_on_the_gate_as
         assert big.json()["error"]["message"] == (f"prompt: {expected} tokens leave no room to generate under "
                                                   "max_seq_len=64; shorten it or raise max_seq_len")
         assert small.status_code == 200, small.text
+
+
+# --- a chat's templated text, and a prompt cut by truncate_prompt_tokens ------------------------------------------
+
+TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}"  # the word tokenizer's chat template: the words
+
+
+def _chat(content: str, **body: object) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": content}], **body}
+
+
+CHAT_CASES = [  # (path, the big body, its status, the small body)
+    ("/v1/chat/completions", _chat(BIG, max_tokens=1), 400, _chat("w1 w2", max_tokens=1)),
+    ("/v1/chat/completions", _chat(BIG, max_tokens=1, truncate_prompt_tokens=8), 200, _chat("w1 w2", max_tokens=1)),
+    ("/v1/responses", {"input": BIG, "max_output_tokens": 1}, 400, {"input": "w1 w2", "max_output_tokens": 1}),
+    ("/v1/messages", _chat(BIG, max_tokens=1), 400, _chat("w1 w2", max_tokens=1)),
+    ("/tokenize", _chat(BIG), 200, _chat("w1 w2")),
+    ("/pooling", _chat(BIG), 400, _chat("w1 w2")),
+    ("/v1/completions", {"prompt": BIG, "max_tokens": 1, "truncate_prompt_tokens": 8}, 200,
+     {"prompt": "w1 w2", "max_tokens": 1}),
+]
+
+
+@pytest.mark.parametrize("path, big_body, status, small_body", CHAT_CASES,
+                         ids=[f"{c[0]}{'-truncated' if 'truncate_prompt_tokens' in c[1] else ''}" for c in CHAT_CASES])
+def test_a_long_chat_or_truncated_prompt_is_tokenized_off_the_gate_and_a_small_request_is_answered_meanwhile(
+        tiny_checkpoints, tmp_path, monkeypatch, path, big_body, status, small_body):
+    """A chat's templated text (chat completions, responses, Anthropic's messages, /tokenize and /pooling of
+    messages) and a prompt cut by truncate_prompt_tokens were tokenized in one turn of the parse gate however long: a
+    small request sent meanwhile waited for all of it. Now it is answered while the long one is tokenized, which then
+    gets its answer of before: refused by its token count, its ids, or its last 8 tokens kept."""
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
+    with serving(str(words), dtype="float32", max_seq_len=64, kv_cache_config={"max_tokens": 512}) as served:
+        tok = served.state.engine.tokenizer
+        tok.chat_template = TEMPLATE
+        if path == "/v1/messages":  # Anthropic's API names the model
+            model = {"model": served.state.served_names[0]}
+            big_body, small_body = {**big_body, **model}, {**small_body, **model}
+        ids = [int(t) for t in tok(BIG + " ", add_special_tokens=False)["input_ids"]]
+        big, small, order = answered_meanwhile(served, monkeypatch, path, big_body, path, small_body)
+        assert small.status_code == 200, small.text
+        assert order == ["small answered", "big tokenized"]  # main: the small one waited for the whole tokenizing
+        assert big.status_code == status, big.text
+        if path == "/tokenize":
+            assert big.json()["tokens"] == ids
+        elif status == 200:  # its last 8 tokens kept
+            assert big.json()["usage"]["prompt_tokens"] == 8
+        else:  # refused by the count of all its tokens
+            field = "input" if path == "/v1/responses" else "messages"
+            assert big.json()["error"]["message"].startswith(f"{field}: {len(ids)} tokens"), big.text

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import openai
 import pytest
 
 from tests.cli_support import run_cli
 from tests.conftest import needs_smollm2
-from tests.serve_support import fails_once, serving
+from tests.serve_support import answered_meanwhile, fails_once, serving
 
 pytestmark = needs_smollm2
 
@@ -191,3 +193,45 @@ def test_a_stream_the_engine_fails_ends_with_its_error_chunk_then_done(smol, mon
     monkeypatch.undo()
     again = create(**args)  # the server serves on
     assert again.choices[0].finish_reason in ("stop", "length")
+
+
+# --- a long chat, or a prompt cut by truncate_prompt_tokens, tokenized off the parse gate: the same tokens ---------
+
+_WORDS = ("The", "capital", "of", "France", "is", "Paris,", "naïve", "café", "日本語", "—", "it's", "1984.", "\n",
+          "  ", "{\"key\":", "<|im_end|>", "tab\tbed", "x" * 40, "Ünïcödé", "🙂", "can't", "(ok)")
+_RNG = random.Random(0)
+LONG = "".join(_RNG.choice(_WORDS) + _RNG.choice(" \n") for _ in range(20_000))[:70_000]  # past 64 Ki characters
+QUICK = ("/v1/completions", {"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 1})
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"messages": [{"role": "user", "content": LONG}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1,
+                              "truncate_prompt_tokens": 100, "return_token_ids": True}),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 1, "truncate_prompt_tokens": 100, "return_token_ids": True}),
+], ids=["tokenize-messages", "chat", "chat-truncated", "completions-truncated"])
+def test_a_long_chat_or_truncated_prompt_tokenized_off_the_gate_has_the_tokens_of_the_tokenizer(smol, monkeypatch,
+                                                                                                path, body):
+    """A long chat's templated text and a prompt cut by truncate_prompt_tokens, tokenized on the server's copy of
+    SmolLM2's tokenizer while a small request is answered, have the ids the tokenizer itself gives (all of them, the
+    count of a refusal, or the last 100 kept)."""
+    tok = smol.state.engine.tokenizer
+    if "messages" in body:
+        full = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+        full = [int(t) for t in (full["input_ids"] if hasattr(full, "keys") else full)]
+    else:
+        full = [int(t) for t in tok(LONG)["input_ids"]]
+    assert len(LONG) == 70_000 and len(full) > 8192  # past the context: tokenized whole, then cut, counted or refused
+    big, small, order = answered_meanwhile(smol, monkeypatch, path, {"model": "smollm2-135m", **body}, *QUICK)
+    assert small.status_code == 200, small.text
+    assert order == ["small answered", "big tokenized"]  # main: the small one waited for the whole tokenizing
+    assert big.status_code == (400 if "truncate_prompt_tokens" not in body and path != "/tokenize" else 200)
+    if path == "/tokenize":
+        assert big.json()["tokens"] == full
+    elif "truncate_prompt_tokens" not in body:
+        assert big.json()["error"]["message"].startswith(f"messages: {len(full)} tokens leave no room to generate")
+    elif path == "/v1/completions":
+        assert big.json()["choices"][0]["prompt_token_ids"] == full[-100:]
+    else:
+        assert big.json()["prompt_token_ids"] == full[-100:]

@@ -13,7 +13,6 @@ too (``kvload.serve.scoring``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 import uuid
@@ -30,7 +29,7 @@ from engine.executor import POOLED
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
-from kvload.serve.parse_gate import Departure, ParseGate, aside, pass_turn
+from kvload.serve.parse_gate import Departure, ParseGate, pass_turn
 from kvload.serve.pooled_encoding import Encoding, base64_floats, bytes_response, encoding_of
 from kvload.serve.protocol import (
     PROMPTS_EXPECTED,
@@ -46,7 +45,7 @@ from kvload.serve.protocol import (
 )
 from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down, on_disconnect
-from kvload.serve.request_input import _check_model, _header_request_id, _tokenize_aside, can_aside
+from kvload.serve.request_input import _check_model, _header_request_id, text_tokens
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
 from pipeline.errors import GenerationError, KvBuildError, first_line
@@ -120,13 +119,7 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
         try:
             if isinstance(item, str) and params.truncate_prompt_tokens is None:  # past max_seq_len by its characters
                 engine.check_embedding_chars(where, item, what)  # alone: refused untokenized
-            if can_aside(engine, item):  # as _encode
-                ids, held = aside(functools.partial(_tokenize_aside, engine, item, add_special_tokens, where))
-                if not held:
-                    raise _shutting_down()
-            else:
-                ids = engine.tokenize(item, add_special_tokens=add_special_tokens, where=where) \
-                    if isinstance(item, str) else item
+            ids = text_tokens(engine, item, add_special_tokens, where) if isinstance(item, str) else item  # as _encode
             # cut as asked; in the vocabulary; it fits
             ids = engine.check(ids, params, pool=True, what=what).prompt_token_ids
         except (GenerationError, KvBuildError) as exc:

@@ -129,7 +129,8 @@ def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[li
     if job.kind == "chat":
         try:
             ids = engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
-                                         room=room and keep is None)  # cut first, then it fits
+                                         room=room and keep is None,  # cut first, then it fits
+                                         tokenize=functools.partial(text_tokens, engine, where="messages"))
         except GenerationError as exc:
             raise _messages_error(exc, job.template) from None
         return [kept(ids)], [keep is not None and len(ids) > keep]
@@ -142,14 +143,16 @@ def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[li
             raise _shutting_down()
         try:
             if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
-                ids = engine.prompt_ids(prompt, add_special_tokens=job.add_special_tokens)
+                if isinstance(prompt, str):  # all of it tokenized, a long one off the gate (the same ids), then cut
+                    prompt = text_tokens(engine, prompt, job.add_special_tokens)
+                ids = engine.prompt_ids(prompt)  # an empty one refused
                 cut.append(len(ids) > keep)
                 prompt = kept(ids)
             elif can_aside(engine, prompt):
                 engine.check_prompt_chars(prompt)  # as encode: one too long by its characters is refused untokenized
-                prompt, held = aside(functools.partial(_tokenize_aside, engine, prompt, job.add_special_tokens))
-                if engine.stopping or not held:
-                    raise _shutting_down()
+                prompt = text_tokens(engine, prompt, job.add_special_tokens)
+            if engine.stopping:
+                raise _shutting_down()
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
@@ -184,6 +187,19 @@ def can_aside(engine: ServingEngine, text: Any) -> bool:
                 got = (None, threading.Lock())
             _COPIES[tok] = got
     return got[0] is not None
+
+
+def text_tokens(engine: ServingEngine, text: str, add_special_tokens: bool, where: str = "prompt 0") -> list[int]:
+    """``text``'s token ids as :meth:`ServingEngine.tokenize` gives them; one past :data:`ASIDE_CHARS`
+    (:func:`can_aside`) tokenized off the parse gate, on the tokenizer's copy, while the requests waiting are parsed
+    (``parse_gate.aside``): the same ids. The 503 of a server shutting down when it gave up on this request
+    meanwhile."""
+    if not can_aside(engine, text):
+        return engine.tokenize(text, add_special_tokens=add_special_tokens, where=where)
+    ids, held = aside(functools.partial(_tokenize_aside, engine, text, add_special_tokens, where))
+    if not held:
+        raise _shutting_down()
+    return ids
 
 
 def _tokenize_aside(engine: ServingEngine, text: str, add_special_tokens: bool, where: str = "prompt 0") -> list[int]:

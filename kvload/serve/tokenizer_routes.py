@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from kvload.serve.messages_input import renamed_error as messages_error
@@ -15,6 +16,7 @@ from kvload.serve.request_input import (
     _field_error,
     _messages_error,
     _parse_body,
+    text_tokens,
     with_default_template_kwargs,
 )
 from kvload.serve.state import ServeState
@@ -34,9 +36,9 @@ def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
     try:
         if job.messages is not None:
             ids = engine.encode_messages(job.messages, job.template, add_special_tokens=job.add_special_tokens,
-                                         room=False)
-        else:
-            ids = engine.tokenize(job.prompt or "", add_special_tokens=job.add_special_tokens)
+                                         room=False, tokenize=functools.partial(text_tokens, engine, where="messages"))
+        else:  # a long text off the parse gate, as a completion's prompt
+            ids = text_tokens(engine, job.prompt or "", job.add_special_tokens, "prompt")
     except GenerationError as exc:
         raise (_messages_error(exc, job.template) if job.messages is not None
                else _field_error(exc, "prompt")) from None
