@@ -18,7 +18,7 @@ import attrs
 
 from cache_backends.layout import DTYPE_SIZES
 from cache_backends.request import SCHEDULING_POLICY_NAMES
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, did_you_mean
 from pipeline.limits import (
     MAX_DRAFT_LEN,
     MAX_INT,
@@ -61,6 +61,11 @@ class FieldError(ConfigError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}", path=field, detail=message)
         self.field = field
+
+
+class UnknownFieldError(FieldError, TypeError):
+    """A keyword a config class does not have (``KvCacheConfig(tokens_per_blok=64)``): refused as the dict, YAML and
+    CLI layers refuse an unknown key, with the closest field suggested; still a ``TypeError``, as Python's own was."""
 
 
 def describe(value: Any) -> str:
@@ -265,6 +270,10 @@ def config_class(cls: type) -> type:
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in init_names]
+        if unknown:  # Python's own TypeError named no close field, where a dict's or the YAML's unknown key does
+            hint = did_you_mean(unknown[0], init_names) or f"; known keys: {', '.join(init_names)}"
+            raise UnknownFieldError(unknown[0], f"unknown key{hint}")
         original(self, *args, **kwargs)
         self._explicit.update(init_names[: len(args)])
         self._explicit.update(kwargs)
