@@ -59,6 +59,10 @@ def test_direct_construction_refuses_an_unknown_keyword_with_the_closest_field()
         LlmArgs(model="m", max_batch_siz=8)  # still a TypeError for code that caught Python's
     with pytest.raises(ConfigError, match=r"^zzzz: unknown key; known keys: use_kv_cache_manager_v2, tokens_per_bl"):
         KvCacheConfig(zzzz=1)
+    # a TensorRT-LLM option a dict takes (setting_ignored) is not offered the kvload field it resembles
+    with pytest.raises(ConfigError, match=r"^copy_on_partial_reuse: a TensorRT-LLM option kvload does not act on, "
+                                          r"so KvCacheConfig has no such field; give it in kv_cache_config=\{\.\.\.\}"):
+        KvCacheConfig(copy_on_partial_reuse=False)
 
 
 @pytest.mark.parametrize(
