@@ -480,3 +480,23 @@ def test_the_dotted_names_the_readme_gives_resolve():
         if obj is None:
             unresolved.append(name)
     assert len(names) > 10 and unresolved == []
+
+
+def test_the_deepseek_v4_simulations_the_readme_quotes_give_its_figures(tmp_path, monkeypatch, capsys):
+    """"How it loads" quotes `kvload simulate tiny-deepseek-v4 --workload multi-turn`: the split's figures, then the
+    slab arena's. It gave the split's for the bare command after "auto" began to pick the arena there (64 at once in
+    575 steps, not 52 in 1,038)."""
+    from tests.cli_support import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    text = norm(section(README.read_text(), "How it loads"))
+    command = "kvload simulate tiny-deepseek-v4 --workload multi-turn"
+    for flags, said in ((["--pool_arena", "false"], "now {at_once} ({steps:,} steps, {hit:.1%})"),
+                        ([], "without --pool_arena false that budget takes the slab arena below (\"auto\"): "
+                             "{at_once} at once, {steps:,} steps, {hit:.1%}")):
+        assert norm(" ".join([command, *flags])) in text
+        result = run_cli(capsys, *command.split()[1:], *flags, "--json")
+        assert result.code == 0, result.err
+        (run,) = result.json()["results"].values()
+        shown = said.format(at_once=run["max_concurrency"], steps=run["steps"], hit=run["hit_rate"])
+        assert norm(shown) in text, shown
