@@ -65,6 +65,9 @@ class LoadRequest:
     # applies one only where neither the config file nor the overrides set the field, as ``field_derived``; an
     # error about pools too big names its ``reason`` (the caller's flags), not a field the user never set.
     caller_defaults: dict[str, CallerDefault] = attrs.Factory(dict)
+    #: The Python call's own keywords beside the LlmArgs fields (``load``'s ``load_weights``, ``config_file``, ``log``):
+    #: an unknown key nearest one of them is suggested it (``load_weight``), where the fields alone offered nothing.
+    call_keywords: tuple[str, ...] = ()
     # Whether the caller may read the KV cache events of what it loads (``LoadResult.kv_cache_events()``, serve's
     # endpoint and --kv-events-file). False (kvload run, generate): a user's event_buffer_max_size is reported
     # as setting_ignored and no buffer is kept, since nothing would ever drain it.
