@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import os
 import threading
 import weakref
@@ -15,7 +14,7 @@ import attrs
 
 from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
-from pipeline.context import LoadRequest
+from pipeline.context import LoadRequest, keywords_of
 from pipeline.errors import GenerationError
 from pipeline.run import RunResult, path_argument
 from pipeline.run import execute as run_stages
@@ -235,11 +234,6 @@ def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dic
     return LoadRequest(model=model_argument(model), overrides=overrides, source="api",
                        config_file=path_argument("config_file", config_file) if config_file is not None else None,
                        load_weights=load_weights, call_keywords=keywords_of(call) if call is not None else ())
-
-
-def keywords_of(call: Callable[..., Any]) -> tuple[str, ...]:
-    """The keyword-only parameters of ``call`` (its own, beside the ``**overrides`` of LlmArgs fields)."""
-    return tuple(name for name, p in inspect.signature(call).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def model_argument(model: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -45,6 +46,12 @@ class CallerDefault:
     #: fill the field over its framework default, not only over null: a caller that needs a setting on (``serve
     #: --kv-events-config`` needs ``event_buffer_max_size``, whose default 0 is off) when the user left it unset
     over_default: bool = False
+
+
+def keywords_of(call: Callable[..., Any]) -> tuple[str, ...]:
+    """The keyword-only parameters of ``call``: a Python entry point's own (``load_weights``), beside the
+    ``**overrides`` of LlmArgs fields (:attr:`LoadRequest.call_keywords`)."""
+    return tuple(name for name, p in inspect.signature(call).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 @attrs.define

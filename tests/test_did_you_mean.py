@@ -152,6 +152,10 @@ def test_a_python_calls_own_keyword_mistyped_is_offered_as_the_fields_are():
     for call, typo, meant in cases:
         said = _refusal(lambda call=call, typo=typo: call("tiny-llama", log=False, **{typo: 1}))
         assert said == f"{typo}: unknown key; did you mean {meant!r}?"
+    from engine.simulator import simulate
+
+    said = _refusal(lambda: simulate("tiny-llama", "mixed", requests=4, log=False, hardwar="h100"))
+    assert said == "hardwar: unknown key; did you mean 'hardware'?"
     # a field's typo is offered the field, as before
     said = _refusal(lambda: kvload.plan("tiny-llama", log=False, max_batch_siz=8))
     assert said.endswith("did you mean 'max_batch_size'?")
