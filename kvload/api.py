@@ -7,14 +7,14 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
-from pipeline.context import LoadRequest
+from pipeline.context import LoadRequest, keywords_of
 from pipeline.errors import GenerationError
 from pipeline.run import RunResult, path_argument
 from pipeline.run import execute as run_stages
@@ -227,11 +227,13 @@ def execute(
     return run_stages(request, stages, audit_log=audit_log, subscribers=subscribers, log=log, result_type=LoadResult)
 
 
-def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dict[str, Any]) -> LoadRequest:
-    """The request of a Python call: ``overrides`` are the caller's ``LlmArgs`` fields (source "api")."""
+def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dict[str, Any],
+                call: Callable[..., Any] | None = None) -> LoadRequest:
+    """The request of a Python call: ``overrides`` are the caller's ``LlmArgs`` fields (source "api"); ``call``'s own
+    keywords are suggested for an unknown key near one of them (``load(..., load_weight=True)``)."""
     return LoadRequest(model=model_argument(model), overrides=overrides, source="api",
                        config_file=path_argument("config_file", config_file) if config_file is not None else None,
-                       load_weights=load_weights)
+                       load_weights=load_weights, call_keywords=keywords_of(call) if call is not None else ())
 
 
 def model_argument(model: Any) -> Any:
@@ -256,7 +258,7 @@ def plan(
     (only the fields passed to it count as user-set); vLLM's names of fields (``max_model_len``, ``block_size``:
     ``pipeline.vllm_compat.SAME_MEANING``) are taken as them. Precedence: defaults < ``config_file`` < overrides.
     """
-    request = api_request(model, config_file, False, overrides)
+    request = api_request(model, config_file, False, overrides, plan)
     return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 
@@ -276,7 +278,7 @@ def load(
     Weights load on the resolved device and dtype before the KV budget is computed; presets get
     deterministic random weights.
     """
-    request = api_request(model, config_file, load_weights, overrides)
+    request = api_request(model, config_file, load_weights, overrides, load)
     return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, VLLM_LIST_FLAGS, VLLM_STORE_TRUE_FLAGS
 from kvload.cli.values import integer, json_object, json_or_text, number, size
+from pipeline.errors import did_you_mean
 from pipeline.vllm_compat import (
     DIFFERENT_MEANING,
     IGNORED,
@@ -114,6 +115,16 @@ def _switch(group: Any, name: str, store_true: bool = False) -> None:
                        default=argparse.SUPPRESS, help=_help(name))
 
 
+def _closest(name: str, fields: Any) -> str:
+    """What a keyword EngineArgs has no field for was likely meant as: vLLM's name of a kvload field given under
+    kvload's (``max_seq_len`` is vLLM's ``max_model_len``, not the ``max_seq_len_to_capture`` it begins), else the
+    nearest of vLLM's names (``max_model_lenn``), as every other refusal of a mistyped keyword suggests one."""
+    vllm = [theirs for theirs, ours in SAME_MEANING.items() if name in (ours, ours.rpartition(".")[2])]
+    if vllm:
+        return f"; vLLM's name for it is {vllm[0]!r}"
+    return did_you_mean(name, fields)
+
+
 class EngineArgs:
     """vLLM's ``EngineArgs`` as its scripts use it: a dataclass of vLLM's engine arguments that ``dataclasses.asdict``
     turns into the keywords the script set (``LLM(**asdict(engine_args))``), nothing else, so ``LLM`` acts on each,
@@ -131,7 +142,7 @@ class EngineArgs:
         for name, value in kwargs.items():
             if name not in every:
                 raise TypeError(f"EngineArgs: unexpected keyword argument {name!r} (vLLM's engine arguments only; "
-                                "kvload's own settings go to kvload.LLM(...) as keywords)")
+                                f"kvload's own settings go to kvload.LLM(...) as keywords){_closest(name, every)}")
             setattr(self, name, value)
 
     def __repr__(self) -> str:

@@ -18,7 +18,7 @@ import attrs
 
 from cache_backends.layout import DTYPE_SIZES
 from cache_backends.request import SCHEDULING_POLICY_NAMES
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, did_you_mean
 from pipeline.limits import (
     MAX_DRAFT_LEN,
     MAX_INT,
@@ -61,6 +61,11 @@ class FieldError(ConfigError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}", path=field, detail=message)
         self.field = field
+
+
+class UnknownFieldError(FieldError, TypeError):
+    """A keyword a config class does not have (``KvCacheConfig(tokens_per_blok=64)``): refused as the dict, YAML and
+    CLI layers refuse an unknown key, with the closest field suggested; still a ``TypeError``, as Python's own was."""
 
 
 def describe(value: Any) -> str:
@@ -265,12 +270,29 @@ def config_class(cls: type) -> type:
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in init_names]
+        if unknown:  # Python's own TypeError named no close field, where a dict's or the YAML's unknown key does
+            raise UnknownFieldError(unknown[0], _unknown_keyword(cls.__name__, unknown[0], init_names))
         original(self, *args, **kwargs)
         self._explicit.update(init_names[: len(args)])
         self._explicit.update(kwargs)
 
     cls.__init__ = __init__
     return cls
+
+
+def _unknown_keyword(cls_name: str, key: str, init_names: list[str]) -> str:
+    """Why a config class refuses keyword ``key``: the closest field, or, for a TensorRT-LLM option kvload takes and
+    ignores in a dict (``kv_cache_config={"copy_on_partial_reuse": False}``), where to give it instead of a field it
+    merely resembles (``enable_partial_reuse``)."""
+    from pipeline import trtllm_compat  # it imports this module
+
+    ignored = {"KvCacheConfig": trtllm_compat.IGNORED_KV_CACHE_CONFIG, "LlmArgs": trtllm_compat.IGNORED_LLM_ARGS}
+    if key in ignored.get(cls_name, {}):
+        where = "in kv_cache_config={...} as a dict" if cls_name == "KvCacheConfig" else "as a keyword of plan/load/LLM"
+        return (f"a TensorRT-LLM option kvload does not act on, so {cls_name} has no such field; give it {where}, "
+                "where it is taken and reported setting_ignored, or leave it out")
+    return f"unknown key{did_you_mean(key, init_names) or '; known keys: ' + ', '.join(init_names)}"
 
 
 def explicit_fields(obj: Any) -> frozenset[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -47,6 +48,12 @@ class CallerDefault:
     over_default: bool = False
 
 
+def keywords_of(call: Callable[..., Any]) -> tuple[str, ...]:
+    """The keyword-only parameters of ``call``: a Python entry point's own (``load_weights``), beside the
+    ``**overrides`` of LlmArgs fields (:attr:`LoadRequest.call_keywords`)."""
+    return tuple(name for name, p in inspect.signature(call).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
+
 @attrs.define
 class LoadRequest:
     """The raw inputs of one run, before anything is validated."""
@@ -65,6 +72,9 @@ class LoadRequest:
     # applies one only where neither the config file nor the overrides set the field, as ``field_derived``; an
     # error about pools too big names its ``reason`` (the caller's flags), not a field the user never set.
     caller_defaults: dict[str, CallerDefault] = attrs.Factory(dict)
+    #: The Python call's own keywords beside the LlmArgs fields (``load``'s ``load_weights``, ``config_file``, ``log``):
+    #: an unknown key nearest one of them is suggested it (``load_weight``), where the fields alone offered nothing.
+    call_keywords: tuple[str, ...] = ()
     # Whether the caller may read the KV cache events of what it loads (``LoadResult.kv_cache_events()``, serve's
     # endpoint and --kv-events-file). False (kvload run, generate): a user's event_buffer_max_size is reported
     # as setting_ignored and no buffer is kept, since nothing would ever drain it.

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.bus import Emit
-from pipeline.config import LlmArgs, framework_defaults, set_field
+from pipeline.config import LlmArgs, framework_defaults, public_fields, set_field
 from pipeline.context import Context, UserValue
 from pipeline.converter import structure
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, close_names, did_you_mean
 from pipeline.events import ArgsParsed, FieldDerived, SettingIgnored, SourceConflict
 from pipeline.limits import short
 from pipeline.paths import flatten, get_in, unflatten
@@ -67,7 +67,8 @@ class ParseArgs:
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
-        checked = [(label, self._check(label, tree, req.config_file)) for label, tree in sources]
+        checked = [(label, self._check(label, tree, req.config_file, req.call_keywords if label == "api" else ()))
+                   for label, tree in sources]
 
         merged: dict[str, UserValue] = {}
         for label, leaves in checked:
@@ -223,12 +224,21 @@ class ParseArgs:
         return kept
 
     @staticmethod
-    def _check(label: str, tree: dict[str, Any], config_file: str | None) -> dict[str, Any]:
-        """Validate one source's tree; return its leaves with values as the args will hold them."""
+    def _check(label: str, tree: dict[str, Any], config_file: str | None,
+               call_keywords: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Validate one source's tree; return its leaves with values as the args will hold them. ``call_keywords``:
+        the Python call's own (``load_weights``), offered for an unknown top-level key nearest one of them."""
         probe = tree if "model" in tree else {**tree, "model": _PLACEHOLDER_MODEL}
         try:
             args = structure(probe, LlmArgs)
         except ConfigError as exc:
             where = f"config file {config_file}: " if label == "config_file" else ""
-            raise ConfigError(f"{where}{exc}", path=exc.path, detail=exc.detail, source=label) from None
+            message, detail = str(exc), exc.detail
+            key = exc.path or ""
+            if call_keywords and key and "." not in key and str(detail).startswith("unknown key"):
+                known = [a.name for a in public_fields(LlmArgs)] + list(call_keywords)
+                if any(name in call_keywords for name in close_names(key, known)):
+                    detail = f"unknown key{did_you_mean(key, known)}"  # load_weight: was "known keys: <the fields>"
+                    message = f"{key}: {detail}"
+            raise ConfigError(f"{where}{message}", path=exc.path, detail=detail, source=label) from None
         return {path: get_in(args, path) for path in flatten(tree)}

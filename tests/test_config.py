@@ -49,6 +49,22 @@ def test_direct_construction_is_as_strict_as_structuring():
         kv.tokens_per_block = 0
 
 
+def test_direct_construction_refuses_an_unknown_keyword_with_the_closest_field():
+    """DESIGN.md: unknown keys are errors with the closest known key suggested. A dict, the YAML file and plan()'s
+    keywords said so; the classes the README shows constructed (``kvload.KvCacheConfig(...)``) raised Python's own
+    TypeError, which names no field."""
+    with pytest.raises(ConfigError, match=r"^tokens_per_blok: unknown key; did you mean 'tokens_per_block'\?$"):
+        KvCacheConfig(tokens_per_blok=64)
+    with pytest.raises(TypeError, match=r"^max_batch_siz: unknown key; did you mean 'max_batch_size'\?$"):
+        LlmArgs(model="m", max_batch_siz=8)  # still a TypeError for code that caught Python's
+    with pytest.raises(ConfigError, match=r"^zzzz: unknown key; known keys: use_kv_cache_manager_v2, tokens_per_bl"):
+        KvCacheConfig(zzzz=1)
+    # a TensorRT-LLM option a dict takes (setting_ignored) is not offered the kvload field it resembles
+    with pytest.raises(ConfigError, match=r"^copy_on_partial_reuse: a TensorRT-LLM option kvload does not act on, "
+                                          r"so KvCacheConfig has no such field; give it in kv_cache_config=\{\.\.\.\}"):
+        KvCacheConfig(copy_on_partial_reuse=False)
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [

@@ -138,3 +138,24 @@ def test_the_spelling_nearest_the_users_is_offered():
 @pytest.mark.parametrize("name", ["", "x" * 101, "--"])
 def test_no_suggestion_for_an_empty_or_overlong_name(name):
     assert did_you_mean(name, ["temperature", "top_k"]) == ""
+
+
+
+def test_a_python_calls_own_keyword_mistyped_is_offered_as_the_fields_are():
+    """``load(..., load_weight=True)`` was "unknown key; known keys: <every LlmArgs field>": the keywords of the call
+    itself (``load_weights``, ``config_file``, ``audit_log``, ``log``) were no candidates, so the one meant was not
+    named (the README: every public call names the argument a mistyped keyword is close to)."""
+    import kvload
+
+    cases = ((kvload.load, "load_weight", "load_weights"), (kvload.plan, "config_fille", "config_file"),
+             (kvload.plan, "audit_logg", "audit_log"))
+    for call, typo, meant in cases:
+        said = _refusal(lambda call=call, typo=typo: call("tiny-llama", log=False, **{typo: 1}))
+        assert said == f"{typo}: unknown key; did you mean {meant!r}?"
+    from engine.simulator import simulate
+
+    said = _refusal(lambda: simulate("tiny-llama", "mixed", requests=4, log=False, hardwar="h100"))
+    assert said == "hardwar: unknown key; did you mean 'hardware'?"
+    # a field's typo is offered the field, as before
+    said = _refusal(lambda: kvload.plan("tiny-llama", log=False, max_batch_siz=8))
+    assert said.endswith("did you mean 'max_batch_size'?")

@@ -347,8 +347,9 @@ def test_the_stage_diagram_is_the_pipelines_order():
     assert load == plan[:-1] + [name for name in load if name not in plan]
 
 
-# the console blocks a test can replay in a second or two: plan/run/explain/audit of presets (no weights, no timings)
-REPLAYED = ("plan", "run", "explain", "audit")
+# the console blocks a test can replay in a few seconds: plan/run/explain/audit/simulate of presets (no weights; the
+# simulations' step counts and hit rates are deterministic, their timings are left out as "...")
+REPLAYED = ("plan", "run", "explain", "audit", "simulate")
 
 
 def console_sessions(text: str) -> list[tuple[str, list[str]]]:
@@ -400,7 +401,20 @@ def test_the_readmes_plan_run_explain_audit_sessions_print_what_it_shows(tmp_pat
             assert line in printed[at:], f"README's `{command}` shows {line!r}, which kvload did not print"
             at = printed.index(line, at) + 1
         replayed += 1
-    assert replayed >= 6  # the walk-through's run, explain, audit, tampered audit, refused route; plan --compare
+    # the walk-through's run, explain, audit, tampered audit, refused route; plan --compare; the two simulations
+    assert replayed >= 8
+
+
+def test_the_audit_lines_that_are_not_events_are_named_where_the_readme_departs_from_design():
+    """DESIGN.md: every event has ``event``, ``stage`` and ``seq``. The lines kvload writes without them (the file's
+    header, the served log's marker of records let go) are a departure, so the section that lists departures names
+    each (it named the header only)."""
+    from pipeline.audit import DROPPED_EVENT, HEADER_EVENT, dropped_record, header_record
+
+    for record in (header_record(), dropped_record(3, kept=5, keep=5)):
+        assert "stage" not in record and "seq" not in record
+    departures = section(README.read_text(), "Where kvload departs from DESIGN.md")
+    assert [name for name in (HEADER_EVENT, DROPPED_EVENT) if f"`{name}`" not in departures] == []
 
 
 def test_every_event_kvload_emits_is_in_designs_list_or_the_readmes():
@@ -466,3 +480,23 @@ def test_the_dotted_names_the_readme_gives_resolve():
         if obj is None:
             unresolved.append(name)
     assert len(names) > 10 and unresolved == []
+
+
+def test_the_deepseek_v4_simulations_the_readme_quotes_give_its_figures(tmp_path, monkeypatch, capsys):
+    """"How it loads" quotes `kvload simulate tiny-deepseek-v4 --workload multi-turn`: the split's figures, then the
+    slab arena's. It gave the split's for the bare command after "auto" began to pick the arena there (64 at once in
+    575 steps, not 52 in 1,038)."""
+    from tests.cli_support import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    text = norm(section(README.read_text(), "How it loads"))
+    command = "kvload simulate tiny-deepseek-v4 --workload multi-turn"
+    for flags, said in ((["--pool_arena", "false"], "now {at_once} ({steps:,} steps, {hit:.1%})"),
+                        ([], "without --pool_arena false that budget takes the slab arena below (\"auto\"): "
+                             "{at_once} at once, {steps:,} steps, {hit:.1%}")):
+        assert norm(" ".join([command, *flags])) in text
+        result = run_cli(capsys, *command.split()[1:], *flags, "--json")
+        assert result.code == 0, result.err
+        (run,) = result.json()["results"].values()
+        shown = said.format(at_once=run["max_concurrency"], steps=run["steps"], hit=run["hit_rate"])
+        assert norm(shown) in text, shown

@@ -81,6 +81,11 @@ def test_engine_args_object_holds_only_what_the_script_set():
     assert dataclasses.asdict(dataclasses.replace(engine_args, seed=1))["seed"] == 1
     with pytest.raises(TypeError, match=r"^EngineArgs: unexpected keyword argument 'max_seq_len' \(vLLM's engine"):
         EngineArgs(model="m", max_seq_len=5)  # kvload's own name: LLM's keyword, not vLLM's EngineArgs field
+    # named with what it was likely meant as, as every refusal of a mistyped keyword is (it named neither)
+    with pytest.raises(TypeError, match=r"as keywords\); vLLM's name for it is 'max_model_len'$"):
+        EngineArgs(model="m", max_seq_len=5)  # not the max_seq_len_to_capture it begins
+    with pytest.raises(TypeError, match=r"as keywords\); did you mean 'max_model_len'\?$"):
+        EngineArgs(model="m", max_model_lenn=5)
     with pytest.raises(TypeError, match=r"^EngineArgs: takes the model as its one positional argument, got 2"):
         EngineArgs("m", 512)
 
