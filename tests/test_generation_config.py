@@ -468,4 +468,5 @@ def test_cli_serve_pools_for_the_models_max_new_tokens_stop_at_max_seq_len(tmp_p
                                                      "--max_seq_len", "64"]))
     assert seen["budget"] == [8 * 64]
     (reason,) = seen["reasons"]
-    assert f"max_new_tokens ({path / 'generation_config.json'})" in reason and "--default-max-tokens" not in reason
+    assert f"max_new_tokens ({path / 'generation_config.json'})" in reason
+    assert reason.startswith("the requests' default max_tokens: give --default-max-tokens below")  # not "lower" it
