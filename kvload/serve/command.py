@@ -69,7 +69,7 @@ API key: --api-key KEY (--api-key KEY MODEL works), else $KVLOAD_API_KEY, else $
 variable: a key on the command line shows in ps. The audit names where the key came from, never it.
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, the pools hold
-8 x (--default-max-tokens + 1024) tokens (the kv_budget_computed event says so).
+8 x (--default-max-tokens + 1024) tokens, at most 8 x max_seq_len (the kv_budget_computed event says so).
 
 examples:
   kvload serve smollm2-135m --port 8000
@@ -580,14 +580,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     peeked = peek_sampling_defaults(request)
     default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
     tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
-    # the model's max_new_tokens is no choice of the operator's: a file's value past max_seq_len (no request grows
-    # past it) must not size pools nothing can use
-    from_model = ns.default_max_tokens is None and "max_tokens" in peeked.values
+    # at most 8 sequences of max_seq_len, wherever the length came from: no request grows past max_seq_len, so pools
+    # for more are not the 8 sequences this default is for (a --max_tokens sizes them as the operator chooses)
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
         tokens, "serve", f"{serve_length_source(ns.default_max_tokens, peeked, default_max_tokens)} (serve sizes the "
                          f"pools for {SERVE_DEFAULT_SEQUENCES} x (default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = "
-                         f"{tokens} tokens when no --max_tokens is given)",
-        sequences=SERVE_DEFAULT_SEQUENCES if from_model else None)
+                         f"{tokens} tokens when no --max_tokens is given)", sequences=SERVE_DEFAULT_SEQUENCES)
     if events_on and buffer_size is None:  # vLLM's switch turns the recording on, as it does there
         request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
             EVENT_BUFFER_DEFAULT, "serve", f"--kv-events-config enables KV cache events (vLLM's "
