@@ -264,6 +264,21 @@ def test_pools_too_big_without_serves_flag_say_to_give_it_below_the_default_that
     assert not track_pools
 
 
+def test_pools_too_big_at_serves_cap_name_max_seq_len_not_the_default_length(monkeypatch, capsys, track_pools):
+    """Pools capped at 8 sequences of max_seq_len do not shrink with a shorter --default-max-tokens: the line names
+    max_seq_len, which does."""
+    from tests.cli_support import run_cli
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
+    r = run_cli(capsys, "serve", "tiny-llama", "--default-max-tokens", "100000", "--max_seq_len", "64", "--device",
+                "cpu", "--port", "0")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert ("lower --max_seq_len (64: the pools hold 8 sequence(s) of it, 512 tokens, when nothing bounds them; a "
+            "shorter default length would not shrink them)") in r.err
+    assert "--default-max-tokens" not in r.err
+    assert not track_pools
+
+
 def test_pools_too_big_name_the_api_field(monkeypatch, track_pools):
     import kvload
     from pipeline import KvBuildError
