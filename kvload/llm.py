@@ -4,9 +4,10 @@
 and keeps the result: ``.generate`` returns ``RequestOutput``s, ``.generate_stream`` yields
 ``TokenDelta``s as tokens are produced, ``.audit`` / ``.args`` / ``.route`` say what was decided and
 why. On CPU with neither ``kv_cache_config.max_tokens`` nor ``max_gpu_total_bytes``, the pools hold
-:data:`DEFAULT_CPU_MAX_TOKENS` tokens (``kv_cache_config.default_max_tokens``, filled in by ``LLM`` when neither the
-arguments nor the config file set it: the audit records it as ``field_derived``, not as user-set, and replays it);
-pass either bound, or ``default_max_tokens``, to choose.
+:data:`DEFAULT_CPU_MAX_TOKENS` tokens, or 8 x (max_new_tokens + 1024) when the model's generation_config.json gives
+max_new_tokens (:func:`cpu_pool_default`; ``kv_cache_config.default_max_tokens``, filled in by ``LLM`` when neither
+the arguments nor the config file set it: the audit records it as ``field_derived``, not as user-set, and replays
+it); pass either bound, or ``default_max_tokens``, to choose.
 """
 
 from __future__ import annotations
@@ -65,6 +66,36 @@ from stages import load_stages
 #: Tokens the KV pools hold on CPU when no bound is given: one SmolLM2 sequence of its full 8192-token
 #: context, or many short ones (SmolLM2-135M: 46 KB per token in float32, so ~380 MB).
 DEFAULT_CPU_MAX_TOKENS = 8192
+#: When the model's generation_config.json (or the user's override_generation_config) gives max_new_tokens, the CPU
+#: pools hold this many sequences of it plus :data:`CPU_PROMPT_ALLOWANCE` prompt tokens, at most this many of
+#: max_seq_len: ``kvload serve``'s sizing, so a request taking the defaults fits as it does there.
+CPU_DEFAULT_SEQUENCES = 8
+CPU_PROMPT_ALLOWANCE = 1024
+
+
+def cpu_pool_default(request: Any) -> CallerDefault:
+    """``kv_cache_config.default_max_tokens`` as ``LLM`` derives it for ``request`` (a load the user left unbounded).
+
+    The model's default length is more specific than LLM's generic 8192 tokens, so it wins, as it does for the
+    requests' ``max_tokens`` and in ``kvload generate`` and ``kvload serve``: with a ``max_new_tokens`` in the model's
+    generation_config.json (or the user's ``override_generation_config``) the pools hold
+    ``CPU_DEFAULT_SEQUENCES x (max_new_tokens + CPU_PROMPT_ALLOWANCE)`` tokens, at most ``CPU_DEFAULT_SEQUENCES``
+    sequences of max_seq_len. Why: with 8192 tokens whatever the model said, a model whose max_new_tokens is 12,000
+    refused ``llm.generate(prompt)`` with its own defaults (the pools hold 8,192) while ``kvload generate`` ran it."""
+    from kvload.cli.sampling_defaults import default_length_origin, peek_sampling_defaults
+
+    peeked = peek_sampling_defaults(request)
+    length = peeked.values.get("max_tokens")
+    if length is None:
+        return CallerDefault(DEFAULT_CPU_MAX_TOKENS, "LLM",
+                             f"{DEFAULT_MAX_TOKENS_FIELD} (kvload.LLM's default: the pools hold "
+                             f"{DEFAULT_CPU_MAX_TOKENS} tokens when neither max_tokens nor max_gpu_total_bytes bounds "
+                             "them)")
+    tokens = min(MAX_INT, CPU_DEFAULT_SEQUENCES * (length + CPU_PROMPT_ALLOWANCE))
+    return CallerDefault(tokens, "LLM",
+                         f"{default_length_origin(peeked)} (kvload.LLM sizes the pools for {CPU_DEFAULT_SEQUENCES} x "
+                         f"(max_new_tokens + {CPU_PROMPT_ALLOWANCE}) = {tokens} tokens when neither max_tokens nor "
+                         "max_gpu_total_bytes bounds them)", sequences=CPU_DEFAULT_SEQUENCES)
 
 
 #: What a call that ``close()`` stopped raises (between two steps, its requests freed, before the pools are released).
@@ -276,10 +307,7 @@ class LLM:
         request.generates = True  # a model kvload cannot generate for is refused before its weights load
         # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit
         # records it as derived by LLM (field_derived) and a value the user gives wins
-        request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-            DEFAULT_CPU_MAX_TOKENS, "LLM", f"{DEFAULT_MAX_TOKENS_FIELD} (kvload.LLM's default: the pools hold "
-                                           f"{DEFAULT_CPU_MAX_TOKENS} tokens when neither max_tokens nor "
-                                           "max_gpu_total_bytes bounds them)")
+        request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = cpu_pool_default(request)
         if events is not None and events.enable_kv_cache_events:  # vLLM's switch turns the recording on, as serve's
             from kvload.serve.command import EVENT_BUFFER_DEFAULT, EVENT_BUFFER_FIELD
 

@@ -203,7 +203,15 @@ def _pool_culprits(plan: KvPlan, ctx: Context) -> list[str]:
         # name what sized the pools as the caller knows it: generate's and serve's flags, else the field
         derived = ctx.request.caller_defaults.get(DEFAULT_MAX_TOKENS_FIELD) if ctx.request is not None else None
         if derived is not None and DEFAULT_MAX_TOKENS_FIELD not in ctx.user_fields:
-            out.append(derived.reason)
+            held = plan.budget.max_tokens
+            if derived.sequences and held is not None and held < kv.default_max_tokens:
+                # plan_kv capped them at sequences x max_seq_len: a shorter default length would not shrink them
+                where = "max_seq_len" if derived.source == "LLM" else "--max_seq_len"
+                out.append(f"{where} ({plan.max_seq_len:,}: the pools hold {derived.sequences} sequence(s) of it, "
+                           f"{held:,} tokens, when nothing bounds them; a shorter default length would not shrink "
+                           "them)")
+            else:
+                out.append(derived.reason)
         else:
             out.append(f"{DEFAULT_MAX_TOKENS_FIELD} (the pools hold {plan.budget.max_tokens} tokens when neither "
                        "max_tokens nor max_gpu_total_bytes bounds them)")

@@ -468,4 +468,33 @@ def test_cli_serve_pools_for_the_models_max_new_tokens_stop_at_max_seq_len(tmp_p
                                                      "--max_seq_len", "64"]))
     assert seen["budget"] == [8 * 64]
     (reason,) = seen["reasons"]
-    assert f"max_new_tokens ({path / 'generation_config.json'})" in reason and "--default-max-tokens" not in reason
+    assert f"max_new_tokens ({path / 'generation_config.json'})" in reason
+    assert reason.startswith("the requests' default max_tokens: give --default-max-tokens below")  # not "lower" it
+
+
+@pytest.mark.parametrize("flags", [["--default-max-tokens", "100000"], ["--default-max-tokens", str(2**63 - 1)], []],
+                         ids=["flag", "flag-at-2**63-1", "serve's-256"])
+def test_cli_serve_pools_stop_at_8_sequences_of_max_seq_len_whatever_set_the_default_length(
+        tmp_path, tiny_checkpoints, monkeypatch, flags):
+    """serve's CPU pools are for 8 sequences; no request grows past max_seq_len, so they hold at most 8 x max_seq_len
+    tokens whether the default length is the model's, the operator's --default-max-tokens or serve's 256, as
+    generate's are capped whatever gave --max_new_tokens. The flag's value was not capped: --default-max-tokens
+    100000 beside --max_seq_len 64 allocated pools for 808,192 tokens, and 2**63 - 1 (an "as long as max_seq_len
+    lets it" default, valid per request) refused to serve; each request still defaults to the flag's length, cut to
+    what max_seq_len leaves."""
+    from kvload.cli.commands import build_parser
+    from kvload.serve import command, server
+
+    seen, real = {}, server.build_state
+
+    def build_state(result, **kwargs):  # stop the command once it has said how to serve
+        state = real(result, **kwargs)
+        seen.update(budget=[e["max_tokens"] for e in result.audit.of("kv_budget_computed")],
+                    default_max_tokens=state.default_max_tokens)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with pytest.raises(SystemExit):
+        command.cmd_serve(build_parser().parse_args(["serve", str(tiny_checkpoints("llama")), "--port", "0",
+                                                     "--device", "cpu", "--max_seq_len", "64", *flags]))
+    assert seen == {"budget": [8 * 64], "default_max_tokens": int(flags[1]) if flags else 256}

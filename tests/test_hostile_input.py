@@ -631,11 +631,22 @@ def test_max_new_tokens_at_2_63_with_a_budget_is_named_by_the_request_check(caps
     assert_refused(r, "max_new_tokens", folder=out)
 
 
-def test_default_max_tokens_at_2_63_is_named_not_the_pool_default_it_derives(capsys, out):
-    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--default-max-tokens", str(2**63 - 1),
-                "--audit-log", out / "a.jsonl")
-    assert_refused(r, "--default-max-tokens", folder=out)
-    assert "kv_cache_config.default_max_tokens" not in r.err
+def test_default_max_tokens_at_2_63_is_capped_by_max_seq_len_not_refused(capsys, out, monkeypatch):
+    """serve sizes its CPU pools for 8 sequences, at most 8 x max_seq_len, whatever gave the default length (as
+    generate's --max_new_tokens): 2**63 - 1 starts the server, and no internal field surfaces."""
+    from kvload.serve import server
+
+    seen = {}
+
+    def build_state(result, **kwargs):  # stop the command once the pools are built
+        seen["budget"] = [e["max_tokens"] for e in result.audit.of("kv_budget_computed")]
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", "--device", "cpu", "--max_seq_len", "256",
+                "--default-max-tokens", str(2**63 - 1), "--audit-log", out / "a.jsonl")
+    assert seen == {"budget": [8 * 256]}, r.err
+    assert "default_max_tokens" not in r.err and "Traceback" not in r.err
 
 
 # --- silent acceptance -----------------------------------------------------------------------------

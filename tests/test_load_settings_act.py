@@ -111,7 +111,8 @@ CASES = [
     _case("v2", _kv(enable_partial_reuse=False), "reused"),
     _case("v1", _kv(enable_partial_reuse=True), IGNORED),
     _case("v2", _kv(enable_block_reuse=False, enable_partial_reuse=True), IGNORED),
-    # the resume threshold: the V2 manager refuses resumes above it (test_kv_v2_manager); V1 never resumes
+    # the resume threshold: the V2 manager refuses resumes above it (test_kv_v2_manager; a run whose resumes it moves:
+    # test_max_util_for_resume_decides_when_a_suspended_request_comes_back); V1 never resumes
     _case("v2", _kv(max_util_for_resume=0.5), "options"),
     _case("v1", _kv(max_util_for_resume=0.5), IGNORED),
     _case("v2", _kv(host_cache_size=0, max_util_for_resume=0.5), IGNORED),
@@ -213,3 +214,55 @@ def test_the_cases_cover_every_load_time_field():
         covered |= {f"override_generation_config.{k}" for k in settings.get("override_generation_config", {})}
         covered |= {k for k in settings if k not in ("kv_cache_config", "override_generation_config")}
     assert covered >= LOAD_FIELDS
+
+
+def test_max_util_for_resume_decides_when_a_suspended_request_comes_back(monkeypatch):
+    """A ``kvload simulate`` run that suspends (``mixed-priority``: an urgent request every 8th arrival displaces a
+    running one under ``scheduling_policy=priority``, its pages kept in a host tier the user sized) at two resume
+    thresholds. At 0.95 every suspended request came back as soon as its pages fit, lifting the pool to 87-94% used;
+    at 0.5 each waited until the pool had drained to where its pages leave it at most half used, so fewer requests ran
+    beside it, fewer were suspended again, and the run took more steps. Without a host tier nothing is suspended, and
+    the same setting is said to do nothing."""
+    from cache_backends.v2.manager import KVCacheManagerV2
+    from engine.simulator import simulate
+
+    resumed: list[tuple[float, float]] = []  # (pool use before, after) of each resume of a suspended request
+    real = KVCacheManagerV2.resume
+
+    def resume(self, request):
+        suspended, before = self.cache(request).admitted, self.usage()
+        ok = real(self, request)
+        if suspended and ok:
+            resumed.append((before, self.usage()))
+        return ok
+
+    monkeypatch.setattr(KVCacheManagerV2, "resume", resume)
+
+    def run(util: float, **kv: Any) -> tuple[Any, list[tuple[float, float]], dict[str, str]]:
+        resumed.clear()
+        events: list[dict[str, Any]] = []
+        report = simulate("tiny-llama", "mixed-priority", requests=32, scheduling_policy="priority", max_seq_len=512,
+                          params={"prompt_len": 128, "answer_len": 64}, device="cpu", log=False, progress=False,
+                          subscribers=[events.append],
+                          kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 1024,
+                                           "max_util_for_resume": util, **kv})
+        (result,) = report.results.values()
+        ignored = {e["field"]: e["reason"] for e in events if e["event"] == "setting_ignored"}
+        return result.metrics, list(resumed), ignored
+
+    host = {"host_cache_size": 1 << 24}
+    eager, eager_resumes, said = run(0.95, **host)
+    strict, strict_resumes, said_strict = run(0.5, **host)
+    assert "kv_cache_config.max_util_for_resume" not in {**said, **said_strict}
+    for m in (eager, strict):
+        assert m.finished == 32 and m.preemptions == 0 and m.resumes == m.suspends >= 3
+    assert len(eager_resumes) == eager.resumes and len(strict_resumes) == strict.resumes
+    # when: 0.95 resumes into a pool already over half used; 0.5 only once the pool is left at most half used
+    assert all(after > 0.5 for _, after in eager_resumes)
+    assert all(after <= 0.5 for _, after in strict_resumes)
+    # so fewer requests run beside a resumed one: fewer suspended again, and more steps waiting for the pool to drain
+    assert strict.suspends < eager.suspends and strict.steps > eager.steps and strict.waits > eager.waits
+    # without a host tier (auto: recomputing costs less on the priced H200) there is nothing to resume, said
+    off, off_resumes, said_off = run(0.5)
+    assert off.suspends == off.resumes == 0 and off.preemptions > 0 and not off_resumes
+    assert "nothing is suspended or resumed" in said_off["kv_cache_config.max_util_for_resume"]

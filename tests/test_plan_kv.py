@@ -233,6 +233,52 @@ def test_pools_too_big_name_serves_default_max_tokens_flag(monkeypatch, capsys, 
     assert not track_pools
 
 
+def test_pools_too_big_without_serves_flag_say_to_give_it_below_the_default_that_applied(
+        monkeypatch, capsys, track_pools, tiny_checkpoints, tmp_path):
+    """Without --default-max-tokens the line said "lower --default-max-tokens", a flag the operator never gave: it now
+    names the flag to give and the default that applied, serve's own 256 or the model's max_new_tokens and its file."""
+    import json
+    import shutil
+
+    from tests.cli_support import run_cli
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
+    r = run_cli(capsys, "serve", "tiny-llama", "--device", "cpu", "--port", "0")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert ("lower the requests' default max_tokens: give --default-max-tokens below 256, serve's own default (neither "
+            "--default-max-tokens nor the model's max_new_tokens gives one) (serve sizes the pools for 8 x "
+            "(default-max-tokens + 1024) = 10240 tokens") in r.err
+    assert "lower --default-max-tokens" not in r.err
+    path = tmp_path / "long"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 1100}))
+    r = run_cli(capsys, "serve", str(path), "--device", "cpu", "--port", "0")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert (f"give --default-max-tokens below 1,100, the model's max_new_tokens ({path / 'generation_config.json'}) "
+            "(serve sizes the pools for 8 x (default-max-tokens + 1024) = 16992 tokens") in r.err
+    assert "lower --default-max-tokens" not in r.err
+    # the user's own override_generation_config.max_new_tokens is named as what to lower
+    r = run_cli(capsys, "serve", str(path), "--device", "cpu", "--port", "0", "--override-generation-config",
+                '{"max_new_tokens": 1000}')
+    assert "lower override_generation_config.max_new_tokens (serve sizes the pools" in r.err, r.err
+    assert not track_pools
+
+
+def test_pools_too_big_at_serves_cap_name_max_seq_len_not_the_default_length(monkeypatch, capsys, track_pools):
+    """Pools capped at 8 sequences of max_seq_len do not shrink with a shorter --default-max-tokens: the line names
+    max_seq_len, which does."""
+    from tests.cli_support import run_cli
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
+    r = run_cli(capsys, "serve", "tiny-llama", "--default-max-tokens", "100000", "--max_seq_len", "64", "--device",
+                "cpu", "--port", "0")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert ("lower --max_seq_len (64: the pools hold 8 sequence(s) of it, 512 tokens, when nothing bounds them; a "
+            "shorter default length would not shrink them)") in r.err
+    assert "--default-max-tokens" not in r.err
+    assert not track_pools
+
+
 def test_pools_too_big_name_the_api_field(monkeypatch, track_pools):
     import kvload
     from pipeline import KvBuildError

@@ -2,9 +2,10 @@
 ``kvload generate`` and ``kvload serve`` (their start-up: the load each makes, run to its KV plan).
 
 tests/test_precedence_properties.py holds the contract over the load pipeline's sources; here the same rules hold
-where each entry point adds its own budget default (``kv_cache_config.default_max_tokens``: LLM's constant, generate's
-prompts x (n x max_new_tokens + 1024), serve's 8 x (default-max-tokens + 1024), both from the model's
-max_new_tokens when no flag gives one): an explicit user value wins over it and over a model default, and the audit
+where each entry point adds its own budget default (``kv_cache_config.default_max_tokens``: LLM's 8192 tokens, or
+8 x (max_new_tokens + 1024); generate's prompts x (n x max_new_tokens + 1024), serve's 8 x (default-max-tokens +
+1024), each from the model's max_new_tokens when no flag or keyword gives one, the model's default being more
+specific than the entry point's): an explicit user value wins over it and over a model default, and the audit
 names its source; the entry point's value is audited as the entry point's (``field_derived``), never as the user's;
 an explicit ``"auto"`` is the field left unset; every ``"auto"`` is captured before anything changes it; a user budget
 default that a bound overrules is ``setting_ignored``. The same intent given the entry points' several ways (LLM
@@ -65,7 +66,7 @@ ENTRY_SOURCES = {
     "serve": ["cli", "config_file"],
 }
 LABEL = {"api": "api", "api_object": "api", "api_vllm": "api", "config_file": "config_file", "cli": "cli"}
-#: max_new_tokens of the spec checkpoint's generation_config.json: generate and serve size their pools by it
+#: max_new_tokens of the spec checkpoint's generation_config.json: each entry point sizes its pools by it
 MODEL_MAX_NEW_TOKENS = 40
 GENERATE = ("--prompt-ids", "1,2,3", "--prompt-ids", "4,5")
 SERVE = ("--host", "127.0.0.1", "--port", "0")
@@ -164,8 +165,8 @@ def entry_cases(draw: Any) -> tuple[str, str, str, dict[str, Any], dict[str, Any
 
 @pytest.fixture(scope="module")
 def spec(spec_dir):
-    """The properties' spec checkpoint, with a generation_config.json whose max_new_tokens generate and serve size
-    their pools by."""
+    """The properties' spec checkpoint, with a generation_config.json whose max_new_tokens each entry point sizes
+    its pools by."""
     path, spec_cls = spec_dir
     (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": MODEL_MAX_NEW_TOKENS}))
     return path, spec_cls
@@ -345,11 +346,13 @@ def test_every_value_resolves_alike_through_every_entry_point_and_source(spec):
 
 
 def test_each_entry_points_budget_default_is_its_own_and_a_user_value_wins(spec):
-    """LLM's constant, generate's and serve's from the model's max_new_tokens (its generation_config.json), the
-    user's default_max_tokens over each (and over a model's), a bound over both."""
+    """Each from the model's max_new_tokens (its generation_config.json) when it gives one, the model's default being
+    more specific than the entry point's generic one (LLM's 8192 tokens, generate's 64 and serve's 256 max_tokens);
+    the user's default_max_tokens over each (and over a model's), a bound over both."""
     path, spec_cls = spec
     spec_cls.proposals = {}
-    expected = {"LLM": 8192, "generate": 2 * (MODEL_MAX_NEW_TOKENS + 1024), "serve": 8 * (MODEL_MAX_NEW_TOKENS + 1024)}
+    expected = {"LLM": 8 * (MODEL_MAX_NEW_TOKENS + 1024), "generate": 2 * (MODEL_MAX_NEW_TOKENS + 1024),
+                "serve": 8 * (MODEL_MAX_NEW_TOKENS + 1024)}
     for entry, sources in ENTRY_SOURCES.items():
         for source in sources:
             run = start(entry, source, SPEC, {}, path)
@@ -364,13 +367,44 @@ def test_each_entry_points_budget_default_is_its_own_and_a_user_value_wins(spec)
             bounded = start(entry, source, SPEC, {DEFAULT_MAX_TOKENS_FIELD: 2048, **BOUND}, path)
             assert [e["value"] for e in bounded.of("setting_ignored") if e["field"] == DEFAULT_MAX_TOKENS_FIELD] \
                 == [2048], (entry, source)
-        # the user's max_new_tokens default over the model's: generate and serve size the pools by it
-        run = start(entry, sources[0], SPEC, {"override_generation_config.max_new_tokens": 7}, path)
-        assert _derived(run)[0]["new"] == {"LLM": 8192, "generate": 2 * (7 + 1024), "serve": 8 * (7 + 1024)}[entry]
+        # the user's max_new_tokens default over the model's: each entry point sizes the pools by it, however given
+        for source in sources:
+            run = start(entry, source, SPEC, {"override_generation_config.max_new_tokens": 7}, path)
+            assert _derived(run)[0]["new"] == {"LLM": 8 * (7 + 1024), "generate": 2 * (7 + 1024),
+                                               "serve": 8 * (7 + 1024)}[entry], (entry, source)
         # generation_config "vllm" leaves the model's generation_config.json out, "auto" is it left unset
         run = start(entry, sources[0], SPEC, {"generation_config": "vllm"}, path)
         assert _derived(run)[0]["new"] == {"LLM": 8192, "generate": 2 * (GENERATE_LENGTH + 1024),
                                          "serve": 8 * (SERVE_LENGTH + 1024)}[entry]
+
+
+def test_a_request_taking_the_models_default_length_fits_the_pools_of_every_entry_point(tmp_path, capsys):
+    """A model whose generation_config.json says max_new_tokens 9,000 (past LLM's generic 8,192-token pools): a
+    request that takes the defaults must fit what each entry point sized. kvload.LLM sized 8,192 tokens whatever the
+    model said and refused ``llm.generate(prompt)`` ("the KV pools hold 256" blocks) where ``kvload generate`` ran
+    it; now LLM's pools follow the model's length too, and the user's max_new_tokens still wins over the model's."""
+    from models.weights import random_model
+    from tests.cli_support import run_cli
+    from tests.paged_support import tiny_config
+
+    config = tiny_config("llama")
+    config.max_position_embeddings = 16384
+    path = tmp_path / "long"
+    random_model(config, device="cpu", dtype="float32", seed=0).save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 9000}))
+    every_token = list(range(config.vocab_size))  # the first token generated ends each request
+    with kvload.llm.LLM(str(path), device="cpu", log=False) as llm:
+        assert llm.get_default_sampling_params().max_tokens == 9000  # the model's, over LLM's 64
+        (out,) = llm.generate([[1, 2, 3]], stop_token_ids=every_token)
+        assert len(out.outputs[0].token_ids) == 1
+        (derived,) = [e for e in llm.audit.of("field_derived") if e["field"] == DEFAULT_MAX_TOKENS_FIELD]
+        assert derived["new"] == 8 * (9000 + 1024) and "generation_config.json" in derived["reason"]
+    with kvload.llm.LLM(str(path), device="cpu", log=False, override_generation_config={"max_new_tokens": 10}) as llm:
+        assert llm.get_default_sampling_params().max_tokens == 10
+        assert llm.result.kv.budget.max_tokens == 8 * (10 + 1024)
+    r = run_cli(capsys, "generate", str(path), "--prompt-ids", "1,2,3", "--stop_token_ids",
+                ",".join(map(str, every_token)), "--json")
+    assert r.code == 0, r.err
 
 
 # --- what a started server reports ------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from pipeline.errors import KvloadError
 
 
@@ -29,6 +31,8 @@ def peek_sampling_defaults(request: Any) -> Any:
         override = {}
         for source in (tree, request.overrides):  # flags beat the file, key by key
             given = source.get("override_generation_config")
+            if attrs.has(type(given)):  # kvload.LLM's GenerationDefaults(...): the keys it was given
+                given = {k: v for k, v in attrs.asdict(given).items() if v is not None and not k.startswith("_")}
             override.update(given if isinstance(given, dict) else {})
         checkpoint = resolve_checkpoint(request.model)
         return resolve_sampling_defaults(setting, structure(override, GenerationDefaults), checkpoint.path,

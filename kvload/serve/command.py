@@ -69,7 +69,7 @@ API key: --api-key KEY (--api-key KEY MODEL works), else $KVLOAD_API_KEY, else $
 variable: a key on the command line shows in ps. The audit names where the key came from, never it.
 
 KV budget: on CPU with neither --max_tokens nor --max_gpu_total_bytes, the pools hold
-8 x (--default-max-tokens + 1024) tokens (the kv_budget_computed event says so).
+8 x (--default-max-tokens + 1024) tokens, at most 8 x max_seq_len (the kv_budget_computed event says so).
 
 examples:
   kvload serve smollm2-135m --port 8000
@@ -355,6 +355,26 @@ def serve_max_tokens(flag: int | None, sampling_defaults: dict[str, Any]) -> int
     return flag if flag is not None else sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
 
 
+def serve_length_source(flag: int | None, peeked: Any, length: int) -> str:
+    """What set the default ``max_tokens`` serve sized its pools by, as what the operator can change: errors say
+    "lower" it. The flag when given, or the user's ``override_generation_config.max_new_tokens``; else the flag to give
+    and the default that applied (the model's ``max_new_tokens`` and its file, or serve's own), never "lower
+    --default-max-tokens" of a flag the operator did not give."""
+    from kvload.cli.sampling_defaults import default_length_origin
+
+    if flag is not None:
+        return "--default-max-tokens"
+    if "max_tokens" in peeked.values:
+        origin = default_length_origin(peeked)
+        if origin.startswith("override_generation_config"):  # the user's own setting
+            return origin
+        applied = f"{length:,}, the model's {origin}"
+    else:
+        applied = (f"{length:,}, serve's own default (neither --default-max-tokens nor the model's max_new_tokens "
+                   "gives one)")
+    return f"the requests' default max_tokens: give --default-max-tokens below {applied}"
+
+
 def _tls_cert_reqs(text: str) -> int:
     """``--ssl-cert-reqs``: 0, 1 or 2 (``kvload.serve.tls.cert_reqs``; imported only when given)."""
     from kvload.serve.tls import cert_reqs
@@ -503,7 +523,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     ranks = ranks_from_env()
     from kvload.cli.files import _audit_subscribers, _check_output_path
     from kvload.cli.flags import _request
-    from kvload.cli.sampling_defaults import default_length_origin, peek_sampling_defaults
+    from kvload.cli.sampling_defaults import peek_sampling_defaults
 
     try:
         import fastapi  # noqa: F401
@@ -560,14 +580,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     peeked = peek_sampling_defaults(request)
     default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
     tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
-    # the model's max_new_tokens is no choice of the operator's: a file's value past max_seq_len (no request grows
-    # past it) must neither size pools nothing can use nor be refused naming a flag the operator never gave
-    from_model = ns.default_max_tokens is None and "max_tokens" in peeked.values
-    length = default_length_origin(peeked) if from_model else "--default-max-tokens"
+    # at most 8 sequences of max_seq_len, wherever the length came from: no request grows past max_seq_len, so pools
+    # for more are not the 8 sequences this default is for (a --max_tokens sizes them as the operator chooses)
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x "
-                         f"(default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens "
-                         "is given)", sequences=SERVE_DEFAULT_SEQUENCES if from_model else None)
+        tokens, "serve", f"{serve_length_source(ns.default_max_tokens, peeked, default_max_tokens)} (serve sizes the "
+                         f"pools for {SERVE_DEFAULT_SEQUENCES} x (default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = "
+                         f"{tokens} tokens when no --max_tokens is given)", sequences=SERVE_DEFAULT_SEQUENCES)
     if events_on and buffer_size is None:  # vLLM's switch turns the recording on, as it does there
         request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
             EVENT_BUFFER_DEFAULT, "serve", f"--kv-events-config enables KV cache events (vLLM's "
