@@ -230,10 +230,34 @@ def execute(
 def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dict[str, Any],
                 call: Callable[..., Any] | None = None) -> LoadRequest:
     """The request of a Python call: ``overrides`` are the caller's ``LlmArgs`` fields (source "api"); ``call``'s own
-    keywords are suggested for an unknown key near one of them (``load(..., load_weight=True)``)."""
-    return LoadRequest(model=model_argument(model), overrides=overrides, source="api",
-                       config_file=path_argument("config_file", config_file) if config_file is not None else None,
-                       load_weights=load_weights, call_keywords=keywords_of(call) if call is not None else ())
+    keywords are suggested for an unknown key near one of them (``load(..., load_weight=True)``), and a keyword of
+    another public call is named as that call's (``plan(..., load_weights=True)``: ``kvload.load()``'s)."""
+    request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
+                          config_file=path_argument("config_file", config_file) if config_file is not None else None,
+                          load_weights=load_weights, call_keywords=keywords_of(call) if call is not None else ())
+    if call is not None:
+        request.call_name = next((name for name, public in _CALLS.items() if public() is call), "")
+        others: dict[str, list[str]] = {}
+        for name, public in _CALLS.items():
+            for keyword in keywords_of(public()):
+                if keyword not in request.call_keywords:
+                    others.setdefault(keyword, []).append(name)
+        request.other_call_keywords = {keyword: " and ".join(names) for keyword, names in others.items()}
+    return request
+
+
+#: The public Python calls that take LlmArgs fields as keywords beside their own, by the name errors give them.
+_CALLS: dict[str, Callable[[], Callable[..., Any]]] = {
+    "kvload.plan()": lambda: plan,
+    "kvload.load()": lambda: load,
+    "kvload.LLM()": lambda: _llm_init(),
+}
+
+
+def _llm_init() -> Callable[..., Any]:
+    from kvload.llm import LLM  # kvload.llm imports this module
+
+    return LLM.__init__
 
 
 def model_argument(model: Any) -> Any:

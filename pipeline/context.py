@@ -75,6 +75,11 @@ class LoadRequest:
     #: The Python call's own keywords beside the LlmArgs fields (``load``'s ``load_weights``, ``config_file``, ``log``):
     #: an unknown key nearest one of them is suggested it (``load_weight``), where the fields alone offered nothing.
     call_keywords: tuple[str, ...] = ()
+    #: The keywords of the other public calls that this one does not take, each with the calls that do (``plan``'s
+    #: ``load_weights``: ``"kvload.load()"``), and this call's name (``"kvload.plan()"``): such a key is refused
+    #: saying whose keyword it is, not with the list of LlmArgs fields it is none of.
+    other_call_keywords: Mapping[str, str] = attrs.Factory(dict)
+    call_name: str = ""
     # Whether the caller may read the KV cache events of what it loads (``LoadResult.kv_cache_events()``, serve's
     # endpoint and --kv-events-file). False (kvload run, generate): a user's event_buffer_max_size is reported
     # as setting_ignored and no buffer is kept, since nothing would ever drain it.

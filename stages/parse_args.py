@@ -7,7 +7,7 @@ from typing import Any
 
 from pipeline.bus import Emit
 from pipeline.config import LlmArgs, framework_defaults, public_fields, set_field
-from pipeline.context import Context, UserValue
+from pipeline.context import Context, LoadRequest, UserValue
 from pipeline.converter import structure
 from pipeline.errors import ConfigError, close_names, did_you_mean
 from pipeline.events import ArgsParsed, FieldDerived, SettingIgnored, SourceConflict
@@ -67,7 +67,7 @@ class ParseArgs:
         sources = [(label, self._drop_ignored(label, tree, req.config_file, emit)) for label, tree in sources]
 
         # Normalised leaves per source (e.g. dtype "bf16" -> "bfloat16"), checked one source at a time.
-        checked = [(label, self._check(label, tree, req.config_file, req.call_keywords if label == "api" else ()))
+        checked = [(label, self._check(label, tree, req.config_file, req if label == "api" else None))
                    for label, tree in sources]
 
         merged: dict[str, UserValue] = {}
@@ -225,9 +225,10 @@ class ParseArgs:
 
     @staticmethod
     def _check(label: str, tree: dict[str, Any], config_file: str | None,
-               call_keywords: tuple[str, ...] = ()) -> dict[str, Any]:
-        """Validate one source's tree; return its leaves with values as the args will hold them. ``call_keywords``:
-        the Python call's own (``load_weights``), offered for an unknown top-level key nearest one of them."""
+               call: LoadRequest | None = None) -> dict[str, Any]:
+        """Validate one source's tree; return its leaves with values as the args will hold them. ``call``: the
+        Python call's request, whose own keywords (``load_weights``) are offered for an unknown top-level key nearest
+        one of them, and a keyword of another public call is named as that call's."""
         probe = tree if "model" in tree else {**tree, "model": _PLACEHOLDER_MODEL}
         try:
             args = structure(probe, LlmArgs)
@@ -235,10 +236,23 @@ class ParseArgs:
             where = f"config file {config_file}: " if label == "config_file" else ""
             message, detail = str(exc), exc.detail
             key = exc.path or ""
-            if call_keywords and key and "." not in key and str(detail).startswith("unknown key"):
-                known = [a.name for a in public_fields(LlmArgs)] + list(call_keywords)
-                if any(name in call_keywords for name in close_names(key, known)):
+            if call is not None and key and "." not in key and str(detail).startswith("unknown key"):
+                others = call.other_call_keywords
+                known = [a.name for a in public_fields(LlmArgs)] + list(call.call_keywords) + list(others)
+                near = close_names(key, known)
+                if key in others:  # plan(..., load_weights=True): was "known keys: <the fields>"
+                    detail = f"unknown key; {_whose(key, call)}"
+                    message = f"{key}: {detail}"
+                elif any(name in call.call_keywords or name in others for name in near):
                     detail = f"unknown key{did_you_mean(key, known)}"  # load_weight: was "known keys: <the fields>"
+                    foreign = [_whose(name, call) for name in near if name in others]
+                    detail += f" ({'; '.join(foreign)})" if foreign else ""
                     message = f"{key}: {detail}"
             raise ConfigError(f"{where}{message}", path=exc.path, detail=detail, source=label) from None
         return {path: get_in(args, path) for path in flatten(tree)}
+
+
+def _whose(keyword: str, call: LoadRequest) -> str:
+    """``keyword`` named as the keyword of the other public calls that take it, not of ``call``'s."""
+    return (f"{keyword!r} is a keyword of {call.other_call_keywords[keyword]}"
+            + (f", not of {call.call_name}" if call.call_name else ""))

@@ -159,3 +159,23 @@ def test_a_python_calls_own_keyword_mistyped_is_offered_as_the_fields_are():
     # a field's typo is offered the field, as before
     said = _refusal(lambda: kvload.plan("tiny-llama", log=False, max_batch_siz=8))
     assert said.endswith("did you mean 'max_batch_size'?")
+
+
+def test_a_keyword_of_another_public_call_is_named_as_that_calls():
+    """``plan(..., load_weights=True)`` answered with the list of LlmArgs fields, none of which was meant: the
+    keyword is ``load()``'s, and the refusal now says so (as for any keyword of plan, load or LLM given to another)."""
+    import kvload
+
+    cases = ((kvload.plan, "load_weights", "'load_weights' is a keyword of kvload.load(), not of kvload.plan()"),
+             (kvload.LLM, "load_weights", "'load_weights' is a keyword of kvload.load(), not of kvload.LLM()"),
+             (kvload.LLM, "stages", "'stages' is a keyword of kvload.plan() and kvload.load(), not of kvload.LLM()"))
+    for call, keyword, said in cases:
+        refusal = _refusal(lambda call=call, keyword=keyword: call("tiny-llama", log=False, **{keyword: True}))
+        assert refusal == f"{keyword}: unknown key; {said}"
+        assert "known keys" not in refusal
+    # a typo of one is offered it, saying whose it is
+    refusal = _refusal(lambda: kvload.plan("tiny-llama", log=False, load_weight=True))
+    assert refusal == ("load_weight: unknown key; did you mean 'load_weights'? ('load_weights' is a keyword of "
+                       "kvload.load(), not of kvload.plan())")
+    # the call's own keywords and the fields are taken as before
+    assert kvload.plan("tiny-llama", log=False, config_file=None, max_batch_size=8).args.max_batch_size == 8

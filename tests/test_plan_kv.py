@@ -221,6 +221,40 @@ def test_pools_too_big_name_generates_flags_including_n(monkeypatch, capsys, tra
     assert not track_pools
 
 
+def test_pools_too_big_without_generates_flag_say_to_give_it_below_the_default_that_applied(
+        monkeypatch, capsys, track_pools, tiny_checkpoints, tmp_path):
+    """Without --max_new_tokens the line said "lower --max_new_tokens", a flag the user never gave: it now names the
+    flag to give and the default that applied, generate's own 64 or the model's max_new_tokens and its file; the
+    user's own override_generation_config.max_new_tokens is named as what to lower."""
+    import json
+    import shutil
+
+    from tests.cli_support import run_cli
+
+    monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
+    r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2,3", "--device", "cpu")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert ("lower --n or the number of prompts, or the samples' max_new_tokens: give --max_new_tokens below 64, "
+            "generate's own default (neither --max_new_tokens nor the model's max_new_tokens gives one) (generate "
+            "sizes the pools for prompts x (n x max_new_tokens + 1024) = 1088 tokens when no --max_tokens is given)"
+            ) in r.err
+    assert "lower --max_new_tokens" not in r.err
+    path = tmp_path / "long"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 1100}))
+    r = run_cli(capsys, "generate", str(path), "--prompt-ids", "1,2,3", "--device", "cpu")
+    assert r.code == 2 and r.one_error_line, r.err
+    assert (f"or the samples' max_new_tokens: give --max_new_tokens below 1,100, the model's max_new_tokens "
+            f"({path / 'generation_config.json'}) (generate sizes the pools for prompts x (n x max_new_tokens + "
+            "1024) = 2124 tokens") in r.err
+    assert "lower --max_new_tokens" not in r.err
+    r = run_cli(capsys, "generate", str(path), "--prompt-ids", "1,2,3", "--device", "cpu",
+                "--override-generation-config", '{"max_new_tokens": 1000}')
+    assert r.code == 2 and r.one_error_line, r.err
+    assert "lower override_generation_config.max_new_tokens, --n or the number of prompts (generate sizes" in r.err
+    assert not track_pools
+
+
 def test_pools_too_big_name_serves_default_max_tokens_flag(monkeypatch, capsys, track_pools):
     from tests.cli_support import run_cli
 

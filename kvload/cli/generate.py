@@ -12,7 +12,7 @@ from kvload.cli.files import _audit_subscribers
 from kvload.cli.flags import _request, add_model_flags
 from kvload.cli.output import print_result, prints
 from kvload.cli.parser import HelpFormatter
-from kvload.cli.sampling_defaults import default_length_origin, peek_sampling_defaults
+from kvload.cli.sampling_defaults import default_length_origin, length_source, peek_sampling_defaults
 from kvload.cli.token_printer import _TokenPrinter
 from kvload.cli.values import _bounded, at_least, integer, number, token_ids
 from pipeline.errors import ConfigError, GenerationError
@@ -82,7 +82,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     # --max_new_tokens (the reason), not as a field the user never typed, and it must not fail a run whose
     # --max_tokens leaves the default unused.
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        *_generate_pool_tokens(len(prompts), ns.n, max_new_tokens, _user_max_seq_len(request), length),
+        *_generate_pool_tokens(len(prompts), ns.n, max_new_tokens, _user_max_seq_len(request),
+                               length_source("--max_new_tokens", "max_tokens" in sampling, peeked, max_new_tokens,
+                                             "generate", "the samples' max_new_tokens")),
         sequences=len(prompts) * ns.n)  # the checkpoint's max_seq_len caps it too, once resolved
     with execute(request, load_stages(), subscribers=audit) as result:  # generation events reach the audit too
         # --reasoning-parser, else the --config file's reasoning_parser (parse_args took them, as kvload.LLM's): the
@@ -151,19 +153,22 @@ def _output_document(output: Any, reasoning_parser: str | None) -> dict[str, Any
 
 
 def _generate_pool_tokens(prompts: int, n: int, max_new_tokens: int, max_seq_len: int | None,
-                          length: str = "--max_new_tokens") -> tuple[int, str, str]:
+                          length: tuple[str, bool] = ("--max_new_tokens", True)) -> tuple[int, str, str]:
     """generate's default pool size, its source and reason: each prompt's ``n`` samples of ``max_new_tokens`` plus
     the prompt allowance, but never more than ``n`` sequences of ``max_seq_len`` (no sample grows past it).
-    ``length`` names where max_new_tokens came from (the flag, or the model's generation_config.json)."""
+    ``length`` is :func:`length_source`'s answer: what set max_new_tokens and whether it is the user's to lower (the
+    flag, their override_generation_config), else the flag to give below the default that applied."""
     per_prompt = n * max_new_tokens + GENERATE_PROMPT_ALLOWANCE
-    flags, formula = length, f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
+    source, lowered = length
+    flags = f"{source}, --n or the number of prompts" if lowered else f"--n or the number of prompts, or {source}"
+    formula = f"(n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
     if max_seq_len is not None and n * max_seq_len < per_prompt:
         per_prompt = n * max_seq_len
-        flags = "--max_seq_len"
+        flags = "--max_seq_len, --n or the number of prompts"
         formula = f"n x max_seq_len (less than n x max_new_tokens + {GENERATE_PROMPT_ALLOWANCE})"
     tokens = min(MAX_INT, prompts * per_prompt)
-    return tokens, "generate", (f"{flags}, --n or the number of prompts (generate sizes the pools for prompts x "
-                                f"{formula} = {tokens} tokens when no --max_tokens is given)")
+    return tokens, "generate", (f"{flags} (generate sizes the pools for prompts x {formula} = {tokens} tokens when "
+                                "no --max_tokens is given)")
 
 
 def _user_max_seq_len(request: Any) -> int | None:

@@ -50,3 +50,21 @@ def default_length_origin(defaults: Any) -> str:
     if defaults.sources.get("max_tokens") == FROM_OVERRIDE:
         return "override_generation_config.max_new_tokens"
     return f"max_new_tokens ({defaults.path or 'generation_config.json'})"
+
+
+def length_source(flag: str, given: bool, defaults: Any, length: int, command: str, what: str) -> tuple[str, bool]:
+    """What set the default length ``length`` a command (``command``, e.g. "generate") sized its KV pools by, as what
+    the user can change, and whether it is theirs to lower: ``flag`` when ``given``; the user's
+    ``override_generation_config.max_new_tokens``; else ``"{what}: give {flag} below {length}, "`` and the default
+    that applied (the model's ``max_new_tokens`` and its file, or the command's own), never "lower ``flag``" of a flag
+    the user did not give. ``defaults`` is :func:`peek_sampling_defaults`'s answer."""
+    if given:
+        return flag, True
+    if "max_tokens" in defaults.values:
+        origin = default_length_origin(defaults)
+        if origin.startswith("override_generation_config"):  # the user's own setting
+            return origin, True
+        applied = f"{length:,}, the model's {origin}"
+    else:
+        applied = f"{length:,}, {command}'s own default (neither {flag} nor the model's max_new_tokens gives one)"
+    return f"{what}: give {flag} below {applied}", False

@@ -359,20 +359,11 @@ def serve_length_source(flag: int | None, peeked: Any, length: int) -> str:
     """What set the default ``max_tokens`` serve sized its pools by, as what the operator can change: errors say
     "lower" it. The flag when given, or the user's ``override_generation_config.max_new_tokens``; else the flag to give
     and the default that applied (the model's ``max_new_tokens`` and its file, or serve's own), never "lower
-    --default-max-tokens" of a flag the operator did not give."""
-    from kvload.cli.sampling_defaults import default_length_origin
+    --default-max-tokens" of a flag the operator did not give (``length_source``, generate's too)."""
+    from kvload.cli.sampling_defaults import length_source
 
-    if flag is not None:
-        return "--default-max-tokens"
-    if "max_tokens" in peeked.values:
-        origin = default_length_origin(peeked)
-        if origin.startswith("override_generation_config"):  # the user's own setting
-            return origin
-        applied = f"{length:,}, the model's {origin}"
-    else:
-        applied = (f"{length:,}, serve's own default (neither --default-max-tokens nor the model's max_new_tokens "
-                   "gives one)")
-    return f"the requests' default max_tokens: give --default-max-tokens below {applied}"
+    return length_source("--default-max-tokens", flag is not None, peeked, length, "serve",
+                         "the requests' default max_tokens")[0]
 
 
 def _tls_cert_reqs(text: str) -> int:
