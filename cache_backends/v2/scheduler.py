@@ -164,12 +164,12 @@ LPM_CARRY = 256
 #: start"): any share from a quarter to nearly a half gave the same variant figures (BENCHMARKS.md, "The last
 #: conversations to start").
 LPM_FEW = 0.25
-#: Short conversations (module docstring, "the last to start"): while at most ``LPM_SHORT`` requests joined the queue
+#: Short conversations (module docstring, "Short conversations"): while at most ``LPM_SHORT`` requests joined the queue
 #: with a cached prefix per request that joined without one (conversations of under two and a half turns on average:
 #: a waiting hit is mostly its conversation's last turn), the requests waiting without one go in among the aged once
 #: they number at most the running requests and each waited ``LPM_OWN`` times its own ``max_new_tokens`` (at most
 #: ``LPM_CARRY``) steps. 1 left 2-turn conversations at 4,096 tokens of KV at 1.16x V1's steps, 2 took 3-turn ones to
-#: 1.09x; an own wait of 1.5 to 2.5 turns gave the same figures (BENCHMARKS.md, "Two-turn conversations").
+#: 1.09x; an own wait of 2 or 2.5 answers gave the same figures (BENCHMARKS.md, "Two-turn conversations").
 LPM_SHORT, LPM_OWN = 1.5, 2
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
