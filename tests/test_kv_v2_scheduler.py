@@ -690,6 +690,7 @@ def test_the_last_first_turn_goes_ahead_of_a_cached_history_once_few_wait_beside
     for r in running:
         prefill(m, r)
         r.state = RequestState.RUNNING
+    s._joined_hit = 8  # conversations of many turns so far: not the short conversations' rule (test below)
     s._steps, fresh.queued_at, follow.queued_at = 10, 11 - waited, 10  # admitted at step 11, `waited` steps on
     out = s.step(deque([fresh, follow]), running)
     assert [r.req_id for r in out.admitted] == [first]
@@ -715,9 +716,50 @@ def test_the_last_first_turn_waits_its_turn_while_sliding_windows_free_room(monk
     for r in running:
         prefill(m, r)
         r.state = RequestState.RUNNING
+    s._joined_hit = 8  # conversations of many turns so far: not the short conversations' rule
     s._steps, fresh.queued_at, follow.queued_at = 10, 8, 10  # the fresh prompt waited LPM_CARRY steps
     out = s.step(deque([fresh, follow]), running)
     assert [r.req_id for r in out.admitted] == [first]
+
+
+@pytest.mark.parametrize(("joined_hit", "waited", "first"), [(2, 8, "fresh"), (3, 8, "turn1"), (2, 7, "turn1")])
+def test_in_short_conversations_the_last_first_turns_go_ahead_of_last_turns_beside_as_many_running(
+        monkeypatch, joined_hit, waited, first):
+    # While at most LPM_SHORT (1.5) requests joined with a cached prefix per one that joined without (conversations of
+    # under two and a half turns: a waiting hit is mostly its conversation's last turn), a first turn that waited
+    # LPM_OWN (2) times its own max_new_tokens (4) goes ahead of a cached history once the first turns waiting are no
+    # more than the running requests (here one beside one). With more hits per fresh start, or a shorter wait, the
+    # history goes first (longest prefix first; LPM_FEW's quarter of the batch is not met).
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=2, max_num_tokens=64, init_ratio=0.0)  # one slot free
+    fresh, follow = _cached_and_two_waiting(m)
+    other = Request("other", list(range(400, 408)), 4, arrival=-1)
+    prefill(m, other)
+    other.state = RequestState.RUNNING
+    s._joined_hit, s._joined_cold = joined_hit, 1  # the two joining now add one each: 3/2 or 4/2
+    s._steps, fresh.queued_at, follow.queued_at = 10, 11 - waited, 10  # admitted at step 11, `waited` steps on
+    out = s.step(deque([fresh, follow]), [other])
+    assert [r.req_id for r in out.admitted] == [first]
+
+
+@pytest.mark.parametrize("max_tokens", [4096, 5120])
+def test_two_turn_conversations_under_pressure_end_within_v1s_steps(max_tokens):
+    # 16 conversations of two turns (640-token first prompts, 32-token turns and answers) in room for five to seven
+    # sequences. V1 admits in arrival order: every first turn before any second turn, six waves. Longest prefix first
+    # let each second turn in as its first turn finished, so the last first turns started in the last wave and their
+    # second turns ran alone after it: 224 / 193 steps against V1's 196 / 165 (1.14x, 1.17x). Now the last first
+    # turns go ahead of the second turns (which have no turn after them): 197 / 164.
+    from engine.simulator import simulate
+
+    report = simulate("tiny-llama", "multi-turn", compare=True, kv_cache_config={"max_tokens": max_tokens},
+                      requests=32, params={"turns": 2, "first_len": 640, "user_len": 32, "answer_len": 32},
+                      device="cpu", log=False, progress=False)
+    v1, v2 = report.results["KVCacheManager"].metrics, report.results["KVCacheManagerV2"].metrics
+    assert v2.steps <= 1.02 * v1.steps
+    assert v2.hit_rate > v1.hit_rate
 
 
 def test_under_pressure_one_whole_prompt_is_admitted_per_step_and_cached_hits_join_it(monkeypatch):
@@ -870,6 +912,10 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running
         if r.cached_hint < 0:
             hit = m.cached_prefix_tokens(r)
             rank = r.cached_hint = hit if hit >= scheduler.LPM_MIN_HIT else 0
+            if hit:
+                s._joined_hit += 1
+            else:
+                s._joined_cold += 1
         elif r.cached_hint:
             hit = m.cached_prefix_tokens(r)
             rank = hit if hit >= scheduler.LPM_MIN_HIT else 1
@@ -878,13 +924,17 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running
         ranked.append((rank, r))
     # the first turns waiting (the queue beyond the window counted among them) are few beside the running requests:
     # those that waited LPM_CARRY steps go in among the aged (this layout has no sliding windows)
+    # in short conversations (few joined with a cached prefix per one that joined without), as many as run, each after
+    # LPM_OWN times its own max_new_tokens (at most LPM_CARRY), and only beside a hit
     tail = max(0, len(waiting) - scheduler.LPM_WINDOW)
     cold = sum(1 for rank, _ in ranked if rank == 0)
-    last = cold > 0 and cold + tail <= scheduler.LPM_FEW * running
+    short = cold < len(ranked) and s._joined_hit <= scheduler.LPM_SHORT * s._joined_cold
+    last = cold > 0 and cold + tail <= (running if short else scheduler.LPM_FEW * running)
     aged, young = [], []
     for rank, r in ranked:
         waited = now - r.queued_at
-        is_aged = waited >= scheduler.LPM_AGE or (last and rank == 0 and waited >= scheduler.LPM_CARRY)
+        floor = min(scheduler.LPM_CARRY, scheduler.LPM_OWN * r.max_new_tokens) if short else scheduler.LPM_CARRY
+        is_aged = waited >= scheduler.LPM_AGE or (last and rank == 0 and waited >= floor)
         if now - r.queued_at > 2 * scheduler.LPM_AGE:  # starved: before every aged one, in arrival order
             rank = float("inf")
         (aged if is_aged else young).append((rank, r))

@@ -56,6 +56,14 @@ One :meth:`~KVCacheV2Scheduler.step`:
    (``held_back``): V2 then runs more requests at once than V1, and a waiting turn's history, whose window blocks go
    within steps, is what a first turn put ahead costs (tiny-gemma3 ``multi-turn`` at a quarter of the budget: 72.5%
    -> 70.8% reused, no step saved).
+   **Short conversations**: while at most ``LPM_SHORT`` requests joined the queue with a cached prefix per request
+   that joined without one (conversations of under two and a half turns on average), "few" is as many as the running
+   requests, and the wait ``LPM_OWN`` times a request's own ``max_new_tokens`` (at most ``LPM_CARRY``), whenever a hit
+   waits beside them. Why: there a waiting hit is mostly its conversation's last turn, so putting it behind delays no
+   later turn, while a first turn started in the last wave runs its next turn alone after it: 16 two-turn
+   conversations of 640-token prompts at 4,096 and 5,120 tokens of KV took 1.14x and 1.17x V1's steps, now 1.005x
+   and 0.994x (BENCHMARKS.md, "Two-turn conversations"). With more turns a displaced hit delays its own
+   conversation's next turns (the same rule with four-turn conversations: up to 1.09x V1's steps).
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
    request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
@@ -156,6 +164,13 @@ LPM_CARRY = 256
 #: start"): any share from a quarter to nearly a half gave the same variant figures (BENCHMARKS.md, "The last
 #: conversations to start").
 LPM_FEW = 0.25
+#: Short conversations (module docstring, "Short conversations"): while at most ``LPM_SHORT`` requests joined the queue
+#: with a cached prefix per request that joined without one (conversations of under two and a half turns on average:
+#: a waiting hit is mostly its conversation's last turn), the requests waiting without one go in among the aged once
+#: they number at most the running requests and each waited ``LPM_OWN`` times its own ``max_new_tokens`` (at most
+#: ``LPM_CARRY``) steps. 1 left 2-turn conversations at 4,096 tokens of KV at 1.16x V1's steps, 2 took 3-turn ones to
+#: 1.09x; an own wait of 2 or 2.5 answers gave the same figures (BENCHMARKS.md, "Two-turn conversations").
+LPM_SHORT, LPM_OWN = 1.5, 2
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
 
@@ -204,6 +219,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         # the prompt lengths among them (a joining request's prompt is cut at each to look it up)
         self._carried: dict[tuple[int, ...], int] = {}
         self._carried_lengths: Counter[int] = Counter()
+        # requests that joined the queue with a cached prefix / without one (the "short conversations" estimate)
+        self._joined_hit = self._joined_cold = 0
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -433,6 +450,10 @@ class KVCacheV2Scheduler(SchedulerBase):
             hit = m.cached_prefix_tokens(r)
             if r.cached_hint < 0:  # joined the queue: looked up once
                 ranks[i] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
+                if hit:
+                    self._joined_hit += 1
+                else:
+                    self._joined_cold += 1
             else:
                 # the running requests' growth may have evicted it while the request waited (module docstring, "a
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
@@ -443,12 +464,19 @@ class KVCacheV2Scheduler(SchedulerBase):
         # steps: their conversations have every turn still to run (module docstring, "the last to start"); not while
         # sliding windows free room (held_back answers a list): V2 then runs more at once than V1 and a turn's
         # history, its window blocks let go within steps, is what a first turn put ahead of it costs
+        # short conversations (a waiting hit mostly its conversation's last turn, putting it behind delays no turn):
+        # as many as run, after a wait of LPM_OWN times their own answer's length; only beside a hit (else the order
+        # is arrival order anyway)
         cold = ranks.count(0)
-        last = (bool(cold) and cold + len(tail) <= LPM_FEW * running
+        short = cold < n and self._joined_hit <= LPM_SHORT * self._joined_cold
+        last = (bool(cold) and cold + len(tail) <= (running if short else LPM_FEW * running)
                 and m.held_back(0.0, self._longest) is None)
         if last or min(queued) <= old:  # waited LPM_AGE steps or longer: first, by their cached prefix, then arrival
             mask = list(map(le, queued, itertools.repeat(old)))
-            if last:
+            if last and short:
+                mask = [a or (not k and q <= now - min(LPM_CARRY, LPM_OWN * r.max_new_tokens))
+                        for a, k, q, r in zip(mask, ranks, queued, window, strict=True)]
+            elif last:
                 mask = list(map(or_, mask, map(and_, map(not_, ranks),
                                                map(le, queued, itertools.repeat(now - LPM_CARRY)))))
             # but those that waited more than twice LPM_AGE go before them, in arrival order: a conversation's turns
