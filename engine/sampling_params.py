@@ -320,6 +320,7 @@ class SamplingParams:
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
+            _past_default_length(_plain_int(min_tokens), max_tokens, "the default max_tokens (none was given)")
         # vLLM's rules: seed -1 is no seed of the request's own; True asks for the sampled (or prompt) token's logprob
         # and its 1 most likely alternative
         logprobs = 1 if logprobs is True else logprobs
@@ -506,7 +507,21 @@ class SamplingParams:
                                       f"({', '.join(sorted(keywords))}), not both")
             return params
         given = _given_fields(keywords)
-        return cls(**{k: v for k, v in (defaults or {}).items() if k not in given}, **keywords)
+        fields = {k: v for k, v in (defaults or {}).items() if k not in given}
+        if is_int(fields.get("max_tokens")):  # the model's length, not one the caller gave: said so
+            _past_default_length(_plain_int(keywords.get("min_tokens", 0)), fields["max_tokens"],
+                                 "the model's default (its generation config's max_new_tokens; no max_tokens was "
+                                 "given)")
+        return cls(**fields, **keywords)
+
+
+def _past_default_length(min_tokens: Any, length: int, origin: str) -> None:
+    """Refuse ``min_tokens`` past a default ``length`` the caller did not give, naming that default (``origin``) and
+    the keyword that raises it: "max_tokens=64" alone read as if max_tokens had been given."""
+    if is_int(min_tokens) and min_tokens > length:
+        raise GenerationError(f"generate: min_tokens: expected an integer in [0, max_tokens={length}], {origin}, "
+                              f"got {min_tokens}; give max_tokens of at least {min_tokens} "
+                              "(None: no cap but the context)")
 
 
 #: vLLM's ``SamplingParams`` fields kvload does not have → what to do instead.

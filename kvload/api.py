@@ -14,7 +14,7 @@ import attrs
 
 from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
-from pipeline.context import LoadRequest, keywords_of
+from pipeline.context import LoadRequest, keywords_of, other_call_keywords
 from pipeline.errors import GenerationError
 from pipeline.run import RunResult, path_argument
 from pipeline.run import execute as run_stages
@@ -237,16 +237,12 @@ def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dic
                           load_weights=load_weights, call_keywords=keywords_of(call) if call is not None else ())
     if call is not None:
         request.call_name = next((name for name, public in _CALLS.items() if public() is call), "")
-        others: dict[str, list[str]] = {}
-        for name, public in _CALLS.items():
-            for keyword in keywords_of(public()):
-                if keyword not in request.call_keywords:
-                    others.setdefault(keyword, []).append(name)
-        request.other_call_keywords = {keyword: " and ".join(names) for keyword, names in others.items()}
+        request.other_call_keywords = other_call_keywords(request.call_keywords)
     return request
 
 
-#: The public Python calls that take LlmArgs fields as keywords beside their own, by the name errors give them.
+#: The public Python calls that take LlmArgs fields as keywords beside their own, by the name errors give them (their
+#: keywords: ``pipeline.context.PUBLIC_CALL_KEYWORDS``, which a lower layer's call reads).
 _CALLS: dict[str, Callable[[], Callable[..., Any]]] = {
     "kvload.plan()": lambda: plan,
     "kvload.load()": lambda: load,

@@ -54,6 +54,29 @@ def keywords_of(call: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(name for name, p in inspect.signature(call).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
+#: The public Python calls that take LlmArgs fields as keywords beside their own, by the name errors give them, with
+#: those own keywords (``kvload.api``'s signatures, held alike by tests/test_did_you_mean.py). Kept here, below the
+#: layers that define the calls, so that a call of a lower layer (``engine.simulator.simulate``) can name a keyword of
+#: one without importing it.
+PUBLIC_CALL_KEYWORDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "kvload.plan()": ("config_file", "audit_log", "subscribers", "stages", "log"),
+    "kvload.load()": ("config_file", "load_weights", "audit_log", "subscribers", "stages", "log"),
+    "kvload.LLM()": ("config_file", "audit_log", "subscribers", "log", "seed"),
+})
+
+
+def other_call_keywords(own: Sequence[str]) -> dict[str, str]:
+    """The keywords of the public calls (:data:`PUBLIC_CALL_KEYWORDS`) that a call whose own keywords are ``own``
+    does not take, each with the calls that do (``"kvload.plan() and kvload.load()"``):
+    :attr:`LoadRequest.other_call_keywords`."""
+    others: dict[str, list[str]] = {}
+    for name, keywords in PUBLIC_CALL_KEYWORDS.items():
+        for keyword in keywords:
+            if keyword not in own:
+                others.setdefault(keyword, []).append(name)
+    return {keyword: " and ".join(names) for keyword, names in others.items()}
+
+
 @attrs.define
 class LoadRequest:
     """The raw inputs of one run, before anything is validated."""

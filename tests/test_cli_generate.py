@@ -268,6 +268,11 @@ def test_penalty_flags_give_the_python_apis_tokens_and_the_audit_records_them(ca
     (("--prompt-ids", "1", "--min_p", "1.5"), "error: --min_p: expected a number in [0, 1], got '1.5'"),
     (("--prompt-ids", "1", "--min_tokens", "9", "--max_new_tokens", "8"),
      "error: --min_tokens: expected at most --max_new_tokens (8), got 9"),
+    # without --max_new_tokens generate's own default bounds it: named so, with the flag that raises it (it said
+    # "at most --max_new_tokens (64)", a flag the user never gave)
+    (("--prompt-ids", "1", "--min_tokens", "100"),
+     "error: --min_tokens: expected at most 64, generate's own default (neither --max_new_tokens nor the model's "
+     "max_new_tokens gives one), got 100; give --max_new_tokens of at least 100 to raise it"),
     (("--prompt-ids", "1", "--max_tokens", "32", "--max_new_tokens", "64"),
      "error: generate: prompt 0: 1 prompt tokens + max_new_tokens 64 need 3 blocks"),
 ])

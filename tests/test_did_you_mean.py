@@ -179,3 +179,20 @@ def test_a_keyword_of_another_public_call_is_named_as_that_calls():
                        "kvload.load(), not of kvload.plan())")
     # the call's own keywords and the fields are taken as before
     assert kvload.plan("tiny-llama", log=False, config_file=None, max_batch_size=8).args.max_batch_size == 8
+
+
+def test_a_keyword_of_a_public_call_given_to_simulate_is_named_as_that_calls():
+    """``engine.simulator.simulate(..., load_weights=True)`` answered with the list of LlmArgs fields: the engine
+    layer cannot import kvload, so the calls' keywords live in pipeline (PUBLIC_CALL_KEYWORDS), held to their
+    signatures here."""
+    from engine.simulator import simulate
+    from kvload.api import _CALLS
+    from pipeline.context import PUBLIC_CALL_KEYWORDS, keywords_of
+
+    assert {name: keywords_of(public()) for name, public in _CALLS.items()} == dict(PUBLIC_CALL_KEYWORDS)
+    refusal = _refusal(lambda: simulate("tiny-llama", "no-reuse", log=False, load_weights=True))
+    assert refusal == ("load_weights: unknown key; 'load_weights' is a keyword of kvload.load(), not of "
+                       "engine.simulator.simulate()")
+    refusal = _refusal(lambda: simulate("tiny-llama", "no-reuse", log=False, stages=()))
+    assert refusal == ("stages: unknown key; 'stages' is a keyword of kvload.plan() and kvload.load(), not of "
+                       "engine.simulator.simulate()")

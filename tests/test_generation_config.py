@@ -352,15 +352,16 @@ def test_cli_generate_takes_the_models_defaults_for_flags_left_out(capsys, tmp_p
 
 def test_cli_generate_names_where_the_default_max_new_tokens_came_from(capsys, tmp_path):
     """--min_tokens past the default length names that length's origin: the override (a flag or --config key the
-    user gave), not a generation_config.json that tiny-llama does not have; the checkpoint's file by its name."""
+    user gave), not a generation_config.json that tiny-llama does not have; the checkpoint's file by its name, and
+    --max_new_tokens as the flag that raises it."""
     r = run_cli(capsys, "generate", "tiny-llama", "--prompt-ids", "1,2", "--override_generation_config",
                 '{"max_new_tokens": 2}', "--min_tokens", "3")
     assert_refused(r, "error: --min_tokens: expected at most override_generation_config.max_new_tokens (2), got 3")
     assert "generation_config.json" not in r.err
     path = _config_only(tmp_path, {"max_new_tokens": 2})
     r = run_cli(capsys, "generate", path, "--prompt-ids", "1,2", "--min_tokens", "3")
-    assert_refused(r, f"error: --min_tokens: expected at most max_new_tokens ({path / 'generation_config.json'}) (2), "
-                      "got 3")
+    assert_refused(r, f"error: --min_tokens: expected at most 2, the model's max_new_tokens "
+                      f"({path / 'generation_config.json'}), got 3; give --max_new_tokens of at least 3 to raise it")
 
 
 def test_cli_generate_sizes_its_pools_for_the_models_max_new_tokens(capsys, tmp_path, tiny_checkpoints):

@@ -178,6 +178,10 @@ def test_a_client_that_gives_up_on_a_plain_request_has_it_aborted(served):
      "temperature: expected a number in [0, 2] (0 = greedy), got an integer of about 401 digits"),
     ({"prompt": [1, 2], "logit_bias": {"3": 10**400}}, "logit_bias", "to numbers in [-100, 100]"),
     ({"prompt": [1, 2], "min_tokens": 9, "max_tokens": 4}, "min_tokens", "an integer in [0, max_tokens=4]"),
+    # past the server's default max_tokens, which the request did not send: named as the default, with the field
+    # that raises it (it read "max_tokens=256" as if the request had sent it)
+    ({"prompt": [1, 2], "min_tokens": 300}, "min_tokens", "min_tokens: expected an integer in [0, max_tokens=256], "
+     "the server's default max_tokens (the request sends none), got 300; send max_tokens of at least 300"),
     ({"prompt": [1, 2], "min_p": 2}, "min_p", "min_p: expected a number in [0, 1]"),
     ({"prompt": [1, 2], "stop": ["a"] * 17}, "stop", "expected at most 16 strings, got a list of 17"),
     ({"prompt": [1, 2], "stop_token_ids": [2] * 5000}, "stop_token_ids",

@@ -847,3 +847,25 @@ def test_get_metrics_takes_vllms_own_names_as_the_server_does(words):
             assert m.name in {"kvload_num_suspensions", "kvload_engine_steps", "kvload_kv_cache_usage_perc"}, m.name
     (one,) = [m for m in theirs if m.name == "vllm:kv_cache_usage_perc"]  # one gauge, not one per layer group
     assert isinstance(one, Gauge) and one.value == pytest.approx(usage)
+
+
+def test_min_tokens_past_a_default_max_tokens_names_that_default_and_the_keyword_that_raises_it(llm, words):
+    """min_tokens past a max_tokens the caller never gave read "expected an integer in [0, max_tokens=64]", as if
+    max_tokens had been given: the default is named as one (kvload's, or the model's generation config's) with
+    max_tokens as the keyword that raises it."""
+    default = (r"^generate: min_tokens: expected an integer in \[0, max_tokens=64\], the default max_tokens \(none "
+               r"was given\), got 100; give max_tokens of at least 100 \(None: no cap but the context\)$")
+    with pytest.raises(GenerationError, match=default):
+        SamplingParams(min_tokens=100)
+    with pytest.raises(GenerationError, match=default):
+        llm.generate(IDS[:1], min_tokens=100)
+    with pytest.raises(GenerationError, match=r"^generate: min_tokens: expected an integer in \[0, max_tokens=8\], "
+                                              r"got 100$"):  # given: named as given
+        SamplingParams(min_tokens=100, max_tokens=8)
+    assert SamplingParams(min_tokens=100, max_tokens=100).min_tokens == 100  # the advice taken
+    with kvload.LLM(str(words), override_generation_config={"max_new_tokens": 2}, **llm_kwargs("v1")) as short:
+        with pytest.raises(GenerationError, match=r"^generate: min_tokens: expected an integer in \[0, max_tokens=2\]"
+                                                  r", the model's default \(its generation config's max_new_tokens; no"
+                                                  r" max_tokens was given\), got 3; give max_tokens of at least 3"):
+            short.generate(IDS[:1], min_tokens=3)
+        assert len(short.generate(IDS[:1], min_tokens=3, max_tokens=3)[0].outputs[0].token_ids) == 3

@@ -12,7 +12,7 @@ from kvload.cli.files import _audit_subscribers
 from kvload.cli.flags import _request, add_model_flags
 from kvload.cli.output import print_result, prints
 from kvload.cli.parser import HelpFormatter
-from kvload.cli.sampling_defaults import default_length_origin, length_source, peek_sampling_defaults
+from kvload.cli.sampling_defaults import length_bound, length_source, peek_sampling_defaults
 from kvload.cli.token_printer import _TokenPrinter
 from kvload.cli.values import _bounded, at_least, integer, number, token_ids
 from pipeline.errors import ConfigError, GenerationError
@@ -67,10 +67,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     peeked = peek_sampling_defaults(request)
     model = peeked.values
     max_new_tokens = sampling.get("max_tokens", model.get("max_tokens", DEFAULT_MAX_TOKENS))
-    length = "--max_new_tokens" if "max_tokens" in sampling or "max_tokens" not in model else \
-        default_length_origin(peeked)
-    if ns.min_tokens > max_new_tokens:
-        raise ConfigError(f"--min_tokens: expected at most {length} ({max_new_tokens}), got {ns.min_tokens}")
+    if ns.min_tokens > max_new_tokens:  # named as what set the length: a flag left out is one to give, not to lower
+        bound, advice = length_bound("--max_new_tokens", "max_tokens" in sampling, peeked, max_new_tokens,
+                                     "generate", ns.min_tokens)
+        raise ConfigError(f"--min_tokens: expected at most {bound}, got {ns.min_tokens}{advice}")
     from kvload.cli.structured_flags import flag_named, reasoning_ignored, structured_outputs
 
     structured = structured_outputs(ns)  # its spec parsed by xgrammar: a bad one is refused before the weights load

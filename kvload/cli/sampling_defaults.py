@@ -60,11 +60,34 @@ def length_source(flag: str, given: bool, defaults: Any, length: int, command: s
     the user did not give. ``defaults`` is :func:`peek_sampling_defaults`'s answer."""
     if given:
         return flag, True
+    applied = _default_applied(flag, defaults, length, command)
+    if applied is None:  # the user's own override_generation_config.max_new_tokens
+        return default_length_origin(defaults), True
+    return f"{what}: give {flag} below {applied}", False
+
+
+def length_bound(flag: str, given: bool, defaults: Any, length: int, command: str, needed: int) -> tuple[str, str]:
+    """What bounds a setting by the default length ``length`` (``--min_tokens`` by max_new_tokens), as what the user
+    can change: ``(bound, advice)``, for "expected at most {bound}, got N{advice}". ``flag`` ``(length)`` when
+    ``given``; the user's ``override_generation_config.max_new_tokens (length)``; else the default that applied (the
+    model's ``max_new_tokens`` and its file, or the command's own) and "; give ``flag`` of at least ``needed`` to raise
+    it", never "``flag`` (length)" of a flag the user did not give. ``defaults`` is :func:`peek_sampling_defaults`'s
+    answer."""
+    if given:
+        return f"{flag} ({length:,})", ""
+    applied = _default_applied(flag, defaults, length, command)
+    if applied is None:
+        return f"{default_length_origin(defaults)} ({length:,})", ""
+    return applied, f"; give {flag} of at least {needed:,} to raise it"
+
+
+def _default_applied(flag: str, defaults: Any, length: int, command: str) -> str | None:
+    """The default length ``length`` and where it came from when the user did not set it: the model's
+    ``max_new_tokens`` and its file, or ``command``'s own default; None for the user's
+    ``override_generation_config.max_new_tokens``."""
     if "max_tokens" in defaults.values:
         origin = default_length_origin(defaults)
         if origin.startswith("override_generation_config"):  # the user's own setting
-            return origin, True
-        applied = f"{length:,}, the model's {origin}"
-    else:
-        applied = f"{length:,}, {command}'s own default (neither {flag} nor the model's max_new_tokens gives one)"
-    return f"{what}: give {flag} below {applied}", False
+            return None
+        return f"{length:,}, the model's {origin}"
+    return f"{length:,}, {command}'s own default (neither {flag} nor the model's max_new_tokens gives one)"

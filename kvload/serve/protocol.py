@@ -465,6 +465,13 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         extras["structured_outputs"] = structured if reasoning is None else \
             attrs.evolve(structured, reasoning_parser=reasoning)
         ignored += _not_enforced(structured, structured_field, tool_choice)
+    least = extras.get("min_tokens", 0)
+    if not given and not echo_only and "min_tokens" not in defaulted and least > default_max_tokens:
+        # the bound is the server's default, not a max_tokens the request sent: said so, with the field that raises it
+        also = " (or max_completion_tokens)" if kind == "chat" else ""
+        raise BadRequest(f"min_tokens: expected an integer in [0, max_tokens={default_max_tokens}], the server's "
+                         f"default max_tokens (the request sends none), got {least}; send max_tokens{also} of at "
+                         f"least {least}", param="min_tokens")
     try:
         # echo without generation draws one token no answer shows (vLLM's way): the engine needs max_tokens >= 1
         params = SamplingParams(max_tokens=1 if echo_only else max_tokens if given else default_max_tokens,
