@@ -36,10 +36,17 @@ function-call items; Messages' ``thinking``, ``tool_choice``, thinking and redac
 top and below (``PARSER_FIELDS``, ``PARSER_NESTED``), and each streaming route with tools hung up after its first
 chunk; ``auth`` (``--api-key``): every route, the open ones too, under 25 Authorization / X-Api-Key header sets sent
 as raw bytes (missing, wrong, a prefix, two headers, latin-1, a control byte, 60 KB, ...; ``AUTH_HEADERS``): a right
-key must be served, a wrong one a 401 in the route's error shape with ``WWW-Authenticate: Bearer`` and nothing held;
-``admin`` (``--enable-reset-prefix-cache``, KV events on): ``/v1/kvload/audit``, ``/explain``, ``/kv_events`` and
-``/reset_prefix_cache`` with hostile queries, bodies and methods, and a reset while a stream runs (409, the stream
-unharmed).
+key must be served, a wrong one a 401 in the route's error shape with ``WWW-Authenticate: Bearer`` and nothing held,
+and an open route (``AUTH_OPEN``) must answer as the same request to a second server without ``--api-key`` does (its
+status, Content-Type, Allow, WWW-Authenticate, Connection and body; ``/metrics`` by its families, ``/load`` by its
+keys); ``beam`` (``--max_beam_width 4``): beam search on completions and chat, every hostile value on each field
+of ``BEAM_FIELDS`` over a good search of two beams, ``beam_combos`` (each field's meaningful values, and their
+combinations with n, best_of, stream, logprobs, stop, max_tokens and structured outputs, each with the status
+expected and every 200's choices checked), clients gone mid-search (streamed or not: the search must end within
+fewer steps than a whole one), 16 requests at once (three rounds), 16 searches at once, 8 beside 8 plain requests,
+and the running or queued searches among the leftovers; ``admin`` (``--enable-reset-prefix-cache``, KV events on):
+``/v1/kvload/audit``, ``/explain``, ``/kv_events`` and ``/reset_prefix_cache`` with hostile queries, bodies and
+methods, and a reset while a stream runs (409, the stream unharmed).
 
     python scripts/serve_gen_sweep.py --out /tmp/p.jsonl --group parsers --summary
 
