@@ -36,10 +36,17 @@ function-call items; Messages' ``thinking``, ``tool_choice``, thinking and redac
 top and below (``PARSER_FIELDS``, ``PARSER_NESTED``), and each streaming route with tools hung up after its first
 chunk; ``auth`` (``--api-key``): every route, the open ones too, under 25 Authorization / X-Api-Key header sets sent
 as raw bytes (missing, wrong, a prefix, two headers, latin-1, a control byte, 60 KB, ...; ``AUTH_HEADERS``): a right
-key must be served, a wrong one a 401 in the route's error shape with ``WWW-Authenticate: Bearer`` and nothing held;
-``admin`` (``--enable-reset-prefix-cache``, KV events on): ``/v1/kvload/audit``, ``/explain``, ``/kv_events`` and
-``/reset_prefix_cache`` with hostile queries, bodies and methods, and a reset while a stream runs (409, the stream
-unharmed).
+key must be served, a wrong one a 401 in the route's error shape with ``WWW-Authenticate: Bearer`` and nothing held,
+and an open route (``AUTH_OPEN``) must answer as the same request to a second server without ``--api-key`` does (its
+status, Content-Type, Allow, WWW-Authenticate, Connection and body; ``/metrics`` by its families, ``/load`` by its
+keys); ``beam`` (``--max_beam_width 4``): beam search on completions and chat, every hostile value on each field
+of ``BEAM_FIELDS`` over a good search of two beams, ``beam_combos`` (each field's meaningful values, and their
+combinations with n, best_of, stream, logprobs, stop, max_tokens and structured outputs, each with the status
+expected and every 200's choices checked), clients gone mid-search (streamed or not: the search must end within
+fewer steps than a whole one), 16 requests at once (three rounds), 16 searches at once, 8 beside 8 plain requests,
+and the running or queued searches among the leftovers; ``admin`` (``--enable-reset-prefix-cache``, KV events on):
+``/v1/kvload/audit``, ``/explain``, ``/kv_events`` and ``/reset_prefix_cache`` with hostile queries, bodies and
+methods, and a reset while a stream runs (409, the stream unharmed).
 
     python scripts/serve_gen_sweep.py --out /tmp/p.jsonl --group parsers --summary
 
@@ -63,6 +70,7 @@ judged by this file's rules):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -141,6 +149,10 @@ JUDGED_OK: dict[tuple[str, str], tuple[set[str], str]] = {
                                              "because the body's regex is a second kind)")
        for k in ("json_object", "disable_any_whitespace")},
     ("messages", "metadata"): ({"empty_dict"}, "no user_id: well typed"),
+    **{(tag, field): ({"zero"}, "0 is the neutral value beam search takes (greedy; no penalty; no minimum); 1 "
+                      "asks for what it cannot honour, refused by name")
+       for tag in ("beam_completion", "beam_chat")
+       for field in ("temperature", "min_tokens", "presence_penalty", "frequency_penalty")},
     ("tokenize", "prompt"): ({"long_str"}, "/tokenize counts past the context (vLLM's; max_model_len is in the "
                              "answer for the client to compare)"),
 }
@@ -198,6 +210,9 @@ def routes() -> list[Route]:
 
 def answer_of(route: Route, doc: Any) -> Any:
     """What a good answer says (its text or tokens), the part a later good request must repeat."""
+    if route.tag.startswith("beam_"):  # every hypothesis, best first
+        return [c["text"] if "text" in c else c["message"]["content"]
+                for c in sorted(doc["choices"], key=lambda c: c["index"])]
     if route.tag == "completion":
         return doc["choices"][0]["text"]
     if route.tag == "chat":
@@ -437,8 +452,14 @@ AUTH_ROUTES: dict[str, tuple[str, str, Any]] = {
     "health": ("GET", "/health", None), "ping": ("POST", "/ping", None), "metrics": ("GET", "/metrics", None),
     "version": ("GET", "/version", None), "load": ("GET", "/load", None),
     "health_slash": ("GET", "/health/", None), "metrics_query": ("GET", "/metrics?x=1", None),
+    # the open paths under other methods, a query and an escaped path: each as a server without --api-key answers it
+    "health_head": ("HEAD", "/health", None), "ping_get": ("GET", "/ping", None),
+    "version_post": ("POST", "/version", None), "metrics_head": ("HEAD", "/metrics", None),
+    "load_query": ("GET", "/load?x=%ED%A0%80", None), "health_escaped": ("GET", "/%68ealth", None),
 }
-AUTH_OPEN = {"health", "ping", "metrics", "version", "load", "options", "metrics_query"}
+#: The routes the gate leaves open: each must answer as the same request to a server without --api-key does.
+AUTH_OPEN = {"health", "ping", "metrics", "version", "load", "options", "metrics_query", "health_head", "ping_get",
+             "version_post", "metrics_head", "load_query", "health_escaped"}
 
 
 def raw_request(port: int, method: str, path: str, headers: list[tuple[bytes, bytes]], body: Any
@@ -507,6 +528,35 @@ def auth_judge(name: str, status: int, hdrs: dict[str, str], body: bytes, passes
     return why
 
 
+def open_view(route_name: str, status: int, hdrs: dict[str, str], body: bytes) -> dict[str, Any]:
+    """What an open route's answer says, less what moves from one request to the next (a metric's value, a load's
+    count): its status, the headers a client reads, and its body (``/metrics``: the metric families it lists;
+    ``/load``: its keys)."""
+    text = body.decode("utf-8", "replace")
+    view: Any = text
+    if route_name.startswith("metrics") and status == 200:
+        view = sorted({ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE ") and len(ln.split()) > 2})
+    elif route_name == "load" and status == 200:
+        try:
+            doc = json.loads(text)
+            view = sorted(doc) if isinstance(doc, dict) else doc
+        except ValueError:
+            pass
+    return {"status": status, **{k: hdrs.get(k) for k in ("content-type", "allow", "www-authenticate", "connection")},
+            "body": view}
+
+
+def open_diff(auth: dict[str, Any], plain: dict[str, Any]) -> str | None:
+    """How an open route's answer under --api-key differs from the same request's on a server without it."""
+    diffs = []
+    for k in auth:
+        if auth[k] != plain[k]:
+            a, p = (auth[k], plain[k]) if k != "body" or not isinstance(auth[k], list) else (
+                sorted(set(auth[k]) - set(plain[k])), sorted(set(plain[k]) - set(auth[k])))
+            diffs.append(f"{k} {str(a)[:80]!s} (without auth {str(p)[:80]!s})")
+    return "; ".join(diffs) or None
+
+
 #: --group admin: kvload's own routes and vLLM's /reset_prefix_cache, hostile query strings, bodies and methods.
 def admin_cases() -> list[tuple[str, str, str, Any]]:
     """(name, method, path, body or None)."""
@@ -549,6 +599,182 @@ def admin_cases() -> list[tuple[str, str, str, Any]]:
               ("get.reset_prefix_cache.head", "HEAD", "/reset_prefix_cache", None),
               ("get.reset_prefix_cache.slash", "POST", "/reset_prefix_cache/", Raw(b"", None))]
     return cases
+
+
+#: --group beam (a server started with ``max_beam_width`` BEAM_WIDTH): the beam search's own fields and those it
+#: meets (``BEAM_FIELDS``), every hostile value on top of a good beam search (``use_beam_search``, ``n`` 2), and
+#: ``beam_combos``: meaningful values of each with the status kvload answers them with (a 200's choices checked).
+BEAM_WIDTH = 4
+_BEAM_COMMON = ("use_beam_search", "length_penalty", "n", "stream", "stream_options", "logprobs", "stop",
+                "stop_token_ids", "max_tokens", "structured_outputs", "response_format", "temperature", "top_p",
+                "top_k", "min_p", "seed", "ignore_eos", "echo", "include_stop_str_in_output", "prompt_logprobs",
+                "min_tokens", "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "return_token_ids", "guided_regex",
+                "cache_salt", "skip_special_tokens")
+BEAM_FIELDS = {"beam_completion": (*_BEAM_COMMON, "best_of", "prompt"),
+               "beam_chat": (*_BEAM_COMMON, "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                             "messages", "continue_final_message", "add_generation_prompt")}
+_BEAM = {"use_beam_search": True, "n": 2}
+
+
+def beam_routes() -> list[Route]:
+    """The two routes that serve beam search, their good request a search of two beams."""
+    return [Route("beam_completion", "/v1/completions", {"prompt": "w1 w2 w3", "max_tokens": 3, **_BEAM},
+                  BEAM_FIELDS["beam_completion"], stream=True),
+            Route("beam_chat", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, **_BEAM},
+                  BEAM_FIELDS["beam_chat"], stream=True)]
+
+
+def beam_combos(route: Route) -> dict[str, tuple[dict[str, Any], int]]:
+    """name -> (body, the status expected): each beam field's meaningful values and its combinations with n,
+    best_of, stream, logprobs, stop, max_tokens and structured outputs (a name's middle part is the field a 400
+    names)."""
+    g, chat = route.good, route.tag == "beam_chat"
+    long = {**g, "max_tokens": 12, "ignore_eos": True}
+    c: dict[str, tuple[dict[str, Any], int]] = {
+        "n.one": ({**g, "n": 1}, 200), "n.width": ({**g, "n": BEAM_WIDTH}, 200),
+        "n.past_width": ({**g, "n": BEAM_WIDTH + 1}, 400),
+        "n.absent": ({k: v for k, v in g.items() if k != "n"}, 200), "n.null": ({**g, "n": None}, 200),
+        "n.float_int": ({**g, "n": 2.0}, 400), "n.huge_width": ({**g, "n": 10 ** 6}, 400),
+        "use_beam_search.true_str": ({**g, "use_beam_search": "true"}, 400),
+        "use_beam_search.one_int": ({**g, "use_beam_search": 1}, 400),
+        "use_beam_search.null": ({**g, "use_beam_search": None}, 200),
+        "use_beam_search.off_n_past_width": ({**g, "use_beam_search": False, "n": BEAM_WIDTH + 1}, 200),
+        "use_beam_search.off_with_penalty": ({**g, "use_beam_search": False, "length_penalty": 2.0}, 200),
+        "length_penalty.zero": ({**long, "length_penalty": 0}, 200),
+        "length_penalty.neg": ({**long, "length_penalty": -1.0}, 200),
+        "length_penalty.big": ({**long, "length_penalty": 1e308}, 200),
+        "length_penalty.neg_big": ({**long, "length_penalty": -1e308}, 200),
+        "length_penalty.tiny": ({**long, "length_penalty": 5e-324}, 200),
+        "length_penalty.int": ({**long, "length_penalty": 3}, 200),
+        "length_penalty.bool": ({**long, "length_penalty": True}, 400),
+        "stream.on": ({**g, "stream": True}, 200), "stream.width": ({**long, "n": BEAM_WIDTH, "stream": True}, 200),
+        "stream.usage": ({**g, "stream": True, "stream_options": {"include_usage": True,
+                                                                  "continuous_usage_stats": True}}, 200),
+        "stream.logprobs": ({**g, "stream": True, **({"logprobs": True, "top_logprobs": 2} if chat
+                                                     else {"logprobs": 2})}, 200),
+        "stream_options.without_stream": ({**g, "stream_options": {"include_usage": True}}, 400),
+        "stop.word": ({**g, "stop": ["w9"]}, 400), "stop.str": ({**g, "stop": "w9"}, 400),
+        "stop.empty_list": ({**g, "stop": []}, 200), "stop.null": ({**g, "stop": None}, 200),
+        "stop.empty_str": ({**g, "stop": ""}, 400), "stop.list_empty_str": ({**g, "stop": [""]}, 400),
+        "stop_token_ids.one": ({**g, "stop_token_ids": [5]}, 400),
+        "stop_token_ids.empty": ({**g, "stop_token_ids": []}, 200),
+        "include_stop_str_in_output.true": ({**g, "include_stop_str_in_output": True}, 200),
+        "max_tokens.one": ({**g, "max_tokens": 1}, 200),
+        "max_tokens.to_context": ({**g, "max_tokens": 64 - (5 if chat else 3), "ignore_eos": True}, 200),
+        "max_tokens.past_context": ({**g, "max_tokens": 65 - (5 if chat else 3), "ignore_eos": True}, 400),
+        "max_tokens.huge": ({**g, "max_tokens": 10 ** 6}, 400),
+        "max_tokens.null": ({**g, "max_tokens": None}, 200),
+        "max_tokens.zero": ({**g, "max_tokens": 0}, 400),
+        "ignore_eos.width_long": ({**long, "n": BEAM_WIDTH, "max_tokens": 40}, 200),
+        "structured_outputs.regex": ({**g, "structured_outputs": {"regex": "w[0-9]"}}, 400),
+        "structured_outputs.json_object": ({**g, "structured_outputs": {"json_object": True}}, 400),
+        "structured_outputs.choice": ({**g, "structured_outputs": {"choice": ["w1", "w2"]}}, 400),
+        "structured_outputs.empty": ({**g, "structured_outputs": {}}, 400),
+        "response_format.json_object": ({**g, "response_format": {"type": "json_object"}}, 400),
+        "response_format.text": ({**g, "response_format": {"type": "text"}}, 200),
+        "guided_regex.regex": ({**g, "guided_regex": "w[0-9]"}, 400),
+        "temperature.zero": ({**g, "temperature": 0}, 200), "temperature.null": ({**g, "temperature": None}, 200),
+        "temperature.one": ({**g, "temperature": 1.0}, 400), "temperature.tiny": ({**g, "temperature": 1e-9}, 400),
+        # greedy decoding's: reported as setting_ignored (what greedy ignores), as on a plain greedy request
+        "top_p.half": ({**g, "top_p": 0.5}, 200), "top_p.one": ({**g, "top_p": 1.0}, 200),
+        "top_k.two": ({**g, "top_k": 2}, 200), "top_k.off": ({**g, "top_k": -1}, 200),
+        "min_p.half": ({**g, "min_p": 0.5}, 200), "min_p.zero": ({**g, "min_p": 0}, 200),
+        "seed.one": ({**g, "seed": 1}, 200),
+        "min_tokens.two": ({**g, "min_tokens": 2}, 400), "min_tokens.zero": ({**g, "min_tokens": 0}, 200),
+        "repetition_penalty.neutral": ({**g, "repetition_penalty": 1.0}, 200),
+        "repetition_penalty.more": ({**g, "repetition_penalty": 1.2}, 400),
+        "presence_penalty.one": ({**g, "presence_penalty": 1.0}, 400),
+        "frequency_penalty.zero": ({**g, "frequency_penalty": 0.0}, 200),
+        "logit_bias.one": ({**g, "logit_bias": {"5": 1}}, 400), "logit_bias.empty": ({**g, "logit_bias": {}}, 200),
+        "bad_words.one": ({**g, "bad_words": ["w9"]}, 400),
+        "allowed_token_ids.two": ({**g, "allowed_token_ids": [5, 6]}, 400),
+        "prompt_logprobs.one": ({**g, "prompt_logprobs": 1}, 400),
+        "prompt_logprobs.zero": ({**g, "prompt_logprobs": 0}, 400),
+        "priority.one": ({**g, "priority": 1}, 400), "priority.zero": ({**g, "priority": 0}, 200),
+        "truncate_prompt_tokens.two": ({**g, "truncate_prompt_tokens": 2}, 200),
+        "return_token_ids.true": ({**g, "return_token_ids": True}, 200),
+        "cache_salt.one": ({**g, "cache_salt": "s1"}, 200),
+        "skip_special_tokens.false": ({**g, "skip_special_tokens": False}, 200),
+    }
+    if chat:
+        c.update({
+            "logprobs.top_zero": ({**g, "logprobs": True, "top_logprobs": 0}, 200),
+            "logprobs.top_max": ({**g, "logprobs": True, "top_logprobs": 20}, 200),
+            "top_logprobs.past": ({**g, "logprobs": True, "top_logprobs": 21}, 400),
+            "top_logprobs.without_logprobs": ({**g, "top_logprobs": 2}, 400),
+            "logprobs.false": ({**g, "logprobs": False}, 200),
+            "max_completion_tokens.one": ({k: v for k, v in g.items() if k != "max_tokens"} | {
+                "max_completion_tokens": 1}, 200),
+            "max_completion_tokens.both": ({**g, "max_completion_tokens": 2}, 400),
+            "tool_choice.required": ({**g, "tools": [WEATHER], "tool_choice": "required"}, 400),
+            "tool_choice.named": ({**g, "tools": [WEATHER], "tool_choice": {
+                "type": "function", "function": {"name": "get_weather"}}}, 400),
+            "tools.none_choice": ({**g, "tools": [WEATHER], "tool_choice": "none"}, 200),
+            "echo.true": ({**g, "echo": True}, 200),
+            "echo.assistant_logprobs": ({**g, "messages": [*CHAT, {"role": "assistant", "content": "w4"}],
+                                         "echo": True, "logprobs": True, "add_generation_prompt": False,
+                                         "continue_final_message": True}, 200),
+            "continue_final_message.true": ({**g, "messages": [*CHAT, {"role": "assistant", "content": "w4"}],
+                                             "continue_final_message": True, "add_generation_prompt": False}, 200),
+            "n.two_turns_width": ({**long, "n": BEAM_WIDTH, "messages": [*CHAT, {"role": "assistant", "content": "w4"},
+                                                                         {"role": "user", "content": "w5"}]}, 200),
+        })
+    else:
+        c.update({
+            "logprobs.zero": ({**g, "logprobs": 0}, 200), "logprobs.max": ({**g, "logprobs": 20}, 200),
+            "logprobs.past": ({**g, "logprobs": 21}, 400), "logprobs.width_long": ({**long, "logprobs": 5,
+                                                                                    "n": BEAM_WIDTH}, 200),
+            "best_of.eq_n": ({**g, "best_of": 2}, 200), "best_of.gt_n": ({**g, "best_of": BEAM_WIDTH}, 400),
+            "n.past_width_best_of": ({**g, "n": BEAM_WIDTH + 1, "best_of": BEAM_WIDTH + 1}, 400),
+            "best_of.alone": ({k: v for k, v in g.items() if k != "n"} | {"best_of": 2}, 400),
+            "best_of.null": ({**g, "best_of": None}, 200),
+            "echo.true": ({**g, "echo": True}, 200),
+            "echo.zero_tokens": ({**g, "echo": True, "max_tokens": 0}, 400),
+            "echo.logprobs": ({**g, "echo": True, "logprobs": 1}, 400),  # the prompt is not scored
+            "echo.logprobs_zero": ({**g, "echo": True, "logprobs": 0}, 400),
+            "prompt.two": ({**g, "prompt": ["w1 w2", "w3 w4 w5"]}, 200),
+            "prompt.two_width": ({**long, "prompt": ["w1 w2", "w3 w4 w5"], "n": BEAM_WIDTH}, 200),
+            "prompt.ids": ({**g, "prompt": [5, 6, 7]}, 200),
+            "prompt.two_ids": ({**g, "prompt": [[5, 6, 7], [8]]}, 200),
+            "prompt.empty_ids": ({**g, "prompt": []}, 400),
+            "prompt.to_context": ({**g, "prompt": " ".join(["w1"] * 63), "max_tokens": 1}, 200),
+            "prompt.past_context": ({**g, "prompt": " ".join(["w1"] * 64), "max_tokens": 1}, 400),
+            "stream.two_prompts": ({**long, "prompt": ["w1 w2", "w3"], "stream": True}, 200),
+            "stream.echo": ({**g, "echo": True, "stream": True}, 200),
+        })
+    return c
+
+
+def beam_shape(body: dict[str, Any], text: str, route: Route) -> str | None:
+    """What is wrong with a beam search's 200 (None: nothing): ``n`` choices a prompt (each index once), each with
+    its finish reason, logprobs where asked; a stream's chunks valid JSON, ending with ``[DONE]``."""
+    n = body.get("n") or 1
+    prompts = body.get("prompt") if route.tag == "beam_completion" else None
+    count = n * (len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))
+                 else 1)
+    if body.get("stream"):
+        lines = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+        if not lines or lines[-1] != "[DONE]":
+            return f"stream does not end with [DONE]: {lines[-1:]}"
+        try:
+            chunks = [json.loads(x) for x in lines[:-1]]
+        except ValueError as e:
+            return f"a chunk is not JSON: {e}"
+        seen = {ch["index"] for doc in chunks for ch in doc.get("choices", [])}
+        ends = [ch for doc in chunks for ch in doc.get("choices", []) if ch.get("finish_reason")]
+        if seen != set(range(count)) or len(ends) != count:
+            return f"stream: choices {sorted(seen)}, {len(ends)} finished, {count} expected"
+        return None
+    doc = json.loads(text)
+    choices = doc.get("choices", [])
+    if sorted(ch["index"] for ch in choices) != list(range(count)):
+        return f"choices {[ch['index'] for ch in choices]}, {count} expected"
+    if any(not ch.get("finish_reason") for ch in choices):
+        return "a choice without finish_reason"
+    if body.get("logprobs") not in (None, False) and any(ch.get("logprobs") is None for ch in choices):
+        return "logprobs asked, a choice without them"
+    return None
 
 
 def put(body: Any, path: str, value: Any) -> Any:
@@ -626,7 +852,10 @@ def held(served: Any, base_used: int) -> dict[str, int]:
     used = sum(g.used for g in manager.groups.values()) if manager is not None else 0
     out = {"in_flight": state.in_flight, "running": snap["running"], "waiting": snap["waiting"],
            "live": len(engine._live), "kv_requests": manager.requests if manager is not None else 0,
-           "kv_used_over_baseline": used - base_used}
+           "kv_used_over_baseline": used - base_used,
+           # a beam search running or queued, and what waits behind one (engine.serving's own queues)
+           "beam": int(getattr(engine, "_beam", None) is not None), "beam_ids": len(getattr(engine, "_beam_ids", ())),
+           "held_back": len(getattr(engine, "_held", ()))}
     return {k: v for k, v in out.items() if v}
 
 
@@ -649,6 +878,8 @@ class Sweep:
         self.baseline: dict[str, Any] = {}
         self.audit_seen = audit_failures(served, 0)[1]
         self.base_used = 0
+        self.last_text = ""  # the last probe's whole answer (a record keeps 8,000 characters)
+        self.plain_port = 0  # --group auth: a server without --api-key, the open routes' baseline
 
     def post(self, path: str, body: Any, method: str = "POST") -> Any:
         if isinstance(body, Raw):
@@ -688,6 +919,7 @@ class Sweep:
                 self.http.request(method, path)
             rec: dict[str, Any] = {"case": name, "status": r.status_code, "s": round(time.monotonic() - start, 3),
                                    "body": r.text[:8000], "ctype": r.headers.get("content-type", "")}
+            self.last_text = r.text
         except Exception as e:
             rec = {"case": name, "status": None, "exc": f"{type(e).__name__}: {e}"[:300],
                    "s": round(time.monotonic() - start, 3)}
@@ -831,6 +1063,12 @@ def error_of(rec: dict[str, Any], anthropic: bool) -> tuple[dict[str, Any] | Non
     return doc["error"], ""
 
 
+def judged_ok(tag: str, field: str) -> set[str]:
+    """The kinds ``JUDGED_OK`` takes for this field of this route (a beam search's: its own, and the route's)."""
+    plain = tag[len("beam_"):] if tag.startswith("beam_") else tag
+    return JUDGED_OK.get((tag, field), (set(), ""))[0] | JUDGED_OK.get((plain, field), (set(), ""))[0]
+
+
 def suspect(r: dict[str, Any]) -> list[str]:
     why = []
     name = r["case"]
@@ -847,7 +1085,7 @@ def suspect(r: dict[str, Any]) -> list[str]:
     answered = isinstance(r["status"], int)
     if (answered and r["status"] not in OK_STATUSES and not name.endswith("hangup")
             and not (name.startswith("get.reset_prefix_cache.") and r["status"] == 409)) or \
-            (not answered and not r.get("exc")):
+            (not answered and not r.get("exc") and not r.get("dropped")):
         why.append(f"status {r['status']}")
     if isinstance(r["status"], int) and r["status"] >= 400 and "hangup" not in name and "concurrency" not in name \
             and not name.endswith((".head", ".head_bad")):  # HEAD: no body
@@ -868,10 +1106,10 @@ def suspect(r: dict[str, Any]) -> list[str]:
         if error is not None and not (isinstance(error.get("param"), str) and error["param"]):
             why.append(f"400 naming {error.get('param')!r}, not the query parameter")
     if r["status"] == 200 and kind in NEVER_OK:
-        ok, _ = JUDGED_OK.get((tag, ".".join(path) or kind), (set(), ""))
+        ok = judged_ok(tag, ".".join(path) or kind)
         if kind not in ok:
             why.append("a hostile value accepted")
-    if r.get("sibling_refused") and kind not in JUDGED_OK.get((tag, ".".join(path)), (set(), ""))[0]:
+    if r.get("sibling_refused") and kind not in judged_ok(tag, ".".join(path)):
         why.append(f"accepted while {r['sibling_refused']} is refused")
     if r.get("still_ok", True) is not True:
         why.append(f"good request after: {r['still_ok']}")
@@ -881,6 +1119,12 @@ def suspect(r: dict[str, Any]) -> list[str]:
         why.append(f"server log: {r['log'][0][:160]}")
     if r.get("read_back"):
         why.append(f"kept response unreadable: {r['read_back'][:160]}")
+    if r.get("expect") is not None and r["status"] != r["expect"] and isinstance(r["status"], int):
+        why.append(f"status {r['status']}, {r['expect']} expected")
+    if r.get("ran_on"):
+        why.append(f"the search ran on after its client went: {r['ran_on']}")
+    if r.get("shape"):
+        why.append(f"answer: {r['shape']}")
     if r.get("grew"):
         why.append(f"grew: {r['grew']}")
     if isinstance(r.get("s"), float) and r["s"] > TIMEOUT:
@@ -937,11 +1181,12 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only the cases whose name contains this")
     ap.add_argument("--nested", action="store_true", help="only the nested fields' cases (NESTED)")
     ap.add_argument("--summary", action="store_true", help="list the suspects (else the counts only)")
-    ap.add_argument("--group", choices=("base", "parsers", "auth", "admin"), default="base",
+    ap.add_argument("--group", choices=("base", "parsers", "auth", "admin", "beam"), default="base",
                     help="base: the server without parsers (the cases above); parsers: one with --tool-call-parser "
                          "hermes --reasoning-parser deepseek_r1 and the fields they read; auth: one with --api-key "
                          "and every route under odd Authorization / X-Api-Key headers; admin: one with "
-                         "--enable-reset-prefix-cache and KV events, kvload's admin routes' queries and bodies")
+                         "--enable-reset-prefix-cache and KV events, kvload's admin routes' queries and bodies; beam: "
+                         f"one with max_beam_width {BEAM_WIDTH} and beam searches on completions and chat")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import httpx
@@ -965,6 +1210,7 @@ def main() -> None:
     state: dict[str, Any] = {"model_name": "tiny"}
     kv: dict[str, Any] = {"max_tokens": 512, "tokens_per_block": 4}
     headers: dict[str, str] = {}
+    load: dict[str, Any] = {}
     if a.group == "parsers":
         state.update(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
     elif a.group == "auth":
@@ -973,8 +1219,11 @@ def main() -> None:
     elif a.group == "admin":
         state.update(enable_reset_prefix_cache=True)
         kv["event_buffer_max_size"] = 100
-    with a.out.open("w") as out, serving(str(ckpt), dtype="float32", max_seq_len=64, max_num_tokens=16,
-                                         kv_cache_config=kv, state=state) as served, \
+    elif a.group == "beam":
+        load["max_beam_width"] = BEAM_WIDTH
+    with contextlib.ExitStack() as stack, a.out.open("w") as out, \
+            serving(str(ckpt), dtype="float32", max_seq_len=64, max_num_tokens=16, kv_cache_config=kv, state=state,
+                    **load) as served, \
             httpx.Client(base_url=served.url, timeout=TIMEOUT, headers=headers) as http:
         def record(rec: dict[str, Any]) -> None:
             rows.append(rec)
@@ -982,7 +1231,11 @@ def main() -> None:
             out.flush()
 
         sweep = Sweep(served, http, capture)
-        all_routes = routes()
+        if a.group == "auth":  # the open routes' baseline: the same model served without --api-key
+            plain_served = stack.enter_context(serving(str(ckpt), dtype="float32", max_seq_len=64, max_num_tokens=16,
+                                                       kv_cache_config=kv, state={"model_name": "tiny"}))
+            sweep.plain_port = plain_served.server.port
+        all_routes = routes() + (beam_routes() if a.group == "beam" else [])
         for route in all_routes:
             sweep.baseline[route.tag] = sweep.good_answer(route)
         time.sleep(0.5)
@@ -1035,9 +1288,151 @@ def main() -> None:
             print(f"{r['case']}: {'; '.join(why)} -- {str(r.get('body', r.get('exc', '')))[:200]!r}")
 
 
+def beam_group(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> None:
+    """--group beam: on each beam route the hostile values of ``BEAM_FIELDS``, ``beam_combos`` (each 200's choices
+    checked by ``beam_shape``), clients that hang up mid-search (a stream after its first chunk, or before it; a
+    plain request once the search runs), 16 requests at once (good, bad, hung up, reset; three rounds), 16 good beam
+    searches at once, 8 beside 8 plain requests; ``/v1/responses`` and ``/v1/messages`` given ``use_beam_search``."""
+    by_tag = {r.tag: r for r in all_routes}
+    for route in (r for r in all_routes if r.tag.startswith("beam_")):
+        cases: dict[str, tuple[Any, int | None]] = {}
+        for f in route.fields:
+            for k, v in HOSTILE.items():
+                cases[f"{f}.{k}"] = ({**route.good, f: v}, None)
+            for k, lit in LITERALS.items():
+                rest = json.dumps({kk: vv for kk, vv in route.good.items() if kk != f})[1:-1]
+                cases[f"{f}.{k}"] = (Raw(f'{{{rest}, "{f}": {lit}}}'.encode()), None)
+        cases.update(beam_combos(route))
+        for name, (body, expect) in cases.items():
+            full = f"{route.tag}.{name}"
+            if a.only not in full:
+                continue
+            rec = sweep.probe(route, full, body, route.path)
+            rec["expect"] = expect
+            if rec["status"] == 200 and isinstance(body, dict):
+                try:
+                    rec["shape"] = beam_shape(body, sweep.last_text, route)
+                except (ValueError, KeyError, TypeError) as e:
+                    rec["shape"] = f"unreadable: {type(e).__name__}: {e}"[:200]
+            record(rec)
+        long = {**route.good, "n": BEAM_WIDTH, "max_tokens": 40, "ignore_eos": True}
+        engine = sweep.served.state.engine
+        steps = engine.steps  # a whole search's steps, which a search its client left must not run
+        sweep.http.post(route.path, json={**long, "cache_salt": "whole"})
+        whole = engine.steps - steps
+        for reset in (True, False):
+            full = f"{route.tag}.stream.{'reset' if reset else 'close'}_hangup"
+            if a.only in full:
+                record(sweep.hangup(route, full, {**long, "stream": True}, reset))
+            full = f"{route.tag}.plain.{'reset' if reset else 'close'}_hangup"
+            if a.only in full:  # a plain request: the client goes while the search runs
+                record(beam_drop(sweep, route, full, long, reset, whole))
+            full = f"{route.tag}.stream_early.{'reset' if reset else 'close'}_hangup"
+            if a.only in full:  # a stream's client gone before its first chunk (a completion's come as it ends)
+                record(beam_drop(sweep, route, full, {**long, "stream": True}, reset, whole))
+        full = f"{route.tag}.concurrency"
+        if a.only in full:
+            rounds = []
+            for i in range(3):
+                rec = sweep.concurrency(route, f"{full}{i}", n=16)
+                time.sleep(1.0)
+                rec["resources"] = resources()
+                rounds.append(rec)
+            grow = {k: rounds[2]["resources"][k] - rounds[1]["resources"][k] for k in ("threads", "fds")}
+            if any(v > 0 for v in grow.values()) and rounds[2]["resources"]["fds"] > rounds[0]["resources"]["fds"]:
+                rounds[2]["grew"] = grow
+            for rec in rounds:
+                record(rec)
+        full = f"{route.tag}.mixed_concurrency"
+        if a.only in full:
+            record(beam_mixed(sweep, route, by_tag[route.tag[len("beam_"):]], full))
+        full = f"{route.tag}.all_beam_concurrency"
+        if a.only in full:
+            record(beam_mixed(sweep, route, route, full))
+    for tag, extra in (("responses", {"use_beam_search": True}), ("messages", {"use_beam_search": True}),
+                       ("responses", {"n": 2}), ("messages", {"length_penalty": 1.0})):
+        route = by_tag[tag]
+        (field, value), = extra.items()
+        full = f"{tag}.{field}.{'true' if value is True else 'given'}"
+        if a.only in full:
+            rec = sweep.probe(route, full, {**route.good, **extra}, route.path)
+            rec["expect"] = 400
+            record(rec)
+
+
+def beam_drop(sweep: Sweep, route: Route, name: str, body: dict[str, Any], reset: bool, whole: int
+              ) -> dict[str, Any]:
+    """A plain (not streamed) beam search whose client goes once the engine has run a few steps of it: it must end
+    there (fewer than the ``whole`` search's steps run), holding nothing."""
+    data = json.dumps(body).encode()
+    head = (f"POST {route.path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    engine = sweep.served.state.engine
+    rec: dict[str, Any] = {"case": name, "status": None, "dropped": True}
+    start = time.monotonic()
+    try:
+        with socket.create_connection(("127.0.0.1", sweep.served.server.port), timeout=TIMEOUT) as sock:
+            steps = engine.steps
+            sock.sendall(head + data)
+            deadline = time.monotonic() + TIMEOUT
+            while engine.steps < steps + 3 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            rec["searching"] = getattr(engine, "_beam", None) is not None
+            if not rec["searching"]:
+                rec["exc"] = "the search was not running when the client went"
+            if reset:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    except Exception as e:
+        rec["exc"] = f"{type(e).__name__}: {e}"[:300]
+    rec["s"] = round(time.monotonic() - start, 3)
+    deadline = time.monotonic() + TIMEOUT  # the search's end (an abort lands at its next step)
+    while (getattr(engine, "_beam", None) is not None or getattr(engine, "_beam_ids", None)) and \
+            time.monotonic() < deadline:
+        time.sleep(0.002)
+    rec["steps_run"] = engine.steps - steps
+    rec = sweep.after(rec, route)
+    if rec["steps_run"] >= whole:
+        rec["ran_on"] = f"{rec['steps_run']} steps run, a whole search is {whole}"
+    return rec
+
+
+def beam_mixed(sweep: Sweep, beam: Route, plain: Route, name: str, n: int = 16) -> dict[str, Any]:
+    """``n`` requests at once, every other one a beam search, the rest ``plain`` ones (greedy, or beam searches
+    too): each answered as its baseline."""
+    import httpx
+
+    results: list[str] = []
+
+    def one(i: int) -> None:
+        route = beam if i % 2 else plain
+        try:
+            with httpx.Client(base_url=sweep.served.url, timeout=TIMEOUT * 2) as c:
+                r = c.post(route.path, json=route.good)
+            results.append("ok" if r.status_code == 200 and answer_of(route, r.json()) == sweep.baseline[route.tag]
+                           else f"{route.tag}: {r.status_code} {r.text[:100]}")
+        except Exception as e:
+            results.append(f"{type(e).__name__}: {e}"[:100])
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 3)
+    hung = sum(t.is_alive() for t in threads)
+    worst = next((r for r in results if r != "ok"), None)
+    rec: dict[str, Any] = {"case": name, "status": 200 if worst is None and not hung else worst or "hung",
+                           "s": round(time.monotonic() - start, 3), "body": json.dumps(results)[:1000]}
+    if hung:
+        rec["exc"] = f"{hung} clients still waiting after {TIMEOUT * 3} s"
+    return sweep.after(rec, beam)
+
+
 def group_cases(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> None:
-    """The cases of --group parsers, auth or admin (each on its own server)."""
-    if a.group == "parsers":
+    """The cases of --group parsers, auth, admin or beam (each on its own server)."""
+    if a.group == "beam":
+        beam_group(a, sweep, all_routes, record)
+    elif a.group == "parsers":
         for route in all_routes:
             if route.tag not in PARSER_FIELDS:
                 continue
@@ -1072,6 +1467,12 @@ def group_cases(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> N
                     rec.update(status=status, s=round(time.monotonic() - start, 3),
                                body=text[:8000].decode("utf-8", "replace"))
                     why = auth_judge(full, status, got, text, passes, rname)
+                    if rname in AUTH_OPEN and sweep.plain_port:  # the same request to a server without --api-key
+                        plain = open_view(rname, *raw_request(sweep.plain_port, method, p, hdrs, body))
+                        rec["without_auth"] = plain["status"]
+                        diff = open_diff(open_view(rname, status, got, text), plain)
+                        if diff:
+                            why.append(f"open route answers differently under --api-key: {diff}")
                 except Exception as e:
                     rec.update(status=None, exc=f"{type(e).__name__}: {e}"[:300])
                     why = [f"no answer: {rec['exc']}"]

@@ -195,6 +195,19 @@ def test_what_beam_search_cannot_honour_is_refused_by_name(served, field, value)
     assert err["param"] == field and "use_beam_search" in err["message"]
 
 
+def test_echo_with_logprobs_is_refused_as_beam_search_does_not_score_the_prompt(served):
+    """A completion's echo with logprobs shows the prompt's tokens scored (lm-eval's loglikelihood): under beam search
+    they came back null, a 200 that read as scored; refused naming echo, and either alone is served."""
+    body = {"prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 3}
+    for logprobs in (0, 1):
+        r = completion(served, {**body, "echo": True, "logprobs": logprobs})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "echo" and "logprobs" in err["message"] and "use_beam_search" in err["message"]
+    assert completion(served, {**body, "echo": True}).status_code == 200
+    assert completion(served, {**body, "logprobs": 1}).status_code == 200
+
+
 @pytest.mark.parametrize(("manager", "flags"), [("v1", "; start it with --max_beam_width 2"),
                                                 ("v2", " on KV cache manager V2, which cannot fork beams; start it "
                                                        "with --max_beam_width 2 --use_kv_cache_manager_v2 false")])

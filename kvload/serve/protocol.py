@@ -529,6 +529,9 @@ def _beam(body: dict[str, Any], n: int, params: SamplingParams, echo_only: bool,
         if value is not None and value is not False and value != [] and value != {} and value != neutral:
             raise BadRequest(f"{name}: {short(value)}{with_beam} (beam search ranks the beams by the model's own "
                              "log-probabilities and ends them only at EOS or max_tokens; leave it out)", param=name)
+    if params.prompt_logprobs is not None:  # a completion's echo with logprobs scores its prompt (lm-eval's way)
+        raise BadRequest(f"echo: true with logprobs{with_beam}: beam search does not score the prompt, whose tokens' "
+                         "logprobs would be null; leave out echo or logprobs", param="echo")
     if structured_field is not None:
         raise BadRequest(f"{structured_field}{with_beam}: structured outputs are not served with beam search",
                          param=structured_field)
