@@ -167,8 +167,12 @@ def pads_an_embedding(data: Mapping[str, Any]) -> bool:
     import torch
     import transformers
 
+    from models.compile_cache import use_kvload_compile_cache
     from models.weights import _quiet_load_report
 
+    # transformers' model code imports torch._dynamo, which makes inductor's cache folder: kvload's, not a
+    # torchinductor_<user> left in $TMPDIR by a plan that only checked a config (models.cost does the same)
+    use_kvload_compile_cache()
     try:
         with _quiet_load_report(), warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # the load says what it has to say about the config, once

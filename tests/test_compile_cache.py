@@ -77,3 +77,12 @@ def test_simulate_leaves_nothing_in_tmpdir(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp)) == []  # was ['torchinductor_root']
     assert (tmp_path / "cache" / "torchinductor").is_dir()
+
+
+def test_plan_checking_an_out_of_range_pad_token_id_leaves_nothing_in_tmpdir(tmp_path):
+    """A ``pad_token_id`` past the vocabulary is refused only where the model pads an embedding with it, found by a
+    meta-device build (``models.config_check.pads_an_embedding``) whose transformers import makes inductor's folder:
+    ``kvload plan`` left ``$TMPDIR/torchinductor_<user>`` (``scripts/cli_sweep.py``'s ``hfo plan`` case)."""
+    r, tmp = _run(tmp_path, ["plan", "tiny-llama", "--hf-overrides", '{"pad_token_id": 99999}'])
+    assert r.returncode == 2 and "hf_overrides.pad_token_id" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp)) == []  # was ['torchinductor_root']
