@@ -155,6 +155,8 @@ JUDGED_OK: dict[tuple[str, str], tuple[set[str], str]] = {
        for field in ("temperature", "min_tokens", "presence_penalty", "frequency_penalty")},
     ("tokenize", "prompt"): ({"long_str"}, "/tokenize counts past the context (vLLM's; max_model_len is in the "
                              "answer for the client to compare)"),
+    ("count_tokens", "system"): ({"long_str"}, "count_tokens counts past the context, as /tokenize does (Anthropic's "
+                                 "counts what it is sent; /v1/messages refuses the same system prompt by name)"),
 }
 #: (route tag, kind) -> the param a 400 may name instead of the field, and why.
 NAMED_INSTEAD: dict[tuple[str, str], tuple[str, str]] = {
