@@ -59,7 +59,7 @@ from engine.workloads import Workload, default_budget_sequences, make_workload
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
 from pipeline.config import V2_FIELD
-from pipeline.context import LoadRequest, keywords_of, other_call_keywords
+from pipeline.context import LoadRequest, keywords_of
 from pipeline.errors import ConfigError, KvBuildError, RouteError
 from pipeline.events import Event, RequestAdmitted
 from pipeline.paths import flatten
@@ -493,11 +493,9 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
     # priced on ``hardware``: V2's auto host tier is chosen for it (stages.host_tier_choice)
     request = LoadRequest(model=model, overrides=overrides, source=source, config_file=config_file,
                           pools_unbacked=True, hardware=hardware,
-                          default_budget=(default_budget_sequences(wl), wl.max_sequence_tokens),
-                          call_keywords=keywords_of(simulate) if source == "api" else ())
+                          default_budget=(default_budget_sequences(wl), wl.max_sequence_tokens))
     if source == "api":  # simulate(..., load_weights=True): named as kvload.load()'s keyword, not a field
-        request.other_call_keywords = other_call_keywords(request.call_keywords)
-        request.call_name = "engine.simulator.simulate()"
+        request.for_call("engine.simulator.simulate()", keywords_of(simulate))
     if compare and V2_FIELD in flatten(overrides_to_tree(overrides)):
         raise ConfigError("--compare simulates both managers; drop --use_kv_cache_manager_v2",
                           path=V2_FIELD)

@@ -7,14 +7,14 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
-from pipeline.context import LoadRequest, keywords_of, other_call_keywords
+from pipeline.context import PUBLIC_CALL_KEYWORDS, LoadRequest
 from pipeline.errors import GenerationError
 from pipeline.run import RunResult, path_argument
 from pipeline.run import execute as run_stages
@@ -228,32 +228,15 @@ def execute(
 
 
 def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dict[str, Any],
-                call: Callable[..., Any] | None = None) -> LoadRequest:
-    """The request of a Python call: ``overrides`` are the caller's ``LlmArgs`` fields (source "api"); ``call``'s own
-    keywords are suggested for an unknown key near one of them (``load(..., load_weight=True)``), and a keyword of
-    another public call is named as that call's (``plan(..., load_weights=True)``: ``kvload.load()``'s)."""
+                call: str) -> LoadRequest:
+    """The request of Python call ``call`` (a name of ``pipeline.context.PUBLIC_CALL_KEYWORDS``, ``"kvload.plan()"``):
+    ``overrides`` are the caller's ``LlmArgs`` fields (source "api"); its own keywords are suggested for an unknown
+    key near one of them (``load(..., load_weight=True)``), and a keyword of another public call is named as that
+    call's (``plan(..., load_weights=True)``: ``kvload.load()``'s)."""
     request = LoadRequest(model=model_argument(model), overrides=overrides, source="api",
                           config_file=path_argument("config_file", config_file) if config_file is not None else None,
-                          load_weights=load_weights, call_keywords=keywords_of(call) if call is not None else ())
-    if call is not None:
-        request.call_name = next((name for name, public in _CALLS.items() if public() is call), "")
-        request.other_call_keywords = other_call_keywords(request.call_keywords)
-    return request
-
-
-#: The public Python calls that take LlmArgs fields as keywords beside their own, by the name errors give them (their
-#: keywords: ``pipeline.context.PUBLIC_CALL_KEYWORDS``, which a lower layer's call reads).
-_CALLS: dict[str, Callable[[], Callable[..., Any]]] = {
-    "kvload.plan()": lambda: plan,
-    "kvload.load()": lambda: load,
-    "kvload.LLM()": lambda: _llm_init(),
-}
-
-
-def _llm_init() -> Callable[..., Any]:
-    from kvload.llm import LLM  # kvload.llm imports this module
-
-    return LLM.__init__
+                          load_weights=load_weights)
+    return request.for_call(call, PUBLIC_CALL_KEYWORDS[call])
 
 
 def model_argument(model: Any) -> Any:
@@ -278,7 +261,7 @@ def plan(
     (only the fields passed to it count as user-set); vLLM's names of fields (``max_model_len``, ``block_size``:
     ``pipeline.vllm_compat.SAME_MEANING``) are taken as them. Precedence: defaults < ``config_file`` < overrides.
     """
-    request = api_request(model, config_file, False, overrides, plan)
+    request = api_request(model, config_file, False, overrides, "kvload.plan()")
     return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 
@@ -298,7 +281,7 @@ def load(
     Weights load on the resolved device and dtype before the KV budget is computed; presets get
     deterministic random weights.
     """
-    request = api_request(model, config_file, load_weights, overrides, load)
+    request = api_request(model, config_file, load_weights, overrides, "kvload.load()")
     return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 
 

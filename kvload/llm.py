@@ -302,7 +302,7 @@ class LLM:
         reasoning_parser = vllm_reasoning_parser(llm_args.pop("reasoning_parser", None), True, "api")
         # the keyword beats a config file's reasoning_parser (a source_conflict); parse_args takes both (Context)
         given = llm_args if reasoning_parser is None else {**llm_args, "reasoning_parser": reasoning_parser}
-        request = api_request(model, config_file, True, given, LLM.__init__)
+        request = api_request(model, config_file, True, given, "kvload.LLM()")
         request.reasoning_parsers = PARSERS
         request.generates = True  # a model kvload cannot generate for is refused before its weights load
         # the CPU pools' size when neither the user nor the config file bounds them: not a user setting, so the audit

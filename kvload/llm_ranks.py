@@ -67,9 +67,7 @@ def spawn_size(model: Any, config_file: Any, llm_args: Mapping[str, Any]) -> int
         overrides = copy.deepcopy(dict(llm_args))  # the stages may normalise what they are given
     except Exception:
         overrides = dict(llm_args)
-    from kvload.llm import LLM  # kvload.llm imports this module
-
-    request = api_request(model, config_file, True, overrides, LLM.__init__)  # refused as LLM's own would be
+    request = api_request(model, config_file, True, overrides, "kvload.LLM()")  # refused as LLM's own would be
     result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel()],
                      log=False)
     size = int(result.args.tensor_parallel_size)

@@ -144,6 +144,13 @@ class LoadRequest:
     #: in the table), or no choice (the tier is kept).
     hardware: str | None = None
 
+    def for_call(self, name: str, keywords: Sequence[str]) -> LoadRequest:
+        """This request as Python call ``name``'s (``"kvload.plan()"``), whose own keywords are ``keywords``: they,
+        the other public calls' keywords (:func:`other_call_keywords`) and the name, for parse_args to name an
+        unknown key by."""
+        self.call_name, self.call_keywords = name, tuple(keywords)
+        self.other_call_keywords = other_call_keywords(self.call_keywords)
+        return self
 
 
 @attrs.frozen

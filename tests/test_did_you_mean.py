@@ -185,11 +185,13 @@ def test_a_keyword_of_a_public_call_given_to_simulate_is_named_as_that_calls():
     """``engine.simulator.simulate(..., load_weights=True)`` answered with the list of LlmArgs fields: the engine
     layer cannot import kvload, so the calls' keywords live in pipeline (PUBLIC_CALL_KEYWORDS), held to their
     signatures here."""
+    import kvload
     from engine.simulator import simulate
-    from kvload.api import _CALLS
+    from kvload.llm import LLM
     from pipeline.context import PUBLIC_CALL_KEYWORDS, keywords_of
 
-    assert {name: keywords_of(public()) for name, public in _CALLS.items()} == dict(PUBLIC_CALL_KEYWORDS)
+    calls = {"kvload.plan()": kvload.plan, "kvload.load()": kvload.load, "kvload.LLM()": LLM.__init__}
+    assert {name: keywords_of(call) for name, call in calls.items()} == dict(PUBLIC_CALL_KEYWORDS)
     refusal = _refusal(lambda: simulate("tiny-llama", "no-reuse", log=False, load_weights=True))
     assert refusal == ("load_weights: unknown key; 'load_weights' is a keyword of kvload.load(), not of "
                        "engine.simulator.simulate()")
