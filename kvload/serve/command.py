@@ -355,17 +355,6 @@ def serve_max_tokens(flag: int | None, sampling_defaults: dict[str, Any]) -> int
     return flag if flag is not None else sampling_defaults.get("max_tokens", DEFAULT_MAX_TOKENS)
 
 
-def serve_length_source(flag: int | None, peeked: Any, length: int) -> str:
-    """What set the default ``max_tokens`` serve sized its pools by, as what the operator can change: errors say
-    "lower" it. The flag when given, or the user's ``override_generation_config.max_new_tokens``; else the flag to give
-    and the default that applied (the model's ``max_new_tokens`` and its file, or serve's own), never "lower
-    --default-max-tokens" of a flag the operator did not give (``length_source``, generate's too)."""
-    from kvload.cli.sampling_defaults import length_source
-
-    return length_source("--default-max-tokens", flag is not None, peeked, length, "serve",
-                         "the requests' default max_tokens")[0]
-
-
 def _tls_cert_reqs(text: str) -> int:
     """``--ssl-cert-reqs``: 0, 1 or 2 (``kvload.serve.tls.cert_reqs``; imported only when given)."""
     from kvload.serve.tls import cert_reqs
@@ -514,7 +503,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     ranks = ranks_from_env()
     from kvload.cli.files import _audit_subscribers, _check_output_path
     from kvload.cli.flags import _request
-    from kvload.cli.sampling_defaults import peek_sampling_defaults
+    from kvload.cli.sampling_defaults import length_source, peek_sampling_defaults
 
     try:
         import fastapi  # noqa: F401
@@ -572,11 +561,15 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
     tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
     # at most 8 sequences of max_seq_len, wherever the length came from: no request grows past max_seq_len, so pools
-    # for more are not the 8 sequences this default is for (a --max_tokens sizes them as the operator chooses)
+    # for more are not the 8 sequences this default is for (a --max_tokens sizes them as the operator chooses).
+    # Errors say "lower" the reason's start: the flag or the user's override_generation_config, else the flag to give
+    # below the default that applied, never "lower --default-max-tokens" of a flag the operator did not give
+    length, _ = length_source("--default-max-tokens", ns.default_max_tokens is not None, peeked, default_max_tokens,
+                              "serve", "the requests' default max_tokens")
     request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        tokens, "serve", f"{serve_length_source(ns.default_max_tokens, peeked, default_max_tokens)} (serve sizes the "
-                         f"pools for {SERVE_DEFAULT_SEQUENCES} x (default-max-tokens + {SERVE_PROMPT_ALLOWANCE}) = "
-                         f"{tokens} tokens when no --max_tokens is given)", sequences=SERVE_DEFAULT_SEQUENCES)
+        tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x (default-max-tokens + "
+                         f"{SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens is given)",
+        sequences=SERVE_DEFAULT_SEQUENCES)
     if events_on and buffer_size is None:  # vLLM's switch turns the recording on, as it does there
         request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
             EVENT_BUFFER_DEFAULT, "serve", f"--kv-events-config enables KV cache events (vLLM's "
