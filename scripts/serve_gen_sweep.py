@@ -79,6 +79,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1003,22 +1005,7 @@ class Sweep:
             except Exception as e:
                 results.append(f"{type(e).__name__}: {e}"[:100])
 
-        start = time.monotonic()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT * 3)
-        hung = sum(t.is_alive() for t in threads)
-        counts: dict[str, int] = {}
-        for r in results:
-            counts[r] = counts.get(r, 0) + 1
-        worst = next((r for r in results if r not in ("ok", "refused", "gone")), None)
-        rec: dict[str, Any] = {"case": name, "status": 200 if worst is None and not hung else worst or "hung",
-                               "s": round(time.monotonic() - start, 3), "body": json.dumps(counts)[:1000]}
-        if hung:
-            rec["exc"] = f"{hung} clients still waiting after {TIMEOUT * 3} s"
-        rec = self.after(rec, route)
+        rec = self.after(at_once(name, one, n, results, ("ok", "refused", "gone"), Counter), route)
         if "left" in rec:  # a longer wait: an abort lands at the next step
             rec["left"] = leftovers(self.served, self.base_used, wait=30.0) or None
             if rec["left"] is None:
@@ -1398,6 +1385,26 @@ def beam_drop(sweep: Sweep, route: Route, name: str, body: dict[str, Any], reset
     return rec
 
 
+def at_once(name: str, one: Callable[[int], None], n: int, results: list[str], fine: tuple[str, ...],
+            body: Callable[[list[str]], Any]) -> dict[str, Any]:
+    """Case ``name``'s record of ``one(0)`` .. ``one(n - 1)`` run on ``n`` threads at once, each appending its outcome
+    to ``results``: status 200 when every outcome is in ``fine`` and none is still waiting after ``3 x TIMEOUT``, else
+    the first other outcome (or "hung"); ``body(results)`` is what the record shows of them."""
+    start = time.monotonic()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 3)
+    hung = sum(t.is_alive() for t in threads)
+    worst = next((r for r in results if r not in fine), None)
+    rec: dict[str, Any] = {"case": name, "status": 200 if worst is None and not hung else worst or "hung",
+                           "s": round(time.monotonic() - start, 3), "body": json.dumps(body(results))[:1000]}
+    if hung:
+        rec["exc"] = f"{hung} clients still waiting after {TIMEOUT * 3} s"
+    return rec
+
+
 def beam_mixed(sweep: Sweep, beam: Route, plain: Route, name: str, n: int = 16) -> dict[str, Any]:
     """``n`` requests at once, every other one a beam search, the rest ``plain`` ones (greedy, or beam searches
     too): each answered as its baseline."""
@@ -1415,19 +1422,7 @@ def beam_mixed(sweep: Sweep, beam: Route, plain: Route, name: str, n: int = 16) 
         except Exception as e:
             results.append(f"{type(e).__name__}: {e}"[:100])
 
-    start = time.monotonic()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT * 3)
-    hung = sum(t.is_alive() for t in threads)
-    worst = next((r for r in results if r != "ok"), None)
-    rec: dict[str, Any] = {"case": name, "status": 200 if worst is None and not hung else worst or "hung",
-                           "s": round(time.monotonic() - start, 3), "body": json.dumps(results)[:1000]}
-    if hung:
-        rec["exc"] = f"{hung} clients still waiting after {TIMEOUT * 3} s"
-    return sweep.after(rec, beam)
+    return sweep.after(at_once(name, one, n, results, ("ok",), list), beam)
 
 
 def group_cases(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> None:
