@@ -221,14 +221,22 @@ def test_pools_too_big_name_generates_flags_including_n(monkeypatch, capsys, tra
     assert not track_pools
 
 
+def _with_model_length(tiny_checkpoints, tmp_path):
+    """The tiny llama with a generation_config.json whose max_new_tokens (1,100) is the model's default length."""
+    import json
+    import shutil
+
+    path = tmp_path / "long"
+    shutil.copytree(tiny_checkpoints("llama"), path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 1100}))
+    return path
+
+
 def test_pools_too_big_without_generates_flag_say_to_give_it_below_the_default_that_applied(
         monkeypatch, capsys, track_pools, tiny_checkpoints, tmp_path):
     """Without --max_new_tokens the line said "lower --max_new_tokens", a flag the user never gave: it now names the
     flag to give and the default that applied, generate's own 64 or the model's max_new_tokens and its file; the
     user's own override_generation_config.max_new_tokens is named as what to lower."""
-    import json
-    import shutil
-
     from tests.cli_support import run_cli
 
     monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
@@ -239,9 +247,7 @@ def test_pools_too_big_without_generates_flag_say_to_give_it_below_the_default_t
             "sizes the pools for prompts x (n x max_new_tokens + 1024) = 1088 tokens when no --max_tokens is given)"
             ) in r.err
     assert "lower --max_new_tokens" not in r.err
-    path = tmp_path / "long"
-    shutil.copytree(tiny_checkpoints("llama"), path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 1100}))
+    path = _with_model_length(tiny_checkpoints, tmp_path)
     r = run_cli(capsys, "generate", str(path), "--prompt-ids", "1,2,3", "--device", "cpu")
     assert r.code == 2 and r.one_error_line, r.err
     assert (f"or the samples' max_new_tokens: give --max_new_tokens below 1,100, the model's max_new_tokens "
@@ -271,9 +277,6 @@ def test_pools_too_big_without_serves_flag_say_to_give_it_below_the_default_that
         monkeypatch, capsys, track_pools, tiny_checkpoints, tmp_path):
     """Without --default-max-tokens the line said "lower --default-max-tokens", a flag the operator never gave: it now
     names the flag to give and the default that applied, serve's own 256 or the model's max_new_tokens and its file."""
-    import json
-    import shutil
-
     from tests.cli_support import run_cli
 
     monkeypatch.setattr("stages.build_kv_manager.host_available_bytes", lambda: 1000)
@@ -283,9 +286,7 @@ def test_pools_too_big_without_serves_flag_say_to_give_it_below_the_default_that
             "--default-max-tokens nor the model's max_new_tokens gives one) (serve sizes the pools for 8 x "
             "(default-max-tokens + 1024) = 10240 tokens") in r.err
     assert "lower --default-max-tokens" not in r.err
-    path = tmp_path / "long"
-    shutil.copytree(tiny_checkpoints("llama"), path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 1100}))
+    path = _with_model_length(tiny_checkpoints, tmp_path)
     r = run_cli(capsys, "serve", str(path), "--device", "cpu", "--port", "0")
     assert r.code == 2 and r.one_error_line, r.err
     assert (f"give --default-max-tokens below 1,100, the model's max_new_tokens ({path / 'generation_config.json'}) "
