@@ -260,6 +260,17 @@ def run_case(case: dict[str, Any], work: Path, fix: Path, timeout: float) -> dic
 CACHE_VARS = ("KVLOAD_CACHE", "XDG_CACHE_HOME")
 
 
+def _in_run_folder(path: str, folder: str, rel: str, prefix: bool = False) -> bool:
+    """Whether ``path`` is ``<work>/runs/<folder>*/<rel>`` or below it (``prefix``: its first part starts with
+    ``rel``)."""
+    parts, want = Path(path).parts, Path(rel).parts
+    for i in range(1, len(parts) - len(want)):
+        if parts[i - 1] == "runs" and parts[i].startswith(folder):
+            got = parts[i + 1:i + 1 + len(want)]
+            return got == want or (prefix and len(want) == 1 and got[0].startswith(rel))
+    return False
+
+
 def intended(r: dict[str, Any]) -> tuple[list[str], str]:
     """The files a successful run left on purpose, and why; what else it left is a suspect's.
 
@@ -282,12 +293,11 @@ def intended(r: dict[str, Any]) -> tuple[list[str], str]:
     for var in CACHE_VARS:
         value = env.get(var, "")
         if value and not value.startswith("/"):
-            cache = [p for p in r["left"] if f"/c_{p.split('/c_', 1)[-1].split('/', 1)[0]}/{value}" in p]
+            cache = [p for p in r["left"] if _in_run_folder(p, "c_", value)]
             ok += cache
             why += ["the cache where the variable put it"] if cache else []
         if value and (r.get("cache_warned") or any("cannot be" in line for line in r["err_tail"])):
-            torch_default = [p for p in r["left"] if p.rsplit("/", 1)[-1].startswith("torchinductor_")
-                             and "/t_" in p]
+            torch_default = [p for p in r["left"] if _in_run_folder(p, "t_", "torchinductor_", prefix=True)]
             ok += torch_default
             why += ["torch's default compile cache, warned"] if torch_default else []
     return sorted(set(ok)), "; ".join(why)
