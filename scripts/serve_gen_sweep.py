@@ -71,10 +71,12 @@ judged by this file's rules):
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -1206,6 +1208,7 @@ def main() -> None:
     from tests.serve_support import serving
 
     work = Path(tempfile.mkdtemp(prefix="serve_gen_sweep-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the checkpoint was left in $TMPDIR by every run
     ckpt = work / "gen"
     random_model(tiny_config("llama"), device="cpu", dtype="float32", seed=0).save_pretrained(ckpt)
     tok = word_tokenizer(VOCAB)
