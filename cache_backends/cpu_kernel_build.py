@@ -76,6 +76,9 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
     """The library compiled from ``source`` (default: the paged decode kernel's) under ``cache_dir``, compiling it
     when this source/compiler/CPU has none yet; ``what`` names the kernel in errors."""
     source = SOURCE if source is None else source
+    # absolute: a relative cache (KVLOAD_CACHE=-1) would put "-1/kernels/....o" on cc's command line, which cc reads
+    # as an option (the link of every flag set failed, each after a whole compile)
+    cache_dir = Path(os.path.abspath(cache_dir))
     cc = compiler()
     if cc is None:
         raise KernelUnavailable(f"no C compiler to build {what} with (set $CC, or install gcc)")

@@ -7,13 +7,14 @@ variables kvload reads junk. Each run is one JSON line: exit status, a traceback
 time, a hang (killed past ``--timeout``), processes of its group left, files left in its working folder, its
 ``$TMPDIR`` and the fixtures folder. A ``serve`` is stopped with SIGINT once its ready line is out (its exit is
 recorded too). The suspects: a traceback, a hang, processes or files left, an exit other than 0 or 2, a refusal of
-more than one line.
+more than one line. Files a successful run leaves on purpose (``intended``: the ``--audit-log`` file asked for, a
+cache where a relative ``KVLOAD_CACHE`` put it) are listed apart, not as suspects.
 
     python scripts/cli_sweep.py --work /tmp/sweep --only plan --jobs 2   # the runs whose name starts "plan"
     python scripts/cli_sweep.py --work /tmp/sweep --summary              # the suspects of every results file
 
 Slow: a second or more per run, a model load per generate and serve (thousands of runs in all); ``--only`` narrows
-it. Files a successful run writes on purpose (``--audit-log abc``) show up as left; judge them in the summary.
+it.
 """
 
 from __future__ import annotations
@@ -180,6 +181,13 @@ def cases(fix: Path) -> Iterator[dict[str, Any]]:
         yield {"name": f"env {var}=junk serve", "argv": BASE["serve"], "env": {var: "junk"}}
 
 
+#: The "missing" path fixture: each run gets its own, in a folder of its own (``m_*``, leftovers checked), not
+#: ``fix/missing``. With ``--jobs 2`` the ``--audit-log fix/missing`` run (which writes that file on purpose, through
+#: ``.missing.<hash>.tmp``) ran beside the ``--audit-log fix/dir`` one, whose fixtures-folder diff then showed the
+#: other run's temporary file as its own leftover.
+MISSING = "missing"
+
+
 def _files(folder: Path) -> set[str]:
     return {str(p) for p in folder.rglob("*")} if folder.exists() else set()
 
@@ -187,10 +195,14 @@ def _files(folder: Path) -> set[str]:
 def run_case(case: dict[str, Any], work: Path, fix: Path, timeout: float) -> dict[str, Any]:
     """One run in a fresh working folder and $TMPDIR; what it did and left."""
     cwd, tmp = Path(tempfile.mkdtemp(prefix="c_", dir=work)), Path(tempfile.mkdtemp(prefix="t_", dir=work))
+    own = Path(tempfile.mkdtemp(prefix="m_", dir=work))  # this run's "missing" path's folder (MISSING)
+    shared_missing, missing = str(fix / MISSING), str(own / MISSING)
+    argv = [missing if a == shared_missing else a for a in case["argv"]]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLOAD_")}
-    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp), **case.get("env", {}))
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp),
+               **{k: missing if v == shared_missing else v for k, v in case.get("env", {}).items()})
     fix_before, start = _files(fix), time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "kvload", *case["argv"]], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", *argv], cwd=cwd, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     out: list[bytes] = []
@@ -234,18 +246,68 @@ def run_case(case: dict[str, Any], work: Path, fix: Path, timeout: float) -> dic
     except ProcessLookupError:
         children = False
     stderr = b"".join(err).decode("utf-8", "replace")
-    left = sorted(_files(cwd) | _files(tmp) | (_files(fix) - fix_before))
-    subprocess.run(["rm", "-rf", str(cwd), str(tmp), str(fix / "missing")], check=False)
-    return {"name": case["name"], "argv": [a[:80] for a in case["argv"]], "env": case.get("env", {}),
+    left = sorted(_files(cwd) | _files(tmp) | _files(own) | (_files(fix) - fix_before))
+    subprocess.run(["rm", "-rf", str(cwd), str(tmp), str(own)], check=False)
+    return {"name": case["name"], "argv": [a[:80] for a in argv], "env": case.get("env", {}),
             "rc": proc.returncode, "traceback": "Traceback" in stderr, "err_lines": len(stderr.splitlines()),
             "seconds": round(time.monotonic() - start, 2), "hang": hang, "stopped": stopped, "children": children,
             "left": [x[:160] for x in left], "out_bytes": sum(map(len, out)),
+            "cache_warned": "field=KVLOAD_CACHE" in stderr,  # kvload's cache cannot be made (``intended``)
             "err_tail": [line[:300] for line in stderr.splitlines()[-3:]]}
 
 
+#: Environment variables naming kvload's cache (``models.gguf_cache.cache_root``).
+CACHE_VARS = ("KVLOAD_CACHE", "XDG_CACHE_HOME")
+
+
+def _in_run_folder(path: str, folder: str, rel: str, prefix: bool = False) -> bool:
+    """Whether ``path`` is ``<work>/runs/<folder>*/<rel>`` or below it (``prefix``: its first part starts with
+    ``rel``)."""
+    parts, want = Path(path).parts, Path(rel).parts
+    for i in range(1, len(parts) - len(want)):
+        if parts[i - 1] == "runs" and parts[i].startswith(folder):
+            got = parts[i + 1:i + 1 + len(want)]
+            return got == want or (prefix and len(want) == 1 and got[0].startswith(rel))
+    return False
+
+
+def intended(r: dict[str, Any]) -> tuple[list[str], str]:
+    """The files a successful run left on purpose, and why; what else it left is a suspect's.
+
+    - the file ``--audit-log`` or ``--chart`` named (``a.jsonl`` of the ``KVLOAD_AUDIT_KEY`` runs): asked for;
+    - a relative ``KVLOAD_CACHE`` / ``XDG_CACHE_HOME`` (``junk``): kvload's cache where the user put it, under the
+      working folder (huggingface_hub reads a relative ``XDG_CACHE_HOME`` the same way);
+    - ``$TMPDIR/torchinductor_<user>`` of a run warned that kvload's cache cannot be made (a FIFO, ``/dev/zero``, a
+      name too long): torch's own default, one folder reused by every later run, which the warning names
+      (``models.compile_cache``; a folder of kvload's own removed at exit would be left at every kill instead).
+    """
+    if r["rc"] != 0 or not r["left"]:
+        return [], ""
+    argv, env, ok, why = r["argv"], r.get("env", {}), [], []
+    for flag in ("--audit-log", "--chart"):
+        if flag in argv[:-1]:
+            named = argv[argv.index(flag) + 1]
+            ok += [p for p in r["left"] if p == named or (not named.startswith("/") and p.endswith("/" + named))]
+    if ok:
+        why.append("the file asked for")
+    for var in CACHE_VARS:
+        value = env.get(var, "")
+        if value and not value.startswith("/"):
+            cache = [p for p in r["left"] if _in_run_folder(p, "c_", value)]
+            ok += cache
+            why += ["the cache where the variable put it"] if cache else []
+        if value and (r.get("cache_warned") or any("cannot be" in line for line in r["err_tail"])):
+            torch_default = [p for p in r["left"] if _in_run_folder(p, "t_", "torchinductor_", prefix=True)]
+            ok += torch_default
+            why += ["torch's default compile cache, warned"] if torch_default else []
+    return sorted(set(ok)), "; ".join(why)
+
+
 def suspect(r: dict[str, Any]) -> bool:
-    """A run the sweep flags: traceback, hang, leftovers, an odd exit, a refusal of more than one line."""
-    return bool(r["traceback"] or r["hang"] or r["children"] or r["left"] or r["rc"] not in (0, 2)
+    """A run the sweep flags: traceback, hang, leftovers (but the ``intended`` ones), an odd exit, a refusal of
+    more than one line."""
+    left = set(r["left"]) - set(intended(r)[0])
+    return bool(r["traceback"] or r["hang"] or r["children"] or left or r["rc"] not in (0, 2)
                 or (r["rc"] == 2 and r["err_lines"] > 1))
 
 
@@ -264,7 +326,10 @@ def main() -> None:
         for results in sorted(work.glob("results-*.jsonl")):
             rows = [json.loads(line) for line in results.read_text().splitlines()]
             flagged = [r for r in rows if suspect(r)]
-            print(f"{results.name}: {len(rows)} runs, {len(flagged)} suspects")
+            meant = [r for r in rows if not suspect(r) and intended(r)[0]]
+            print(f"{results.name}: {len(rows)} runs, {len(flagged)} suspects, {len(meant)} leaving files on purpose")
+            for r in meant:
+                print(f"  (intended) {r['name']}: {intended(r)[1]}: {intended(r)[0][:1]}")
             for r in flagged:
                 print(f"  {r['name']}: exit {r['rc']}, {r['seconds']} s, traceback {r['traceback']}, hang {r['hang']},"
                       f" children {r['children']}, left {r['left'][:2]}, {r['err_lines']} lines: {r['err_tail'][-1:]}")

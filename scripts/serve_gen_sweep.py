@@ -19,10 +19,11 @@ requests and used blocks back at the baseline; a kept response (``/v1/responses`
 ``input_items``); the concurrency case runs three rounds, and threads and open fds must not grow from the second to
 the third. A suspect: a status outside 200/400/404/405/413/415, a server log record with a traceback or
 ``request_failed``, an error body not in OpenAI's shape (Anthropic's on ``/v1/messages``), a 400 whose param and
-message do not name the field, a hang (past 30 s), a good request answering differently afterwards, anything left
-behind, a kept response that does not read back, a hostile value answered 200 that nothing should take, or a falsy
-value (false, "", 0, {}) answered 200 where its truthy sibling of the same type is refused (a parser reading
-``body.get(f) or default``); the values judged fine are in ``JUDGED_OK`` and ``NAMED_INSTEAD``, each with why.
+message do not name the field, a hang (past 30 s, ``--timeout``; a beam search's case 4 times that), a good
+request answering differently afterwards, anything left behind, a kept response that does not read back, a hostile
+value answered 200 that nothing should take, or a falsy value (false, "", 0, {}) answered 200 where its truthy
+sibling of the same type is refused (a parser reading ``body.get(f) or default``); the values judged fine are in
+``JUDGED_OK`` and ``NAMED_INSTEAD``, each with why.
 
     python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --summary           # the whole sweep
     python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --only chat.stop --summary
@@ -70,10 +71,12 @@ judged by this file's rules):
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -89,7 +92,18 @@ import attrs
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+#: Seconds a client waits for an answer, and past which ``suspect`` calls a case slow (``--timeout`` sets it).
 TIMEOUT = 30.0
+#: A beam search's case waits this many times longer (``timeout_for``): a chat search of two beams run to the
+#: context (``max_tokens`` 59 or unset, ``ignore_eos``) takes a few seconds idle, but took past 30 s on two cores at
+#: a load of 10 (beam40's run: 3 such cases flagged as hangs, answered 200 in the run before; nothing held after).
+BEAM_TIMEOUT_SCALE = 4.0
+
+
+def timeout_for(name: str) -> float:
+    """The seconds case ``name`` (or a route's tag) waits for: TIMEOUT, scaled for a beam search's (``beam_*``)."""
+    return TIMEOUT * (BEAM_TIMEOUT_SCALE if name.startswith("beam_") else 1.0)
+
 HOSTILE: dict[str, Any] = {
     "str": "abc", "float": 1.5, "bool": True, "none": None, "list": [1], "dict": {"a": 1}, "neg": -1, "zero": 0,
     "huge": 2 ** 63, "bignum": 10 ** 400, "surrogate": "\ud800", "empty_str": "", "empty_list": [],
@@ -885,15 +899,16 @@ class Sweep:
         self.last_text = ""  # the last probe's whole answer (a record keeps 8,000 characters)
         self.plain_port = 0  # --group auth: a server without --api-key, the open routes' baseline
 
-    def post(self, path: str, body: Any, method: str = "POST") -> Any:
+    def post(self, path: str, body: Any, method: str = "POST", timeout: float | None = None) -> Any:
+        wait = TIMEOUT if timeout is None else timeout
         if isinstance(body, Raw):
-            return self.http.request(method, path, content=body.data,
+            return self.http.request(method, path, content=body.data, timeout=wait,
                                      headers={} if body.media is None else {"content-type": body.media})
-        return self.http.request(method, path, content=json.dumps(body).encode(),
+        return self.http.request(method, path, content=json.dumps(body).encode(), timeout=wait,
                                  headers={"content-type": "application/json"})
 
     def good_answer(self, route: Route) -> Any:
-        r = self.post(route.path, route.good)
+        r = self.post(route.path, route.good, timeout=timeout_for(route.tag))
         if r.status_code != 200:
             return f"status {r.status_code}: {r.text[:200]}"
         return answer_of(route, r.json())
@@ -919,8 +934,8 @@ class Sweep:
     def probe(self, route: Route | None, name: str, body: Any, path: str, method: str = "POST") -> dict[str, Any]:
         start = time.monotonic()
         try:
-            r = self.post(path, body, method) if method in ("POST", "DELETE") or body is not None else \
-                self.http.request(method, path)
+            r = self.post(path, body, method, timeout_for(name)) if method in ("POST", "DELETE") or body is not None \
+                else self.http.request(method, path, timeout=timeout_for(name))
             rec: dict[str, Any] = {"case": name, "status": r.status_code, "s": round(time.monotonic() - start, 3),
                                    "body": r.text[:8000], "ctype": r.headers.get("content-type", "")}
             self.last_text = r.text
@@ -950,7 +965,7 @@ class Sweep:
         start = time.monotonic()
         rec: dict[str, Any] = {"case": name, "status": None}
         try:
-            with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=TIMEOUT) as sock:
+            with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=timeout_for(name)) as sock:
                 sock.sendall(head + data)
                 got = b""
                 while b"data:" not in got and b"event:" not in got:
@@ -971,6 +986,7 @@ class Sweep:
         """``n`` requests at once: good (checked against the baseline), bad, streams hung up after the first chunk,
         clients that reset once the body is sent."""
         results: list[Any] = []
+        wait = timeout_for(name)
         long_body = {**route.good}
         for key in ("max_tokens", "max_output_tokens"):
             if key in long_body:
@@ -982,22 +998,22 @@ class Sweep:
             try:
                 kind = i % 4
                 if kind == 0:
-                    with httpx.Client(base_url=self.served.url, timeout=TIMEOUT) as c:
+                    with httpx.Client(base_url=self.served.url, timeout=wait) as c:
                         r = c.post(route.path, json=route.good)
                     results.append("ok" if r.status_code == 200 and answer_of(route, r.json()) ==
                                    self.baseline[route.tag] else f"good: {r.status_code} {r.text[:100]}")
                 elif kind == 1:
-                    with httpx.Client(base_url=self.served.url, timeout=TIMEOUT) as c:
+                    with httpx.Client(base_url=self.served.url, timeout=wait) as c:
                         r = c.post(route.path, json={**route.good, "zzz": i})
                     results.append("refused" if r.status_code == 400 else f"bad: {r.status_code} {r.text[:100]}")
                 elif kind == 2 and route.stream:
-                    rec = self._stream_and_go({**long_body, "stream": True}, route.path, reset=i % 8 == 2)
+                    rec = self._stream_and_go({**long_body, "stream": True}, route.path, i % 8 == 2, wait)
                     results.append("gone" if rec is None else rec)
                 else:
                     data = json.dumps(long_body).encode()
                     head = (f"POST {route.path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                             f"Content-Length: {len(data)}\r\n\r\n").encode()
-                    with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=TIMEOUT) as sock:
+                    with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=wait) as sock:
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                         sock.sendall(head + (data if i % 8 < 4 else data[: len(data) // 2]))
                         time.sleep(0.02 * (i % 5))
@@ -1005,18 +1021,18 @@ class Sweep:
             except Exception as e:
                 results.append(f"{type(e).__name__}: {e}"[:100])
 
-        rec = self.after(at_once(name, one, n, results, ("ok", "refused", "gone"), Counter), route)
+        rec = self.after(at_once(name, one, n, results, ("ok", "refused", "gone"), Counter, wait), route)
         if "left" in rec:  # a longer wait: an abort lands at the next step
             rec["left"] = leftovers(self.served, self.base_used, wait=30.0) or None
             if rec["left"] is None:
                 del rec["left"]
         return rec
 
-    def _stream_and_go(self, body: dict[str, Any], path: str, reset: bool) -> str | None:
+    def _stream_and_go(self, body: dict[str, Any], path: str, reset: bool, wait: float) -> str | None:
         data = json.dumps(body).encode()
         head = (f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(data)}\r\n\r\n").encode()
-        with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=TIMEOUT) as sock:
+        with socket.create_connection(("127.0.0.1", self.served.server.port), timeout=wait) as sock:
             sock.sendall(head + data)
             got = b""
             while b"data:" not in got:
@@ -1116,7 +1132,7 @@ def suspect(r: dict[str, Any]) -> list[str]:
         why.append(f"answer: {r['shape']}")
     if r.get("grew"):
         why.append(f"grew: {r['grew']}")
-    if isinstance(r.get("s"), float) and r["s"] > TIMEOUT:
+    if isinstance(r.get("s"), float) and r["s"] > timeout_for(name):
         why.append(f"took {r['s']} s")
     return why
 
@@ -1165,6 +1181,7 @@ def get_cases(stored: str) -> list[tuple[str, str, str]]:
 
 
 def main() -> None:
+    global TIMEOUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results, one JSON line a case")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this")
@@ -1176,7 +1193,11 @@ def main() -> None:
                          "and every route under odd Authorization / X-Api-Key headers; admin: one with "
                          "--enable-reset-prefix-cache and KV events, kvload's admin routes' queries and bodies; beam: "
                          f"one with max_beam_width {BEAM_WIDTH} and beam searches on completions and chat")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT,
+                    help=f"seconds a client waits and past which a case is slow (default {TIMEOUT:g}); a beam "
+                         f"search's case waits {BEAM_TIMEOUT_SCALE:g} times as long")
     a = ap.parse_args()
+    TIMEOUT = a.timeout
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import httpx
 
@@ -1187,6 +1208,7 @@ def main() -> None:
     from tests.serve_support import serving
 
     work = Path(tempfile.mkdtemp(prefix="serve_gen_sweep-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the checkpoint was left in $TMPDIR by every run
     ckpt = work / "gen"
     random_model(tiny_config("llama"), device="cpu", dtype="float32", seed=0).save_pretrained(ckpt)
     tok = word_tokenizer(VOCAB)
@@ -1307,7 +1329,7 @@ def beam_group(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> No
         long = {**route.good, "n": BEAM_WIDTH, "max_tokens": 40, "ignore_eos": True}
         engine = sweep.served.state.engine
         steps = engine.steps  # a whole search's steps, which a search its client left must not run
-        sweep.http.post(route.path, json={**long, "cache_salt": "whole"})
+        sweep.http.post(route.path, json={**long, "cache_salt": "whole"}, timeout=timeout_for(route.tag))
         whole = engine.steps - steps
         for reset in (True, False):
             full = f"{route.tag}.stream.{'reset' if reset else 'close'}_hangup"
@@ -1360,10 +1382,10 @@ def beam_drop(sweep: Sweep, route: Route, name: str, body: dict[str, Any], reset
     rec: dict[str, Any] = {"case": name, "status": None, "dropped": True}
     start = time.monotonic()
     try:
-        with socket.create_connection(("127.0.0.1", sweep.served.server.port), timeout=TIMEOUT) as sock:
+        with socket.create_connection(("127.0.0.1", sweep.served.server.port), timeout=timeout_for(name)) as sock:
             steps = engine.steps
             sock.sendall(head + data)
-            deadline = time.monotonic() + TIMEOUT
+            deadline = time.monotonic() + timeout_for(name)
             while engine.steps < steps + 3 and time.monotonic() < deadline:
                 time.sleep(0.002)
             rec["searching"] = getattr(engine, "_beam", None) is not None
@@ -1374,7 +1396,7 @@ def beam_drop(sweep: Sweep, route: Route, name: str, body: dict[str, Any], reset
     except Exception as e:
         rec["exc"] = f"{type(e).__name__}: {e}"[:300]
     rec["s"] = round(time.monotonic() - start, 3)
-    deadline = time.monotonic() + TIMEOUT  # the search's end (an abort lands at its next step)
+    deadline = time.monotonic() + timeout_for(name)  # the search's end (an abort lands at its next step)
     while (getattr(engine, "_beam", None) is not None or getattr(engine, "_beam_ids", None)) and \
             time.monotonic() < deadline:
         time.sleep(0.002)
@@ -1386,22 +1408,22 @@ def beam_drop(sweep: Sweep, route: Route, name: str, body: dict[str, Any], reset
 
 
 def at_once(name: str, one: Callable[[int], None], n: int, results: list[str], fine: tuple[str, ...],
-            body: Callable[[list[str]], Any]) -> dict[str, Any]:
+            body: Callable[[list[str]], Any], wait: float) -> dict[str, Any]:
     """Case ``name``'s record of ``one(0)`` .. ``one(n - 1)`` run on ``n`` threads at once, each appending its outcome
-    to ``results``: status 200 when every outcome is in ``fine`` and none is still waiting after ``3 x TIMEOUT``, else
+    to ``results``: status 200 when every outcome is in ``fine`` and none is still waiting after ``3 x wait``, else
     the first other outcome (or "hung"); ``body(results)`` is what the record shows of them."""
     start = time.monotonic()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(TIMEOUT * 3)
+        t.join(wait * 3)
     hung = sum(t.is_alive() for t in threads)
     worst = next((r for r in results if r not in fine), None)
     rec: dict[str, Any] = {"case": name, "status": 200 if worst is None and not hung else worst or "hung",
                            "s": round(time.monotonic() - start, 3), "body": json.dumps(body(results))[:1000]}
     if hung:
-        rec["exc"] = f"{hung} clients still waiting after {TIMEOUT * 3} s"
+        rec["exc"] = f"{hung} clients still waiting after {wait * 3} s"
     return rec
 
 
@@ -1411,18 +1433,19 @@ def beam_mixed(sweep: Sweep, beam: Route, plain: Route, name: str, n: int = 16) 
     import httpx
 
     results: list[str] = []
+    wait = timeout_for(name) * 2
 
     def one(i: int) -> None:
         route = beam if i % 2 else plain
         try:
-            with httpx.Client(base_url=sweep.served.url, timeout=TIMEOUT * 2) as c:
+            with httpx.Client(base_url=sweep.served.url, timeout=wait) as c:
                 r = c.post(route.path, json=route.good)
             results.append("ok" if r.status_code == 200 and answer_of(route, r.json()) == sweep.baseline[route.tag]
                            else f"{route.tag}: {r.status_code} {r.text[:100]}")
         except Exception as e:
             results.append(f"{type(e).__name__}: {e}"[:100])
 
-    return sweep.after(at_once(name, one, n, results, ("ok",), list), beam)
+    return sweep.after(at_once(name, one, n, results, ("ok",), list, wait), beam)
 
 
 def group_cases(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> None:

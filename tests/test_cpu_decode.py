@@ -416,3 +416,14 @@ def test_a_hung_compiler_is_stopped_with_its_children_and_not_retried(tmp_path, 
 def test_cc_may_be_a_command_line(tmp_path, monkeypatch, tiny_source):
     monkeypatch.setenv("CC", f"{cpu_kernel_build.compiler()} -DKVLOAD_UNUSED=1")  # as `ccache gcc` would be
     assert cpu_kernel_build.build_kernel(tmp_path / "kernels").exists()
+
+
+@needs_cc
+def test_a_relative_kernel_cache_named_like_an_option_builds(tmp_path, monkeypatch, compiler_runs, tiny_source):
+    """``KVLOAD_CACHE=-1``: the object file ``-1/kernels/....o`` went on the link's command line as it was, cc took it
+    for an option ("unrecognized command-line option"), and every flag set was compiled and failed to link (a
+    ``kvload generate`` ran ~90 s on a busy machine and then said the kernel could not be built)."""
+    monkeypatch.chdir(tmp_path)
+    built = cpu_kernel_build.build_kernel(Path("-1") / "kernels")
+    assert built.exists() and built.is_relative_to(tmp_path / "-1" / "kernels")
+    assert len([c for c in compiler_runs if "-c" in c or "-shared" in c]) == 2  # one compile, one link
