@@ -10,9 +10,10 @@ classify``) ``classify`` and ``token_classify``. A body without ``task`` gets vL
 task the model has (``token_embed``, else ``token_classify``); vLLM 0.10's ``encode`` is taken as that default too.
 
 The body is vLLM's ``PoolingCompletionRequest`` (``input``) or ``PoolingChatRequest`` (``messages``, templated as
-``/classify``'s chat form), checked as ``/v1/embeddings`` and ``/classify`` check theirs: ``normalize`` for the
-embedding tasks, ``use_activation`` (or vLLM's older ``softmax`` / ``activation``) for the classifier's, the other
-task's switch refused as vLLM's ``PoolingParams.verify`` refuses it. The answer is vLLM's ``PoolingResponse``: per input
+``/classify``'s chat form), checked as ``/v1/embeddings`` and ``/classify`` check theirs: ``use_activation`` is every
+task's switch (false: an embedding's hidden states not L2-normalized, a classifier's logits not softmaxed), vLLM's
+older ``softmax`` / ``activation`` the classifier's only, and ``normalize`` refused as vLLM refuses it since removing
+it ("use use_activation instead"). The answer is vLLM's ``PoolingResponse``: per input
 ``{"index", "object": "pooling", "data"}``, ``data`` a list of floats (a per-token task: one list per prompt token) or,
 with ``encoding_format: "base64"``, the values' bytes (vLLM's ``embed_dtype``, float32 by default, in its
 ``endianness``, the server's by default), row after row, in base64; ``"bytes"`` and ``"bytes_only"`` answer the raw
@@ -44,6 +45,7 @@ from kvload.serve.embeddings import (
     pooling_route,
     prefill_params,
     prompt_list,
+    refuse_normalize,
     tokenized,
 )
 from kvload.serve.parse_gate import ParseGate
@@ -138,17 +140,15 @@ def pooling_job(state: ServeState, body: Any) -> PoolingJob:
     _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
     special = body.get("add_special_tokens")
     _need(special is None or isinstance(special, bool), "add_special_tokens", "true or false", special)
-    normalize = body.get("normalize")
-    _need(normalize is None or isinstance(normalize, bool), "normalize", "true or false", normalize)
-    activate = use_activation(body)
     embeds = task in EMBED_TASKS
-    if not embeds and normalize is not None:  # the other task's switch, as vLLM's PoolingParams.verify refuses it
-        raise BadRequest(f"normalize: an embedding's switch (task embed or token_embed); task {task} takes "
-                         "use_activation (false: the logits as computed)", param="normalize")
-    given = next((name for name in ACTIVATION_FIELDS if body.get(name) is not None), None)
-    if embeds and given is not None:
-        raise BadRequest(f"{given}: a classifier's switch (task classify or token_classify); task {task} takes "
-                         "normalize (false: the hidden states as computed)", param=given)
+    refuse_normalize(body, "false: the hidden states as computed, not L2-normalized" if embeds
+                     else "false: the logits as computed")
+    activate = use_activation(body)  # every task's switch (vLLM's): an embedding's L2 norm, a classifier's softmax
+    older = next((name for name in ACTIVATION_FIELDS[1:] if body.get(name) is not None), None)
+    if embeds and older is not None:  # softmax / activation: the classifier's older names, never an embedding's
+        raise BadRequest(f"{older}: the older name of a classifier's use_activation (task classify or "
+                         f"token_classify); task {task} takes use_activation (false: the hidden states as computed)",
+                         param=older)
     params = prefill_params(body)
     if chat:
         ids = chat_ids(state, body, special is True)
@@ -157,8 +157,8 @@ def pooling_job(state: ServeState, body: Any) -> PoolingJob:
         inputs, wheres = prompt_list(body, "input")
         prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False,
                             what=WHAT[task])
-    return PoolingJob(prompts, params, task, encoding, normalize is not False, activate, pool_priority(state, body),
-                      given_id)
+    return PoolingJob(prompts, params, task, encoding, activate if embeds else True, activate,
+                      pool_priority(state, body), given_id)
 
 
 def pooled_data(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) -> list[torch.Tensor]:
