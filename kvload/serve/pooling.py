@@ -18,7 +18,9 @@ it ("use use_activation instead"). The answer is vLLM's ``PoolingResponse``: per
 with ``encoding_format: "base64"``, the values' bytes (vLLM's ``embed_dtype``, float32 by default, in its
 ``endianness``, the server's by default), row after row, in base64; ``"bytes"`` and ``"bytes_only"`` answer the raw
 bytes as vLLM does (``kvload.serve.pooled_encoding``). The answer's id is ``pool-`` and the ``X-Request-Id`` header,
-else the body's ``request_id``, else a fresh one.
+else a fresh one, as vLLM names it: vLLM's ``/pooling`` takes a body's ``request_id`` (checked, a string) and never
+uses it (its serving passes only the header to ``_base_request_id``), so kvload takes it, leaves it unused, and says
+so (a ``setting_ignored``, naming the answer's id).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
 from models.classifier import head_logits, head_of
+from pipeline.events import SettingIgnored
 
 #: The tasks a generative model serves (vLLM's embedding adapter), the default first.
 EMBED_TASKS = ("token_embed", "embed")
@@ -75,8 +78,9 @@ CHAT_FIELDS = (FIELDS - {"input"}) | {"messages"} | TEMPLATE_OPTIONS
 
 @attrs.frozen
 class PoolingJob:
-    """One parsed ``/pooling`` body: each input's token ids, the task, and how to answer (``request_id``: the body's,
-    or the ``X-Request-Id`` header's once ``pooling_run`` read it)."""
+    """One parsed ``/pooling`` body: each input's token ids, the task, and how to answer (``request_id``: the
+    ``X-Request-Id`` header's once ``pooling_run`` read it; ``body_request_id``: the body's, unused as vLLM leaves it,
+    and reported ``setting_ignored``)."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -86,6 +90,7 @@ class PoolingJob:
     use_activation: bool = True
     priority: int = 0
     request_id: str | None = None
+    body_request_id: str | None = None
 
     @property
     def every_token(self) -> bool:
@@ -158,7 +163,7 @@ def pooling_job(state: ServeState, body: Any) -> PoolingJob:
         prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False,
                             what=WHAT[task])
     return PoolingJob(prompts, params, task, encoding, activate if embeds else True, activate,
-                      pool_priority(state, body), given_id)
+                      pool_priority(state, body), body_request_id=given_id)
 
 
 def pooled_data(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -190,6 +195,11 @@ def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor])
     tokens = sum(len(ids) for ids in job.prompts)
     head = {"id": f"pool-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
+    if job.body_request_id is not None:  # vLLM's /pooling takes it and names its answer by the header alone
+        state.engine.notify(SettingIgnored(
+            field="serve.request_id", value=job.body_request_id, request=head["id"],
+            reason="POST /pooling names its answer by the X-Request-Id header alone, as vLLM's does (the body's "
+                   f"request_id is taken and unused); send X-Request-Id to name it (request {head['id']})"))
     if job.encoding.binary:
         return bytes_response(job.encoding, outputs, head, tokens)
     data = [{"index": i, "object": "pooling", "data": encoded(d, job.encoding)} for i, d in enumerate(outputs)]
