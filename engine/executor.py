@@ -267,6 +267,7 @@ class GenerationExecutor:
         executor.max_beam_width = result.args.max_beam_width
         defaults = getattr(result, "sampling_defaults", None)
         executor.sampling_defaults = dict(defaults.values) if defaults is not None else {}
+        executor.sampling_sources = dict(defaults.sources) if defaults is not None else {}
         return executor
 
     def use_attention(self, backend: str, max_num_tokens: int) -> None:
@@ -704,7 +705,8 @@ class GenerationExecutor:
                                                                    "model's defaults)" if p is None else ""))
             params = self._fitted(list(sampling_params), True, count, pooled=pooled)
         else:  # no SamplingParams: the keywords over the model's sampling defaults (vLLM's default params)
-            params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults)] * max(count, 1)
+            params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults,
+                                           self.sampling_sources)] * max(count, 1)
         for p in {id(p): p for p in params}.values():  # a list changed in place since it was built (vLLM's habit)
             p.recheck()
         params = self._with_reasoning_parser(params)

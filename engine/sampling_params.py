@@ -19,6 +19,7 @@ import attrs
 from engine.prompts import check_text
 from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError, did_you_mean
+from pipeline.generation_config import FROM_OVERRIDE
 from pipeline.limits import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -320,7 +321,7 @@ class SamplingParams:
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
-            _past_default_length(_plain_int(min_tokens), max_tokens, "the default max_tokens (none was given)")
+            _past_default_length(_plain_int(min_tokens), max_tokens, "kvload's default max_tokens (none was given)")
         # vLLM's rules: seed -1 is no seed of the request's own; True asks for the sampled (or prompt) token's logprob
         # and its 1 most likely alternative
         logprobs = 1 if logprobs is True else logprobs
@@ -493,10 +494,11 @@ class SamplingParams:
 
     @classmethod
     def build(cls, params: SamplingParams | None, keywords: dict[str, Any],
-              defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+              defaults: Mapping[str, Any] | None = None, sources: Mapping[str, str] | None = None) -> SamplingParams:
         """``params`` as given (vLLM's rule: an explicit SamplingParams is used as it is), or one built from keyword
         fields over ``defaults`` (the model's sampling defaults, ``SamplingDefaults.values``: a keyword wins); an
-        unknown keyword or both forms is an error."""
+        unknown keyword or both forms is an error. ``sources``: where each default came from
+        (``SamplingDefaults.sources``), so a refusal names the user's override_generation_config as theirs."""
         keywords = check_keywords(keywords)
         if params is not None:
             if not isinstance(params, SamplingParams):
@@ -508,11 +510,18 @@ class SamplingParams:
             return params
         given = _given_fields(keywords)
         fields = {k: v for k, v in (defaults or {}).items() if k not in given}
-        if is_int(fields.get("max_tokens")):  # the model's length, not one the caller gave: said so
+        if is_int(fields.get("max_tokens")):  # a default length, not one the caller gave: said so, by its source
             _past_default_length(_plain_int(keywords.get("min_tokens", 0)), fields["max_tokens"],
-                                 "the model's default (its generation config's max_new_tokens; no max_tokens was "
-                                 "given)")
+                                 default_length_origin((sources or {}).get("max_tokens")))
         return cls(**fields, **keywords)
+
+
+def default_length_origin(source: str | None) -> str:
+    """Where a default ``max_tokens`` the caller did not give came from, as a refusal names it: the user's own
+    ``override_generation_config`` (their setting, not the model's), else the model's generation_config.json."""
+    if source == FROM_OVERRIDE:
+        return "the default of this LLM's override_generation_config (its max_new_tokens; no max_tokens was given)"
+    return "the model's default (its generation_config.json's max_new_tokens; no max_tokens was given)"
 
 
 def _past_default_length(min_tokens: Any, length: int, origin: str) -> None:

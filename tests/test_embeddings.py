@@ -103,11 +103,18 @@ def test_v1_embeddings_serves_openais_client_in_base64_and_float(words, referenc
         raw = s.http.post("/v1/embeddings", json={"input": [PROMPTS[1]], "encoding_format": "base64"}).json()
         decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
         np.testing.assert_allclose(decoded, reference(PROMPTS[1]), atol=1e-5)
-        unnormalized = s.http.post("/v1/embeddings", json={"input": PROMPTS[1], "normalize": False}).json()
+        # vLLM's switch since it removed normalize (a 400 below, whatever its value)
+        unnormalized = s.http.post("/v1/embeddings", json={"input": PROMPTS[1], "use_activation": False}).json()
         np.testing.assert_allclose(unnormalized["data"][0]["embedding"], reference(PROMPTS[1], normalize=False),
                                    atol=1e-4)
         for body, param, said in [
                 ({"input": PROMPTS[1], "dimensions": 8}, "dimensions", "no Matryoshka"),
+                ({"input": PROMPTS[1], "extra_body": {"normalize": False}}, "normalize",
+                 "normalize: the parameter was removed (vLLM's: use use_activation instead); send use_activation "
+                 "(false: the hidden state as computed"),
+                ({"input": PROMPTS[1], "extra_body": {"normalize": None}}, "normalize", "use use_activation instead"),
+                ({"input": PROMPTS[1], "extra_body": {"use_activation": "no"}}, "use_activation",
+                 "expected true or false"),
                 ({"input": []}, "input", "expected a non-empty string"),
                 ({"input": [PROMPTS[1], [1, 2.5]]}, "input[1][1]", "expected a token id"),
                 ({"input": [[1, VOCAB]]}, "input", "outside the vocabulary"),

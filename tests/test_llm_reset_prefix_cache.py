@@ -63,8 +63,9 @@ def cached_tokens(served) -> int:
     return out.usage.prompt_tokens_details.cached_tokens
 
 
-def test_server_resets_only_when_the_operator_enabled_it(words):
-    small_blocks = {"max_tokens": 512, "tokens_per_block": 4}
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_server_resets_only_when_the_operator_enabled_it(words, manager):
+    small_blocks = {"max_tokens": 512, "tokens_per_block": 4, "use_kv_cache_manager_v2": manager == "v2"}
     with serving(str(words), state={"enable_reset_prefix_cache": True}, kv_cache_config=small_blocks) as served:
         cached_tokens(served)
         assert cached_tokens(served) >= 12
@@ -75,6 +76,35 @@ def test_server_resets_only_when_the_operator_enabled_it(words):
         assert served.result.audit.of("prefix_cache_reset")[0]["caller"] == "serve.reset_prefix_cache"
     with serving(str(words)) as served:  # the default: no client may drop everyone's cache
         assert served.http.post("/reset_prefix_cache").status_code == 404
+
+
+def test_server_reads_vllms_query_parameters_and_drops_unknown_ones(words):
+    """vLLM's route takes reset_running_requests and reset_external as FastAPI bools (another value refused) and
+    drops any other query parameter unread. kvload dropped all of them: reset_external=true (a KV connector's cache,
+    which kvload has none of) went unsaid, a misspelt value reset anyway. Now a bad value is a 400 naming it that
+    resets nothing, reset_external=true is reported setting_ignored, and an unknown parameter is still dropped."""
+    small_blocks = {"max_tokens": 512, "tokens_per_block": 4}
+    with serving(str(words), state={"enable_reset_prefix_cache": True}, kv_cache_config=small_blocks) as served:
+        cached_tokens(served)
+        for query in ("reset_running_requests=maybe", "reset_external=2"):
+            answer = served.http.post(f"/reset_prefix_cache?{query}")
+            name, value = query.split("=")
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == name and error["message"] == f"{name}: expected true or false, got '{value}'"
+        assert cached_tokens(served) >= 12  # the refused calls forgot nothing
+        answer = served.http.post("/reset_prefix_cache?reset_external=True&reset_running_requests=off&verbose=1")
+        assert answer.status_code == 200 and answer.json() == {"reset": True}
+        assert cached_tokens(served) == 0
+
+        def external() -> list[dict]:
+            return [e for e in served.result.audit.of("setting_ignored")
+                    if e["field"] == "serve.reset_prefix_cache.reset_external"]
+
+        wait_for(lambda: external() and served.result.audit.of("prefix_cache_reset"), what="the reset's records")
+        assert "no KV connector" in external()[0]["reason"]
+        assert served.http.post("/reset_prefix_cache?reset_external=0").json() == {"reset": True}
+        assert len(external()) == 1 and len(served.result.audit.of("prefix_cache_reset")) == 2
 
 
 def test_server_reset_while_a_request_holds_a_cache_is_409_and_drops_nothing(words):
@@ -93,7 +123,11 @@ def test_server_reset_while_a_request_holds_a_cache_is_409_and_drops_nothing(wor
 
         with TestClient(create_app(state)) as http:
             answer = http.post("/reset_prefix_cache")
+            asked = http.post("/reset_prefix_cache?reset_running_requests=true")  # vLLM's: preempt them
         assert answer.status_code == 409
         assert answer.json()["error"]["code"] == "prefix_cache_in_use"
         assert "1 request(s) still hold a KV cache (held)" in answer.json()["error"]["message"]
+        assert "reset_running_requests" not in answer.json()["error"]["message"]
+        assert asked.status_code == 409 and "; reset_running_requests=true: kvload does not preempt running " \
+            "requests to reset; try again when they have finished" in asked.json()["error"]["message"]
         assert state.engine.manager.stats().requests == 1

@@ -72,8 +72,10 @@ def test_classify_answers_vllms_classification_response_as_transformers_computes
     # past int64: the engine's own check answered a 500 "server_error" naming generate
     ({"input": "w1", "truncate_prompt_tokens": 2 ** 63}, "truncate_prompt_tokens", "truncate_prompt_tokens: expected"),
     ({"input": "w1", "encoding_format": "float"}, "encoding_format", "encoding_format"),
-    ({"input": "w1", "normalize": False}, "normalize", "normalize: an embedding's switch (POST /v1/embeddings); a "
-                                                       "classifier takes use_activation"),
+    ({"input": "w1", "normalize": False}, "normalize", "normalize: the parameter was removed (vLLM's: use "
+                                                       "use_activation instead); send use_activation (false: the "
+                                                       "logits as computed)"),
+    ({"input": "w1", "normalize": None}, "normalize", "use use_activation instead"),  # vLLM's: any value
     ({"input": [[1, 2], "w1 w2", 99999]}, "input[2]", "input[2]: expected"),
     ({"input": [[1, 2], [3, 99999]]}, "input", "input[1]"),
     ({"input": " ".join(["w1"] * 65)}, "input", "input: 65 tokens; a classification takes at most max_seq_len=64"),

@@ -219,6 +219,11 @@ def test_the_clients_request_level_cache_control_and_count_tokens_output_config_
     plain.script.say("Ok.")
     reply = create(plain, cache_control={"type": "ephemeral"})
     assert ignored_settings(plain, reply.id) == {"serve.cache_control": {"type": "ephemeral"}}
+    # whatever it holds, as a block's: vLLM's request model drops it unread (kvload refused a non-object with a 400)
+    for odd in ("ephemeral", 5, {"type": "persistent", "ttl": 3}):
+        plain.script.say("Ok.")
+        reply = create(plain, extra_body={"cache_control": odd})
+        assert ignored_settings(plain, reply.id) == {"serve.cache_control": odd}
     counted = plain.client.messages.count_tokens(model=name, messages=HELLO)
     shaped = plain.client.messages.count_tokens(
         model=name, messages=HELLO, cache_control={"type": "ephemeral", "ttl": "1h"},

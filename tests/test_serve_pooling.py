@@ -125,9 +125,11 @@ def test_task_classify_answers_what_classify_answers_and_encode_is_the_default(s
      'task: "embed" is not served by this model (LlamaForSequenceClassification, a classifier); accepted: '
      '"token_classify" (the default; "encode" names it too), "classify"'),
     ({"input": "w5", "task": 3}, "task", 'task: expected one of "token_classify"'),
+    # vLLM removed normalize (use_activation is every task's switch): refused whatever its value, null too
     ({"input": "w5", "normalize": True}, "normalize",
-     "normalize: an embedding's switch (task embed or token_embed); task token_classify takes use_activation"),
-    ({"input": "w5", "task": "classify", "normalize": False}, "normalize", "task classify takes use_activation"),
+     "normalize: the parameter was removed (vLLM's: use use_activation instead); send use_activation (false: the "
+     "logits as computed)"),
+    ({"input": "w5", "task": "classify", "normalize": None}, "normalize", "send use_activation"),
     ({"input": "w5", "use_activation": "no"}, "use_activation", "use_activation: expected true or false"),
     ({"input": "w5", "encoding_format": "hex"}, "encoding_format",
      'encoding_format: expected one of "float", "base64", "bytes" or "bytes_only"'),
@@ -192,8 +194,9 @@ def test_concurrent_classifier_requests_are_each_answered_as_when_alone(served):
 
 def test_a_generative_models_default_task_gives_every_tokens_normalized_hidden_state(tiny_checkpoints, tmp_path):
     """A generative model serves vLLM's embedding tasks: token_embed (its default) each prompt token's final norm
-    output, L2-normalized per token as transformers' AutoModel computes it (normalize false: as computed), embed the
-    last token's, as /v1/embeddings gives it; the classifier's tasks and switch are a 400 naming the field."""
+    output, L2-normalized per token as transformers' AutoModel computes it (use_activation false, vLLM's switch of
+    every task: as computed), embed the last token's, as /v1/embeddings gives it; the classifier's tasks, its older
+    switch names and vLLM's removed normalize are a 400 naming the field."""
     words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
     model = transformers.AutoModel.from_pretrained(str(words), dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -202,7 +205,7 @@ def test_a_generative_models_default_task_gives_every_tokens_normalized_hidden_s
         doc = _ok(s, "/pooling", {"input": text(LONG)})
         np.testing.assert_allclose(doc["data"][0]["data"], torch.nn.functional.normalize(hidden, dim=-1).numpy(),
                                    atol=1e-5)
-        raw = _ok(s, "/pooling", {"input": LONG, "task": "token_embed", "normalize": False})
+        raw = _ok(s, "/pooling", {"input": LONG, "task": "token_embed", "use_activation": False})
         np.testing.assert_allclose(raw["data"][0]["data"], hidden.numpy(), atol=1e-4)
         last = _ok(s, "/pooling", {"input": LONG, "task": "embed"})["data"][0]["data"]
         assert last == pytest.approx(_ok(s, "/v1/embeddings", {"input": LONG})["data"][0]["embedding"], abs=1e-6)
@@ -210,9 +213,12 @@ def test_a_generative_models_default_task_gives_every_tokens_normalized_hidden_s
                 ({"input": "w5", "task": "token_classify"}, "task",
                  'task: "token_classify" is not served by this model (LlamaForCausalLM, a generative model: no '
                  'classifier head); accepted: "token_embed" (the default; "encode" names it too), "embed"'),
-                ({"input": "w5", "use_activation": False}, "use_activation",
-                 "use_activation: a classifier's switch (task classify or token_classify); task token_embed takes "
-                 "normalize (false: the hidden states as computed)")]:
+                ({"input": "w5", "softmax": False}, "softmax",
+                 "softmax: the older name of a classifier's use_activation (task classify or token_classify); task "
+                 "token_embed takes use_activation (false: the hidden states as computed)"),
+                ({"input": "w5", "normalize": False}, "normalize",
+                 "normalize: the parameter was removed (vLLM's: use use_activation instead); send use_activation "
+                 "(false: the hidden states as computed, not L2-normalized)")]:
             r = s.http.post("/pooling", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             assert r.json()["error"]["message"] == says
@@ -251,7 +257,7 @@ def test_a_long_per_token_answer_does_not_stall_the_server_while_it_is_written(t
     kv = {"max_tokens": 4096, "tokens_per_block": 16}
     with serving(str(wide), dtype="float32", max_seq_len=1024, max_num_tokens=4096, kv_cache_config=kv) as s:
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(s.http.post, "/pooling", json={"input": inputs, "normalize": False})
+            answer = pool.submit(s.http.post, "/pooling", json={"input": inputs, "use_activation": False})
             waits = []
             while not answer.done():
                 start = time.perf_counter()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.llm_support import with_tokenizer
-from tests.serve_support import serving
+from tests.serve_support import serving, wait_for
 
 VOCAB = 512
 PROMPTS = [[5, 17, 300, 42, 9, 11, 23], [88, 123, 7]]
@@ -132,18 +132,40 @@ def test_bytes_answers_the_raw_bytes_with_vllms_metadata_header_and_bytes_only_w
 
 
 def test_request_id_names_the_answer_and_an_x_request_id_header_wins(served):
-    """vLLM's request_id: the answer's id is embd- / pool- and it, in the JSON and in bytes' metadata alike; an
+    """vLLM's request_id: the embeddings' answer id is embd- and it, in the JSON and in bytes' metadata alike; an
     X-Request-Id header names it instead; none: a fresh id each time."""
     assert _ok(served, "/v1/embeddings", {"input": "w5", "request_id": "mine-1"})["id"] == "embd-mine-1"
-    assert _ok(served, "/pooling", {"input": "w5", "request_id": "mine-2"})["id"] == "pool-mine-2"
     header = {"X-Request-Id": "from-header"}
     assert _ok(served, "/v1/embeddings", {"input": "w5", "request_id": "body"}, headers=header)["id"] \
         == "embd-from-header"
     assert _ok(served, "/pooling", {"input": "w5"}, headers=header)["id"] == "pool-from-header"
-    r = served.http.post("/pooling", json={"input": "w5", "request_id": "raw", "encoding_format": "bytes"})
-    assert json.loads(r.headers["metadata"])["id"] == "pool-raw"
+    r = served.http.post("/pooling", json={"input": "w5", "encoding_format": "bytes"}, headers=header)
+    assert json.loads(r.headers["metadata"])["id"] == "pool-from-header"
     fresh = {_ok(served, "/v1/embeddings", {"input": "w5"})["id"] for _ in range(2)}
     assert len(fresh) == 2 and all(i.startswith("embd-") for i in fresh)
+
+
+def test_pooling_takes_a_body_request_id_unused_as_vllm_does_and_says_so(served):
+    """vLLM's /pooling accepts request_id in the body and names its answer by the X-Request-Id header alone (else a
+    fresh id); kvload named it pool-<request_id>, as no vLLM server does. Now the body's id is taken, unused, and a
+    setting_ignored naming the answer says to send the header."""
+    answers = [_ok(served, "/pooling", {"input": "w5", "request_id": "mine-2"}),
+               _ok(served, "/pooling", {"input": "w5", "request_id": "mine-2"})]
+    ids = [a["id"] for a in answers]
+    assert all(i.startswith("pool-") and i != "pool-mine-2" for i in ids) and ids[0] != ids[1]
+    r = served.http.post("/pooling", json={"input": "w5", "request_id": "raw", "encoding_format": "bytes"})
+    assert r.status_code == 200 and json.loads(r.headers["metadata"])["id"] not in ("pool-raw", *ids)
+    named = _ok(served, "/pooling", {"input": "w5", "request_id": "body"}, headers={"X-Request-Id": "hdr"})
+    assert named["id"] == "pool-hdr"
+
+    def said() -> dict[str, str]:
+        return {e["request"]: e for e in served.result.audit.of("setting_ignored") if e["field"] == "serve.request_id"}
+
+    wait_for(lambda: len(said()) == 4, what="one setting_ignored per pooling request with a request_id")
+    note = said()[ids[0]]
+    assert note["value"] == "mine-2" and "names its answer by the X-Request-Id header alone" in note["reason"]
+    assert said()["pool-hdr"]["value"] == "body"
+    assert not [e for e in served.result.audit.of("setting_ignored") if e["value"] == "mine-1"]  # embeddings' own
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])

@@ -853,8 +853,8 @@ def test_min_tokens_past_a_default_max_tokens_names_that_default_and_the_keyword
     """min_tokens past a max_tokens the caller never gave read "expected an integer in [0, max_tokens=64]", as if
     max_tokens had been given: the default is named as one (kvload's, or the model's generation config's) with
     max_tokens as the keyword that raises it."""
-    default = (r"^generate: min_tokens: expected an integer in \[0, max_tokens=64\], the default max_tokens \(none "
-               r"was given\), got 100; give max_tokens of at least 100 \(None: no cap but the context\)$")
+    default = (r"^generate: min_tokens: expected an integer in \[0, max_tokens=64\], kvload's default max_tokens "
+               r"\(none was given\), got 100; give max_tokens of at least 100 \(None: no cap but the context\)$")
     with pytest.raises(GenerationError, match=default):
         SamplingParams(min_tokens=100)
     with pytest.raises(GenerationError, match=default):
@@ -865,7 +865,28 @@ def test_min_tokens_past_a_default_max_tokens_names_that_default_and_the_keyword
     assert SamplingParams(min_tokens=100, max_tokens=100).min_tokens == 100  # the advice taken
     with kvload.LLM(str(words), override_generation_config={"max_new_tokens": 2}, **llm_kwargs("v1")) as short:
         with pytest.raises(GenerationError, match=r"^generate: min_tokens: expected an integer in \[0, max_tokens=2\]"
-                                                  r", the model's default \(its generation config's max_new_tokens; no"
-                                                  r" max_tokens was given\), got 3; give max_tokens of at least 3"):
+                                                  r", the default of this LLM's override_generation_config \(its "
+                                                  r"max_new_tokens; no max_tokens was given\), got 3; give max_tokens"
+                                                  r" of at least 3"):
             short.generate(IDS[:1], min_tokens=3)
         assert len(short.generate(IDS[:1], min_tokens=3, max_tokens=3)[0].outputs[0].token_ids) == 3
+
+
+def test_min_tokens_past_the_default_length_names_the_users_override_apart_from_the_models_file(words, tmp_path):
+    """The length a call without max_tokens takes comes from the user's own LLM(override_generation_config=...) or
+    from the model's generation_config.json; min_tokens past it named the user's setting "the model's default", so
+    the user went looking for a file the model does not have. Each is now named as what it is."""
+    import shutil
+
+    model = tmp_path / "with-config"
+    shutil.copytree(words, model)
+    (model / "generation_config.json").write_text('{"max_new_tokens": 3}')
+    file_default = r"max_tokens=3\], the model's default \(its generation_config.json's max_new_tokens; no max_tokens"
+    with kvload.LLM(str(model), **llm_kwargs("v1")) as llm, pytest.raises(GenerationError, match=file_default):
+        llm.generate(IDS[:1], min_tokens=4)
+    with kvload.LLM(str(model), override_generation_config={"max_new_tokens": 2}, **llm_kwargs("v1")) as llm:
+        with pytest.raises(GenerationError, match=r"max_tokens=2\], the default of this LLM's "
+                                                  r"override_generation_config \(its max_new_tokens; no max_tokens was"
+                                                  r" given\), got 4") as refused:
+            llm.generate(IDS[:1], min_tokens=4)
+        assert "the model's" not in str(refused.value)

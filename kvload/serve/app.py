@@ -42,6 +42,7 @@ from kvload.serve.pooling import pooling_route_post
 from kvload.serve.protocol import BadRequest
 from kvload.serve.request_id import _RequestIdHeader
 from kvload.serve.request_input import _not_served
+from kvload.serve.reset_prefix import reset_prefix_cache as reset_prefix
 from kvload.serve.route_errors import _allowed, _only_query, _routing_error, _shaped
 from kvload.serve.scoring import rerank_route, score_route
 from kvload.serve.state import ServeState
@@ -139,16 +140,9 @@ def create_app(state: ServeState) -> FastAPI:
 
     if state.enable_reset_prefix_cache:
         @app.post("/reset_prefix_cache")
-        async def reset_prefix_cache() -> dict[str, Any]:
-            """vLLM's dev-mode route: 200 ``{"reset": true}``; 409 while requests hold a cache (nothing dropped);
-            200 ``{"reset": false, "reason": ...}`` when prefix reuse is off (nothing is cached)."""
-            done, event = await asyncio.to_thread(state.engine.reset_prefix_cache)  # waits for the step in flight
-            if done:
-                return {"reset": True}
-            if state.engine.executor.salt_ignored() is None:  # reuse is on: requests hold the cache
-                raise BadRequest(f"{event.reason}; try again when they have finished", status=409,
-                                 kind="conflict_error", code="prefix_cache_in_use")
-            return {"reset": False, "reason": event.reason}
+        async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+            """vLLM's dev-mode route, its query parameters read as vLLM's (``kvload.serve.reset_prefix``)."""
+            return await reset_prefix(state, request)
 
     @app.get("/v1/kvload/audit")
     async def audit(request: Request) -> Response:

@@ -26,7 +26,15 @@ from fastapi.responses import Response
 from engine.executor import POOLED
 from engine.prompts import TEMPLATE_OPTIONS
 from engine.sampling_params import SamplingParams
-from kvload.serve.embeddings import pool_priority, pooling_fields, pooling_route, prefill_params, prompt_list, tokenized
+from kvload.serve.embeddings import (
+    pool_priority,
+    pooling_fields,
+    pooling_route,
+    prefill_params,
+    prompt_list,
+    refuse_normalize,
+    tokenized,
+)
 from kvload.serve.protocol import BadRequest, _messages, _need, _template
 from kvload.serve.request_body import _load
 from kvload.serve.request_input import _check_template, _messages_error, text_tokens, with_default_template_kwargs
@@ -93,11 +101,7 @@ def input_or_messages(state: ServeState, body: Any, fields: frozenset[str],
 
 def classify_job(state: ServeState, body: Any) -> ClassifyJob:
     """:func:`parse_classify` of a body already loaded."""
-    if isinstance(body, dict) and "normalize" in body:  # /v1/embeddings' field: refused saying what to send instead
-        if body["normalize"] is not None:  # vLLM refuses normalize for its classify task (PoolingParams.verify)
-            raise BadRequest("normalize: an embedding's switch (POST /v1/embeddings); a classifier takes "
-                             "use_activation (false: the logits as computed)", param="normalize")
-        body = {k: v for k, v in body.items() if k != "normalize"}  # null, its unset default, asks for nothing
+    refuse_normalize(body, "false: the logits as computed")  # vLLM's removed switch, refused on every route
     body, chat = input_or_messages(state, body, FIELDS, CHAT_FIELDS)
     served_head(state, "/classify")
     _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))

@@ -53,7 +53,17 @@ from pipeline.limits import MAX_INT
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
 FIELDS = frozenset({"input", "model", "encoding_format", "embed_dtype", "endianness", "dimensions", "user",
-                    "truncate_prompt_tokens", "add_special_tokens", "normalize", "priority", "request_id"})
+                    "truncate_prompt_tokens", "add_special_tokens", "use_activation", "normalize", "priority",
+                    "request_id"})
+
+
+def refuse_normalize(body: Any, instead: str) -> None:
+    """vLLM's refusal of ``normalize`` on every pooling route (``reject_removed_pooling_parameters``: "Parameter
+    `normalize` was removed; use `use_activation` instead."), whatever its value, null too; ``instead``: what
+    use_activation false gives on this route."""
+    if isinstance(body, dict) and "normalize" in body:
+        raise BadRequest(f"normalize: the parameter was removed (vLLM's: use use_activation instead); send "
+                         f"use_activation ({instead})", param="normalize")
 
 
 @attrs.frozen
@@ -138,6 +148,7 @@ def parse_embeddings(state: ServeState, raw: bytes | bytearray) -> EmbedJob:
 def embed_job(state: ServeState, body: Any) -> EmbedJob:
     """:func:`parse_embeddings` of a body already loaded."""
     body = pooling_fields(state, body, FIELDS)
+    refuse_normalize(body, "false: the hidden state as computed, not L2-normalized")
     encoding = encoding_of(body)
     given_id = checked_request_id(body.get("request_id"))
     if body.get("dimensions") is not None:  # vLLM refuses it too for a model not trained for truncated embeddings
@@ -147,14 +158,14 @@ def embed_job(state: ServeState, body: Any) -> EmbedJob:
                          "embeddings); leave dimensions out", param="dimensions")
     _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
     flags = {}
-    for name, default in (("add_special_tokens", True), ("normalize", True)):
+    for name, default in (("add_special_tokens", True), ("use_activation", True)):
         value = body.get(name)
         _need(value is None or isinstance(value, bool), name, "true or false", value)
         flags[name] = default if value is None else value
     params = prefill_params(body)
     inputs, wheres = prompt_list(body, "input")
     prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=flags["add_special_tokens"])
-    return EmbedJob(prompts, encoding, flags["normalize"], params, pool_priority(state, body), given_id)
+    return EmbedJob(prompts, encoding, flags["use_activation"], params, pool_priority(state, body), given_id)
 
 
 class PoolJob(Protocol):

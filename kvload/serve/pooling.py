@@ -10,14 +10,17 @@ classify``) ``classify`` and ``token_classify``. A body without ``task`` gets vL
 task the model has (``token_embed``, else ``token_classify``); vLLM 0.10's ``encode`` is taken as that default too.
 
 The body is vLLM's ``PoolingCompletionRequest`` (``input``) or ``PoolingChatRequest`` (``messages``, templated as
-``/classify``'s chat form), checked as ``/v1/embeddings`` and ``/classify`` check theirs: ``normalize`` for the
-embedding tasks, ``use_activation`` (or vLLM's older ``softmax`` / ``activation``) for the classifier's, the other
-task's switch refused as vLLM's ``PoolingParams.verify`` refuses it. The answer is vLLM's ``PoolingResponse``: per input
+``/classify``'s chat form), checked as ``/v1/embeddings`` and ``/classify`` check theirs: ``use_activation`` is every
+task's switch (false: an embedding's hidden states not L2-normalized, a classifier's logits not softmaxed), vLLM's
+older ``softmax`` / ``activation`` the classifier's only, and ``normalize`` refused as vLLM refuses it since removing
+it ("use use_activation instead"). The answer is vLLM's ``PoolingResponse``: per input
 ``{"index", "object": "pooling", "data"}``, ``data`` a list of floats (a per-token task: one list per prompt token) or,
 with ``encoding_format: "base64"``, the values' bytes (vLLM's ``embed_dtype``, float32 by default, in its
 ``endianness``, the server's by default), row after row, in base64; ``"bytes"`` and ``"bytes_only"`` answer the raw
 bytes as vLLM does (``kvload.serve.pooled_encoding``). The answer's id is ``pool-`` and the ``X-Request-Id`` header,
-else the body's ``request_id``, else a fresh one.
+else a fresh one, as vLLM names it: vLLM's ``/pooling`` takes a body's ``request_id`` (checked, a string) and never
+uses it (its serving passes only the header to ``_base_request_id``), so kvload takes it, leaves it unused, and says
+so (a ``setting_ignored``, naming the answer's id).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from kvload.serve.embeddings import (
     pooling_route,
     prefill_params,
     prompt_list,
+    refuse_normalize,
     tokenized,
 )
 from kvload.serve.parse_gate import ParseGate
@@ -53,6 +57,7 @@ from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
 from models.classifier import head_logits, head_of
+from pipeline.events import SettingIgnored
 
 #: The tasks a generative model serves (vLLM's embedding adapter), the default first.
 EMBED_TASKS = ("token_embed", "embed")
@@ -73,8 +78,9 @@ CHAT_FIELDS = (FIELDS - {"input"}) | {"messages"} | TEMPLATE_OPTIONS
 
 @attrs.frozen
 class PoolingJob:
-    """One parsed ``/pooling`` body: each input's token ids, the task, and how to answer (``request_id``: the body's,
-    or the ``X-Request-Id`` header's once ``pooling_run`` read it)."""
+    """One parsed ``/pooling`` body: each input's token ids, the task, and how to answer (``request_id``: the
+    ``X-Request-Id`` header's once ``pooling_run`` read it; ``body_request_id``: the body's, unused as vLLM leaves it,
+    and reported ``setting_ignored``)."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -84,6 +90,7 @@ class PoolingJob:
     use_activation: bool = True
     priority: int = 0
     request_id: str | None = None
+    body_request_id: str | None = None
 
     @property
     def every_token(self) -> bool:
@@ -138,17 +145,15 @@ def pooling_job(state: ServeState, body: Any) -> PoolingJob:
     _need(body.get("user") is None or isinstance(body["user"], str), "user", "a string", body.get("user"))
     special = body.get("add_special_tokens")
     _need(special is None or isinstance(special, bool), "add_special_tokens", "true or false", special)
-    normalize = body.get("normalize")
-    _need(normalize is None or isinstance(normalize, bool), "normalize", "true or false", normalize)
-    activate = use_activation(body)
     embeds = task in EMBED_TASKS
-    if not embeds and normalize is not None:  # the other task's switch, as vLLM's PoolingParams.verify refuses it
-        raise BadRequest(f"normalize: an embedding's switch (task embed or token_embed); task {task} takes "
-                         "use_activation (false: the logits as computed)", param="normalize")
-    given = next((name for name in ACTIVATION_FIELDS if body.get(name) is not None), None)
-    if embeds and given is not None:
-        raise BadRequest(f"{given}: a classifier's switch (task classify or token_classify); task {task} takes "
-                         "normalize (false: the hidden states as computed)", param=given)
+    refuse_normalize(body, "false: the hidden states as computed, not L2-normalized" if embeds
+                     else "false: the logits as computed")
+    activate = use_activation(body)  # every task's switch (vLLM's): an embedding's L2 norm, a classifier's softmax
+    older = next((name for name in ACTIVATION_FIELDS[1:] if body.get(name) is not None), None)
+    if embeds and older is not None:  # softmax / activation: the classifier's older names, never an embedding's
+        raise BadRequest(f"{older}: the older name of a classifier's use_activation (task classify or "
+                         f"token_classify); task {task} takes use_activation (false: the hidden states as computed)",
+                         param=older)
     params = prefill_params(body)
     if chat:
         ids = chat_ids(state, body, special is True)
@@ -157,8 +162,8 @@ def pooling_job(state: ServeState, body: Any) -> PoolingJob:
         inputs, wheres = prompt_list(body, "input")
         prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=special is not False,
                             what=WHAT[task])
-    return PoolingJob(prompts, params, task, encoding, normalize is not False, activate, pool_priority(state, body),
-                      given_id)
+    return PoolingJob(prompts, params, task, encoding, activate if embeds else True, activate,
+                      pool_priority(state, body), body_request_id=given_id)
 
 
 def pooled_data(state: ServeState, job: PoolingJob, rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -190,6 +195,11 @@ def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor])
     tokens = sum(len(ids) for ids in job.prompts)
     head = {"id": f"pool-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
+    if job.body_request_id is not None:  # vLLM's /pooling takes it and names its answer by the header alone
+        state.engine.notify(SettingIgnored(
+            field="serve.request_id", value=job.body_request_id, request=head["id"],
+            reason="POST /pooling names its answer by the X-Request-Id header alone, as vLLM's does (the body's "
+                   f"request_id is taken and unused); send X-Request-Id to name it (request {head['id']})"))
     if job.encoding.binary:
         return bytes_response(job.encoding, outputs, head, tokens)
     data = [{"index": i, "object": "pooling", "data": encoded(d, job.encoding)} for i, d in enumerate(outputs)]
