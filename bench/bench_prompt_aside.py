@@ -1,14 +1,15 @@
 """One big text prompt of varied words on ``kvload serve``: how long a small request sent while it is tokenized waits,
 and how long the big one takes to be answered; the prompt sent as a completion's (refused by its token count, past
-``max_seq_len``), as one chat message (its templated text refused alike) or as a completion's cut by
-``truncate_prompt_tokens`` (its last 100 tokens kept: answered).
+``max_seq_len``), as one chat message (its templated text refused alike), as a completion's cut by
+``truncate_prompt_tokens`` (its last 100 tokens kept: answered) or as a chat of many messages of 100 characters
+(``chat_many``: refused).
 
 Each checkout gets its own ``python -m kvload serve MODEL``, both up at once; each repeat, on one server then the
 other, posts for each case a prompt of ``--chars`` characters of words drawn at random from ``bench/text_prompts.txt``
 (seed 0) and, ``--gap`` seconds later, a one-token completion. Medians per checkout.
 
     python -m bench.bench_prompt_aside [--model smollm2-135m] [--chars 600000] [--repeats 5] [--gap 0.3]
-                                       [--cases completion,chat,truncated] [--baseline DIR]
+                                       [--cases completion,chat,truncated,chat_many] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ CASES: dict[str, tuple[str, Any, int, str]] = {
              400, "chat refused"),
     "truncated": ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 100},
                   200, "truncated prompt answered"),
+    # the text as messages of 100 characters each, roles taking turns (2 MB: 20,000 messages), refused by its
+    # templated text's characters
+    "chat_many": ("/v1/chat/completions", lambda text: {"messages": _messages(text), "max_tokens": 1}, 400,
+                  "many-message chat refused"),
 }
+
+
+def _messages(text: str, size: int = 100) -> list[dict[str, str]]:
+    """``text`` cut into messages of ``size`` characters, user's and assistant's in turn."""
+    return [{"role": ("user", "assistant")[i % 2], "content": text[at:at + size]}
+            for i, at in enumerate(range(0, len(text), size))]
 
 
 def one_round(url: str, text: str, gap: float, case: str = "completion") -> tuple[float, float]:

@@ -387,7 +387,7 @@ class ServingEngine:
     def encode_messages(self, messages: list[dict[str, str]], template: Mapping[str, Any] | None = None, *,
                         add_special_tokens: bool = False, room: bool = True,
                         instead: str = "use /v1/completions with token ids",
-                        tokenize: Callable[[str, bool], list[int]] | None = None) -> list[int]:
+                        tokenize: Callable[[str, bool], list[int]] | None = None, tokenizer: Any = None) -> list[int]:
         """Token ids of a chat conversation through the chat template (the tokenizer's, or
         ``template["chat_template"]``), ready for the reply. ``template``: ``engine.prompts.template_options``'
         keywords (vLLM's add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs);
@@ -395,11 +395,12 @@ class ServingEngine:
         ``room``: refuse a conversation that leaves no room to generate (off for /tokenize); ``instead``: what the
         refusal of a tokenizer without a chat template offers (the endpoint's own field for a prompt); ``tokenize``:
         ``tokenize(text, add_special_tokens)``, the templated text's ids as the tokenizer gives them (the server's
-        tokenizes a long one off its parse gate, on a copy of the tokenizer: the same ids)."""
+        tokenizes a long one off its parse gate, on a copy of the tokenizer: the same ids); ``tokenizer``: a copy of
+        the engine's to render and tokenize with (the server's for a long conversation, off its parse gate)."""
         template = dict(template or {})
         for j, m in enumerate(messages):  # a lone surrogate would reach the tokenizer as a TypeError
             check_text(f"messages[{j}].content", m["content"])
-        tok = self.tokenizer
+        tok = self.tokenizer if tokenizer is None or self.tokenizer is None else tokenizer
         missing = missing_template(tok, template, self.executor.name)
         if missing is not None:
             raise GenerationError(f"messages: {missing}; {instead}")
@@ -409,7 +410,7 @@ class ServingEngine:
         # what else the template renders (its variables, its own text) may hold a lone surrogate the checks above miss
         check_text("messages: the chat template's text", text)
         if room:
-            self._check_chars("messages", text)
+            self._check_chars("messages", text, tok)
         ids = ([int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]] if tokenize is None
                else tokenize(text, add_special_tokens))
         if room and len(ids) >= self.executor.max_seq_len:
@@ -417,11 +418,12 @@ class ServingEngine:
                                   f"max_seq_len={self.executor.max_seq_len}")
         return ids
 
-    def _check_chars(self, where: str, text: str) -> None:
+    def _check_chars(self, where: str, text: str, tokenizer: Any = None) -> None:
         """``GenerationError`` worded as a prompt too long for ``max_seq_len`` when ``text`` has more characters than
         that many of the tokenizer's longest tokens cover (``engine.token_bound``): refused before tokenizing it,
-        which for tens of megabytes took a minute of the server's one parsing worker."""
-        fewest, per_token = self._fewest_tokens(text)
+        which for tens of megabytes took a minute of the server's one parsing worker. ``tokenizer``: the engine's
+        copy to read the bound from, the first time (off the server's parse gate)."""
+        fewest, per_token = self._fewest_tokens(text, tokenizer)
         limit = self.executor.max_seq_len
         if fewest >= limit:
             raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of "
@@ -440,12 +442,13 @@ class ServingEngine:
                                   f"max_seq_len={limit} (vLLM's max_model_len); shorten it, keep its last tokens "
                                   "(truncate_prompt_tokens) or raise max_seq_len")
 
-    def _fewest_tokens(self, text: str) -> tuple[int, int | None]:
-        """(the fewest tokens ``text`` can have, the most characters a token covers); (0, None) when unbounded."""
+    def _fewest_tokens(self, text: str, tokenizer: Any = None) -> tuple[int, int | None]:
+        """(the fewest tokens ``text`` can have, the most characters a token covers); (0, None) when unbounded.
+        ``tokenizer``: a copy of the engine's to read the vocabulary of (the same bound)."""
         if self.tokenizer is None:
             return 0, None
         if self._per_token is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
-            self._per_token = chars_per_token(self.tokenizer)
+            self._per_token = chars_per_token(self.tokenizer if tokenizer is None else tokenizer)
         per_token = None if isinstance(self._per_token, bool) else self._per_token
         return fewest_tokens(text, per_token), per_token
 

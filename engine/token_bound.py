@@ -8,6 +8,7 @@ least ``max_seq_len`` tokens, so it leaves no room to generate whatever its toke
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Any
@@ -82,3 +83,34 @@ def fewest_tokens(text: str, per_token: int | None) -> int:
     """The fewest tokens ``text`` can have under a tokenizer whose tokens cover at most ``per_token`` characters
     (0 when unbounded)."""
     return 0 if per_token is None else math.ceil(len(text) / per_token)
+
+
+def cut_points(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` (a transformers fast tokenizer) splits a text wherever a letter is followed by a space,
+    whatever comes before and after, and makes its tokens within the pieces: then an end of a text cut at such a place
+    has the whole text's tokens past it (``truncate_prompt_tokens`` tokenizes only the end it keeps). True for a BPE
+    with no normalizer and GPT-2's byte-level pre-tokenizer (its regex: a letter is never matched with a space after
+    it; no look-behind), digits split or not, and no added token that holds a letter and a space or takes in spaces
+    or words around it; False for any other (a Metaspace or a Split of its own regex, a normalizer, BPE dropout),
+    which is tokenized whole."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        spec = json.loads(backend.to_str())
+    except (ValueError, TypeError, AttributeError):
+        return False
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("dropout") or spec.get("normalizer") is not None:
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else [pre]
+    regex = [p for p in parts if p.get("type") == "ByteLevel" and p.get("use_regex", True)]
+    if not regex or any(p not in regex and p.get("type") != "Digits" for p in parts):
+        return False
+    for t in spec.get("added_tokens") or []:
+        content = t.get("content", "")
+        if t.get("lstrip") or t.get("rstrip") or t.get("single_word") or any(
+                a.isalpha() and b.isspace() for a, b in itertools.pairwise(content)):
+            return False
+    return True

@@ -226,18 +226,20 @@ def typed_events(served: Served, path: str, body: dict[str, Any], models: Any) -
 
 
 def answered_meanwhile(served: Served, monkeypatch: Any, path: str, big_body: dict[str, Any], small_path: str,
-                       small_body: dict[str, Any]) -> tuple[httpx.Response, httpx.Response, list[str]]:
-    """``big_body`` posted to ``path``, its long text's tokenizing held until a small request (``small_body`` to
-    ``small_path``) is answered, or until that request waits at the parse gate behind it; (the big answer, the small
-    one, the order of "small answered" and "big tokenized")."""
+                       small_body: dict[str, Any], hold: str = "__call__"
+                       ) -> tuple[httpx.Response, httpx.Response, list[str]]:
+    """``big_body`` posted to ``path``, its long text's tokenizing (``hold`` "apply_chat_template": its long
+    conversation's templating) held until a small request (``small_body`` to ``small_path``) is answered, or until
+    that request waits at the parse gate behind it; (the big answer, the small one, the order of "small answered" and
+    "big tokenized")."""
     gate = served.server.server.config.app.state.parse_gate
     tok = served.state.engine.tokenizer
-    real = type(tok).__call__
+    real = getattr(type(tok), hold)
     entered = threading.Event()
     order: list[str] = []
 
     def held(self: Any, text: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(text, str) and len(text) > 65536:
+        if len(text if isinstance(text, str) else repr(text) if hold != "__call__" else "") > 65536:
             entered.set()
             # the small request answered meanwhile, or (main) queued at the gate this tokenizing holds
             for _ in range(int(TIMEOUT / 0.01)):
@@ -247,7 +249,7 @@ def answered_meanwhile(served: Served, monkeypatch: Any, path: str, big_body: di
             order.append("big tokenized")
         return real(self, text, *args, **kwargs)
 
-    monkeypatch.setattr(type(tok), "__call__", held)
+    monkeypatch.setattr(type(tok), hold, held)
     answers: dict[str, httpx.Response] = {}
 
     def send_big() -> None:
@@ -265,5 +267,5 @@ def answered_meanwhile(served: Served, monkeypatch: Any, path: str, big_body: di
         order.append("small answered")
     finally:
         big.join(TIMEOUT)
-    monkeypatch.setattr(type(tok), "__call__", real)
+    monkeypatch.setattr(type(tok), hold, real)
     return answers["big"], small, order

@@ -4,6 +4,7 @@ SmolLM2), and every request sent meanwhile waited for all of it. Its tokens are 
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -74,12 +75,21 @@ def test_a_tokenizer_that_cannot_be_copied_tokenizes_a_big_prompt_on_the_gate_as
         expected = len(served.state.engine.tokenizer(BIG)["input_ids"])
         with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
             big = http.post("/v1/completions", json={"prompt": BIG, "max_tokens": 1})
+            again = http.post("/tokenize", json={"prompt": BIG})
             small = http.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 1})
+            # the server's log and audit say so, once: it was silent, and such a server's requests waited for every
+            # long text unexplained
+            warned = [json.loads(line) for line in http.get("/v1/kvload/audit").text.splitlines()]
+        warned = [r for r in warned if r["event"] == "setting_ignored" and r["field"] == "serve.tokenizer_copy"]
         # not a 500: the same refusal as from the copy, then the server answers as before
         assert big.status_code == 400, big.text
         assert big.json()["error"]["message"] == (f"prompt: {expected} tokens leave no room to generate under "
                                                   "max_seq_len=64; shorten it or raise max_seq_len")
+        assert again.status_code == 200 and again.json()["count"] == expected, again.text
         assert small.status_code == 200, small.text
+        assert len(warned) == 1, warned
+        assert warned[0]["reason"].startswith("the tokenizer cannot be copied (TypeError: cannot pickle 'Tokenizer' "
+                                              "object): a text past 65,536 characters"), warned[0]
 
 
 # --- a chat's templated text, and a prompt cut by truncate_prompt_tokens ------------------------------------------
@@ -127,6 +137,48 @@ def test_a_long_chat_or_truncated_prompt_is_tokenized_off_the_gate_and_a_small_r
             assert big.json()["tokens"] == ids
         elif status == 200:  # its last 8 tokens kept
             assert big.json()["usage"]["prompt_tokens"] == 8
+        else:  # refused by the count of all its tokens
+            field = "input" if path == "/v1/responses" else "messages"
+            assert big.json()["error"]["message"].startswith(f"{field}: {len(ids)} tokens"), big.text
+
+
+# --- a long conversation of many messages: templated off the gate too ---------------------------------------------
+
+MANY = [{"role": ("user", "assistant")[i % 2], "content": " ".join(f"w{(i + j) % 500 + 1}" for j in range(100))}
+        for i in range(200)]  # ~100,000 characters over 200 messages, none past 64 Ki characters
+MANY_CASES = [  # (path, the big body, its status)
+    ("/v1/chat/completions", {"messages": MANY, "max_tokens": 1}, 400),
+    ("/v1/responses", {"input": MANY, "max_output_tokens": 1}, 400),
+    ("/v1/messages", {"messages": MANY, "max_tokens": 1}, 400),
+    ("/tokenize", {"messages": MANY}, 200),
+    ("/pooling", {"messages": MANY}, 400),
+]
+
+
+@pytest.mark.parametrize("path, big_body, status", MANY_CASES, ids=[c[0] for c in MANY_CASES])
+def test_a_long_conversation_of_many_messages_is_templated_off_the_gate_and_a_small_request_is_answered_meanwhile(
+        tiny_checkpoints, tmp_path, monkeypatch, path, big_body, status):
+    """A conversation of many messages, each short, was templated in one turn of the parse gate (2 MB over 2,000
+    messages took ~0.6 s of SmolLM2's template), and a small request sent meanwhile waited for it: only a long
+    templated text's tokenizing went aside. Now the templating goes aside too, on the tokenizer's copy: the small
+    request is answered while it runs, and the big one gets its answer of before (its ids, or refused by their
+    count)."""
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
+    with serving(str(words), dtype="float32", max_seq_len=64, kv_cache_config={"max_tokens": 512}) as served:
+        tok = served.state.engine.tokenizer
+        tok.chat_template = TEMPLATE
+        small = {"model": served.state.served_names[0], "prompt": "w1 w2", "max_tokens": 1}
+        if path == "/v1/messages":
+            big_body = {**big_body, "model": small["model"]}
+        text = "".join(m["content"] + " " for m in MANY)
+        ids = [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+        big, quick, order = answered_meanwhile(served, monkeypatch, path, big_body, "/v1/completions", small,
+                                               hold="apply_chat_template")
+        assert quick.status_code == 200, quick.text
+        assert order == ["small answered", "big tokenized"]  # main: the small one waited for the templating
+        assert big.status_code == status, big.text
+        if path == "/tokenize":
+            assert big.json()["tokens"] == ids
         else:  # refused by the count of all its tokens
             field = "input" if path == "/v1/responses" else "messages"
             assert big.json()["error"]["message"].startswith(f"{field}: {len(ids)} tokens"), big.text

@@ -6,6 +6,8 @@ import random
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.cli_support import run_cli
 from tests.conftest import needs_smollm2
@@ -204,26 +206,38 @@ LONG = "".join(_RNG.choice(_WORDS) + _RNG.choice(" \n") for _ in range(20_000))[
 QUICK = ("/v1/completions", {"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 1})
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {"messages": [{"role": "user", "content": LONG}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}),
+#: 200 messages of ~350 characters each (each far under 64 Ki characters, 70,000 in all), roles taking turns
+MANY = [{"role": ("user", "assistant")[i % 2], "content": LONG[i * 350:(i + 1) * 350]} for i in range(200)]
+
+
+@pytest.mark.parametrize("path, body, hold", [
+    ("/tokenize", {"messages": [{"role": "user", "content": LONG}]}, "__call__"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}, "__call__"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1,
-                              "truncate_prompt_tokens": 100, "return_token_ids": True}),
-    ("/v1/completions", {"prompt": LONG, "max_tokens": 1, "truncate_prompt_tokens": 100, "return_token_ids": True}),
-], ids=["tokenize-messages", "chat", "chat-truncated", "completions-truncated"])
-def test_a_long_chat_or_truncated_prompt_tokenized_off_the_gate_has_the_tokens_of_the_tokenizer(smol, monkeypatch,
-                                                                                                path, body):
-    """A long chat's templated text and a prompt cut by truncate_prompt_tokens, tokenized on the server's copy of
-    SmolLM2's tokenizer while a small request is answered, have the ids the tokenizer itself gives (all of them, the
-    count of a refusal, or the last 100 kept)."""
+                              "truncate_prompt_tokens": 100, "return_token_ids": True}, "__call__"),
+    ("/tokenize", {"messages": MANY}, "apply_chat_template"),
+    ("/v1/chat/completions", {"messages": MANY, "max_tokens": 1}, "apply_chat_template"),
+    ("/v1/chat/completions", {"messages": MANY, "max_tokens": 1, "truncate_prompt_tokens": 100,
+                              "return_token_ids": True}, "apply_chat_template"),
+], ids=["tokenize-messages", "chat", "chat-truncated", "tokenize-many-messages", "chat-many-messages",
+        "chat-many-messages-truncated"])
+def test_a_long_chat_tokenized_off_the_gate_has_the_tokens_of_the_tokenizer(smol, monkeypatch, path, body, hold):
+    """A long chat's templated text (one long message, or 200 short ones: templated off the gate too), tokenized on
+    the server's copy of SmolLM2's tokenizer while a small request is answered, has the ids the tokenizer itself gives
+    (all of them, the count of a refusal, or the last 100 kept)."""
     tok = smol.state.engine.tokenizer
     if "messages" in body:
         full = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
         full = [int(t) for t in (full["input_ids"] if hasattr(full, "keys") else full)]
     else:
         full = [int(t) for t in tok(LONG)["input_ids"]]
-    assert len(LONG) == 70_000 and len(full) > 8192  # past the context: tokenized whole, then cut, counted or refused
-    big, small, order = answered_meanwhile(smol, monkeypatch, path, {"model": "smollm2-135m", **body}, *QUICK)
+    assert len(full) > 8192  # past the context: tokenized whole, then cut, counted or refused
+    if hold == "apply_chat_template":  # its templated text equals the tokenizer's own too
+        text = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+        assert smol.state.engine.encode_messages(body["messages"], room=False) == full
+        assert len(text) > 70_000 and max(len(m["content"]) for m in MANY) < 400
+    big, small, order = answered_meanwhile(smol, monkeypatch, path, {"model": "smollm2-135m", **body}, *QUICK,
+                                           hold=hold)
     assert small.status_code == 200, small.text
     assert order == ["small answered", "big tokenized"]  # main: the small one waited for the whole tokenizing
     assert big.status_code == (400 if "truncate_prompt_tokens" not in body and path != "/tokenize" else 200)
@@ -231,7 +245,66 @@ def test_a_long_chat_or_truncated_prompt_tokenized_off_the_gate_has_the_tokens_o
         assert big.json()["tokens"] == full
     elif "truncate_prompt_tokens" not in body:
         assert big.json()["error"]["message"].startswith(f"messages: {len(full)} tokens leave no room to generate")
-    elif path == "/v1/completions":
-        assert big.json()["choices"][0]["prompt_token_ids"] == full[-100:]
     else:
         assert big.json()["prompt_token_ids"] == full[-100:]
+
+
+# --- a prompt cut by truncate_prompt_tokens: only the end it keeps tokenized, the same ids -------------------------
+
+HUGE = LONG * 30  # 2.1 MB
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_huge_prompt_cut_by_truncate_prompt_tokens_is_tokenized_at_the_end_it_keeps_only(smol, monkeypatch, side):
+    """A prompt cut by truncate_prompt_tokens was tokenized whole however long (no character bound holds it: it is
+    cut, not refused), 2 MB in ~2 s of one parse turn. Now only an end of it long enough to hold the tokens kept is
+    tokenized (a few thousand characters here), cut where SmolLM2's tokenizer splits whatever comes before: the same
+    ids as the whole text's, its last (truncation_side "right": first) 100."""
+    tok = smol.state.engine.tokenizer
+    full = [int(t) for t in tok(HUGE)["input_ids"]]
+    seen: list[int] = []
+    real = type(tok).__call__
+
+    def spy(self, text, *args, **kwargs):
+        if isinstance(text, str):
+            seen.append(len(text))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    r = smol.http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": HUGE, "max_tokens": 1,
+                                                 "truncate_prompt_tokens": 100, "truncation_side": side,
+                                                 "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["prompt_token_ids"] == (full[-100:] if side == "left" else full[:100])
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    assert max(seen) < 10_000  # main: the whole 2.1 MB tokenized
+
+
+_PIECES = (*_WORDS, "a", "b", "é", "ab cd", " ", "  ", "\t", "\n\n", "'s", "'ll", "12345", "x" * 300, "aaaa" * 50, "«»")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.sampled_from(_PIECES) | st.text(max_size=6), min_size=1, max_size=600),
+       glue=st.sampled_from(["", " ", "\n"]), keep=st.integers(1, 120), side=st.sampled_from(["left", "right"]),
+       special=st.booleans())
+def test_the_end_of_a_prompt_tokenized_for_truncate_prompt_tokens_has_the_whole_texts_ids(smol, pieces, glue, keep,
+                                                                                        side, special):
+    """Whatever the text and k, the ids kept from the end tokenized alone (or None: then all of it is tokenized)
+    equal the whole text's on SmolLM2's tokenizer: its last k (first k for truncation_side "right")."""
+    from kvload.serve.request_input import kept_text_tokens
+
+    text = glue.join(pieces) * 3
+    engine = smol.state.engine
+    got = kept_text_tokens(engine, text, keep, special, side)
+    if got is not None:
+        whole = engine.tokenize(text, add_special_tokens=special)
+        assert len(whole) > keep
+        assert got == (whole[-keep:] if side == "left" else whole[:keep])
+
+
+def test_the_end_of_a_long_text_is_what_is_tokenized_for_truncate_prompt_tokens(smol):
+    from kvload.serve.request_input import kept_text_tokens
+
+    whole = smol.state.engine.tokenize(LONG)
+    assert kept_text_tokens(smol.state.engine, LONG, 100, True, "left") == whole[-100:]
+    assert kept_text_tokens(smol.state.engine, LONG, 100, True, "right") == whole[:100]

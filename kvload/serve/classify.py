@@ -13,7 +13,6 @@ chat template, checked and templated as the chat endpoint does it (:func:`chat_i
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 import uuid
 from typing import Any
@@ -37,7 +36,12 @@ from kvload.serve.embeddings import (
 )
 from kvload.serve.protocol import BadRequest, _messages, _need, _template
 from kvload.serve.request_body import _load
-from kvload.serve.request_input import _check_template, _messages_error, text_tokens, with_default_template_kwargs
+from kvload.serve.request_input import (
+    _check_template,
+    _messages_error,
+    messages_tokens,
+    with_default_template_kwargs,
+)
 from kvload.serve.state import ServeState
 from models.classifier import ClassifierHead, head_logits, head_of, no_head
 from pipeline.errors import GenerationError
@@ -129,9 +133,8 @@ def chat_ids(state: ServeState, body: dict[str, Any], add_special_tokens: bool) 
     template = _template({**body, "add_generation_prompt": False if opened is None else opened})
     _check_template(state, template)
     try:
-        return state.engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=False,
-                                            instead="give input (texts or token ids) instead",
-                                            tokenize=functools.partial(text_tokens, state.engine, where="messages"))
+        return messages_tokens(state.engine, messages, template, add_special_tokens=add_special_tokens, room=False,
+                               instead="give input (texts or token ids) instead")
     except GenerationError as exc:
         raise _messages_error(exc, template) from None
 

@@ -16,6 +16,7 @@ from kvload.serve.protocol import MAX_REQUEST_ID_CHARS, BadRequest, Job, parse, 
 from kvload.serve.request_body import _load, _shutting_down
 from kvload.serve.state import ServeState
 from pipeline.errors import GenerationError
+from pipeline.events import SettingIgnored
 
 
 def _field_error(exc: GenerationError, field: str) -> BadRequest:
@@ -128,9 +129,8 @@ def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[li
 
     if job.kind == "chat":
         try:
-            ids = engine.encode_messages(job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
-                                         room=room and keep is None,  # cut first, then it fits
-                                         tokenize=functools.partial(text_tokens, engine, where="messages"))
+            ids = messages_tokens(engine, job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
+                                  room=room and keep is None)  # cut first, then it fits
         except GenerationError as exc:
             raise _messages_error(exc, job.template) from None
         return [kept(ids)], [keep is not None and len(ids) > keep]
@@ -143,11 +143,19 @@ def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[li
             raise _shutting_down()
         try:
             if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
-                if isinstance(prompt, str):  # all of it tokenized, a long one off the gate (the same ids), then cut
-                    prompt = text_tokens(engine, prompt, job.add_special_tokens)
-                ids = engine.prompt_ids(prompt)  # an empty one refused
-                cut.append(len(ids) > keep)
-                prompt = kept(ids)
+                part = None
+                if isinstance(prompt, str):  # only the end (or start) it keeps tokenized when that gives the same
+                    # ids, else all of it, a long one off the gate (the same ids), then cut
+                    part = kept_text_tokens(engine, prompt, keep, job.add_special_tokens, job.truncation_side)
+                    if part is None:
+                        prompt = text_tokens(engine, prompt, job.add_special_tokens)
+                if part is not None:
+                    cut.append(True)
+                    prompt = part
+                else:
+                    ids = engine.prompt_ids(prompt)  # an empty one refused
+                    cut.append(len(ids) > keep)
+                    prompt = kept(ids)
             elif can_aside(engine, prompt):
                 engine.check_prompt_chars(prompt)  # as encode: one too long by its characters is refused untokenized
                 prompt = text_tokens(engine, prompt, job.add_special_tokens)
@@ -175,18 +183,31 @@ def can_aside(engine: ServingEngine, text: Any) -> bool:
     """Whether ``text`` is a prompt to tokenize off the gate: text past :data:`ASIDE_CHARS` and a tokenizer that can be
     copied (the copy made here, on the gate, at the first such prompt: ~0.5 s for SmolLM2's). A tokenizer that cannot
     be copied keeps such prompts on the gate, as before, rather than share one tokenizer between two threads."""
-    if not (isinstance(text, str) and len(text) > ASIDE_CHARS and engine.tokenizer is not None):
-        return False
+    return isinstance(text, str) and len(text) > ASIDE_CHARS and _copy(engine) is not None
+
+
+def _copy(engine: ServingEngine) -> tuple[Any, threading.Lock] | None:
+    """The engine tokenizer's copy and the lock one text at a time holds to use it, made at the first call; None
+    without a tokenizer, or for one that cannot be copied: then a ``setting_ignored`` warning says once, in the
+    server's log, that long texts are tokenized on the parse gate (requests sent meanwhile wait for them)."""
     tok = engine.tokenizer
+    if tok is None:
+        return None
     with _COPIES_LOCK:
         got = _COPIES.get(tok)
         if got is None:
             try:
                 got = (copy.deepcopy(tok), threading.Lock())
-            except Exception:  # any tokenizer class: one that cannot be copied stays on the gate
+            except Exception as exc:  # any tokenizer class: one that cannot be copied stays on the gate
                 got = (None, threading.Lock())
+                engine.notify(SettingIgnored(
+                    field="serve.tokenizer_copy", value=type(tok).__name__,
+                    reason=f"the tokenizer cannot be copied ({type(exc).__name__}: {str(exc)[:200]}): a text past "
+                           f"{ASIDE_CHARS:,} characters (a prompt, an input, a chat's conversation) is tokenized on "
+                           "the parse gate, in one turn, and requests sent meanwhile wait for it (no two threads "
+                           "share one tokenizer)"))
             _COPIES[tok] = got
-    return got[0] is not None
+    return got if got[0] is not None else None
 
 
 def text_tokens(engine: ServingEngine, text: str, add_special_tokens: bool, where: str = "prompt 0") -> list[int]:
@@ -208,6 +229,107 @@ def _tokenize_aside(engine: ServingEngine, text: str, add_special_tokens: bool, 
     copied, lock = _COPIES[engine.tokenizer]
     with lock:
         return engine.tokenize(text, add_special_tokens=add_special_tokens, where=where, tokenizer=copied)
+
+
+def messages_chars(messages: Any, past: int = ASIDE_CHARS) -> int:
+    """How many characters of text a conversation holds (every string in it: contents, parts, tool calls), counted
+    no further than past ``past`` (20,000 messages were all counted in 46 ms, on the gate)."""
+    count, todo = 0, [messages]
+    while todo and count <= past:
+        item = todo.pop()
+        if isinstance(item, str):
+            count += len(item)
+        elif isinstance(item, dict):
+            todo.extend(k for k in item if isinstance(k, str))
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+    return count
+
+
+def messages_tokens(engine: ServingEngine, messages: list[dict[str, Any]], template: dict[str, Any], *,
+                    add_special_tokens: bool, room: bool, instead: str | None = None) -> list[int]:
+    """``engine.encode_messages`` of a request's conversation (chat completions, responses, Anthropic's messages and
+    count_tokens, ``/tokenize``, ``/classify`` and ``/pooling`` of messages). One of more than :data:`ASIDE_CHARS`
+    characters is templated and tokenized off the parse gate, on the tokenizer's copy (:func:`can_aside`), while the
+    requests waiting are parsed: rendering 2 MB over 2,000 messages took ~0.6 s in one turn (the template's steps are
+    counted, ``engine.prompts._bounded``). The same template on the same tokenizer's copy: the same text, the same
+    ids, the same refusals. A shorter conversation is templated on the gate and its text, when long (a template that
+    writes much), tokenized aside (:func:`text_tokens`)."""
+    more = {} if instead is None else {"instead": instead}
+    if messages_chars(messages) <= ASIDE_CHARS or _copy(engine) is None:
+        return engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=room,
+                                      tokenize=functools.partial(text_tokens, engine, where="messages"), **more)
+
+    def render() -> list[int]:
+        copied, lock = _COPIES[engine.tokenizer]
+        with lock:
+            return engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=room,
+                                          tokenizer=copied, **more)
+
+    ids, held = aside(render)
+    if not held:
+        raise _shutting_down()
+    return ids
+
+
+#: whether each engine tokenizer may be cut (:func:`engine.token_bound.cut_points`: read once, from its whole JSON)
+_CUTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+#: Token ids tokenized past those a cut keeps, before the cut (the most special tokens a tokenizer adds on both ends
+#: are added to it): what tells a long enough end of a text from one too short.
+_CUT_MARGIN = 16
+#: The first end of a text tokenized for ``truncate_prompt_tokens`` k: ``k * _FIRST_CHARS_PER_TOKEN`` characters;
+#: four times more each time it holds too few tokens, up to the whole text.
+_FIRST_CHARS_PER_TOKEN = 8
+
+
+def kept_text_tokens(engine: ServingEngine, text: str, keep: int, add_special_tokens: bool,
+                     side: str = "left") -> list[int] | None:
+    """The ids ``truncate_prompt_tokens`` keeps of a text prompt (its last ``keep``, or first for ``side`` "right"),
+    tokenizing only an end of it long enough to hold them: a 20 MB prompt cut to 100 tokens was tokenized whole.
+    The end starts (or stops) where the tokenizer splits the whole text whatever comes before (or after):
+    :func:`engine.token_bound.cut_points`; tokens are made within pieces split there, so the end's ids past the cut
+    are the whole text's. None where that cannot be told (another tokenizer, a text with no such place, or no more
+    than ``keep`` tokens in all): the caller tokenizes all of it, as before."""
+    from engine.prompts import check_text
+    from engine.token_bound import cut_points
+
+    tok = engine.tokenizer
+    if tok is None or keep < 1:
+        return None
+    with _COPIES_LOCK:
+        cuts = _CUTS.get(tok)
+        if cuts is None:
+            cuts = _CUTS[tok] = cut_points(tok)
+    if not cuts:
+        return None
+    check_text("prompt 0", text)  # refused in the words of the whole text (where its lone surrogate is)
+    extra = len(engine.tokenize("", add_special_tokens=add_special_tokens)) + _CUT_MARGIN
+    chars = keep * _FIRST_CHARS_PER_TOKEN + 1024
+    while chars < len(text):
+        at = _cut_at(text, len(text) - chars if side == "left" else chars)
+        if at is None:
+            return None
+        part = text[at:] if side == "left" else text[:at]
+        ids = text_tokens(engine, part, add_special_tokens)
+        if len(ids) > keep + extra:  # past the margin: the whole text's ids there, and more of them than kept
+            return ids[-keep:] if side == "left" else ids[:keep]
+        chars *= 4
+    return None
+
+
+def _cut_at(text: str, near: int) -> int | None:
+    """A place at or before ``near`` (within 64 Ki characters) where a letter is followed by a space: the tokenizers
+    :func:`engine.token_bound.cut_points` allows split there, whatever the text around it."""
+    at = near
+    for _ in range(1 << 12):
+        at = text.rfind(" ", max(0, near - (1 << 16)), at)
+        if at <= 0:
+            return None
+        if text[at - 1].isalpha():
+            return at
+    return None
 
 
 def _kept_tokens(engine: ServingEngine, job: Job) -> int | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from kvload.serve.messages_input import renamed_error as messages_error
@@ -16,6 +15,7 @@ from kvload.serve.request_input import (
     _field_error,
     _messages_error,
     _parse_body,
+    messages_tokens,
     text_tokens,
     with_default_template_kwargs,
 )
@@ -35,8 +35,8 @@ def _tokenize(state: ServeState, raw: bytes | bytearray) -> dict[str, Any]:
     engine = state.engine
     try:
         if job.messages is not None:
-            ids = engine.encode_messages(job.messages, job.template, add_special_tokens=job.add_special_tokens,
-                                         room=False, tokenize=functools.partial(text_tokens, engine, where="messages"))
+            ids = messages_tokens(engine, job.messages, job.template, add_special_tokens=job.add_special_tokens,
+                                  room=False)
         else:  # a long text off the parse gate, as a completion's prompt
             ids = text_tokens(engine, job.prompt or "", job.add_special_tokens, "prompt")
     except GenerationError as exc:
