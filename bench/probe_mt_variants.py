@@ -36,6 +36,51 @@ VARIANTS: dict[str, tuple[dict[str, int], float]] = {
 #: a budget in tokens (``max_tokens``) -> the budget
 TWO_TURNS = {"user_len": 32, "answer_len": 32, "turns": 2, "first_len": 640}
 VARIANTS.update({f"2turn-{n}": (TWO_TURNS, float(n)) for n in (3072, 4096, 5120, 6144)})
+#: Workloads that change character mid-run (the short-conversation estimate must follow the recent joins): label ->
+#: phases, each ``(requests, multi-turn arguments)`` in order, a phase's first turns arriving one per step after the
+#: previous phase's; the budget is a quarter of the ``multi-turn`` default (a longest sequence per conversation) of the
+#: phase with the most turns, in tokens, as the other variants' (one-shot prompts are one-turn conversations).
+ONE_SHOT = {"turns": 1}
+SHIFTS: dict[str, tuple[tuple[int, dict[str, int]], ...]] = {
+    "shift-oneshot-then-chat": ((200, ONE_SHOT), (256, {})),
+    "shift-chat-then-oneshot": ((256, {}), (200, ONE_SHOT)),
+    "shift-2turn-then-chat": ((128, {"turns": 2}), (256, {})),
+    "shift-chat-then-2turn": ((256, {}), (128, {"turns": 2})),
+    # "Cache-aware admission"'s two-turn case at 4,096 tokens of KV after as many four-turn conversations of its sizes
+    "shift-chat-then-2turn-4096": ((64, {**TWO_TURNS, "turns": 4}), (32, TWO_TURNS)),
+    "shift-2turn-then-chat-4096": ((32, TWO_TURNS), (64, {**TWO_TURNS, "turns": 4})),
+}
+#: SHIFTS variants with a budget of their own (tokens)
+SHIFT_BUDGET = {"shift-chat-then-2turn-4096": 4096, "shift-2turn-then-chat-4096": 4096}
+VARIANTS.update({label: ({}, 0.25) for label in SHIFTS})
+
+
+def shifted(label: str) -> tuple[Any, int]:
+    """The workload of a ``SHIFTS`` variant and its budget in tokens: the phases' ``multi-turn`` workloads (seeds 0, 1,
+    ...) back to back, ids prefixed by the phase, each phase's tokens moved by a bijection of the vocabulary so that no
+    phase's prompt starts with another's marker token (each phase numbers its markers from 1)."""
+    import attrs
+
+    from engine.workloads import Workload, make_workload
+
+    out, start, vocab, budget = [], 0, 32000, (0, 0)
+    for k, (requests, args) in enumerate(SHIFTS[label]):
+        wl = make_workload("multi-turn", requests, k, **args)
+        shift = k * (vocab - 1) // len(SHIFTS[label])
+
+        def move(tokens: tuple[int, ...], shift: int = shift) -> tuple[int, ...]:
+            return tuple((t - 1 + shift) % (vocab - 1) + 1 for t in tokens)
+
+        last = 0
+        for r in wl.requests:
+            out.append(attrs.evolve(r, req_id=f"p{k}-{r.req_id}", prompt=move(r.prompt), answer=move(r.answer),
+                                    arrival_step=start + r.arrival_step if r.after is None else 0,
+                                    after=None if r.after is None else f"p{k}-{r.after}"))
+            last = max(last, r.arrival_step)
+        start += last + 1
+        conversations = len({r.req_id.rsplit("-", 1)[0] for r in wl.requests})
+        budget = max(budget, (wl.params["turns"], conversations * wl.max_sequence_tokens))
+    return Workload("multi-turn", tuple(out), 0, {}), SHIFT_BUDGET.get(label, int(VARIANTS[label][1] * budget[1]))
 
 
 def run_variant(label: str, model: str, v1: dict[str, Any] | None) -> dict[str, Any]:
@@ -45,9 +90,12 @@ def run_variant(label: str, model: str, v1: dict[str, Any] | None) -> dict[str, 
 
     args, share = VARIANTS[label]
     two = label.startswith("2turn-")
-    wl = make_workload("multi-turn", 32 if two else None, 0, **args)
+    if label in SHIFTS:
+        wl, tokens = shifted(label)
+    else:
+        wl = make_workload("multi-turn", 32 if two else None, 0, **args)
     if v1 is None:
-        kv: dict[str, Any] = ({"max_tokens": int(share)} if two
+        kv: dict[str, Any] = ({"max_tokens": int(share)} if two else {"max_tokens": tokens} if label in SHIFTS
                               else {"max_gpu_total_bytes": int(simulate(model, wl, **CPU).budget.bytes * share)})
         report = simulate(model, wl, compare=True, kv_cache_config=kv, **CPU)
         m1, m2 = report.results["KVCacheManager"].metrics, report.results["KVCacheManagerV2"].metrics

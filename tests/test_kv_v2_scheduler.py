@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cache_backends import LayerKV
+from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request, RequestState
 from cache_backends.v2 import KVCacheV2Scheduler
 from tests.kv_v2_support import (
@@ -722,7 +723,7 @@ def test_the_last_first_turn_waits_its_turn_while_sliding_windows_free_room(monk
     assert [r.req_id for r in out.admitted] == [first]
 
 
-@pytest.mark.parametrize(("joined_hit", "waited", "first"), [(2, 8, "fresh"), (3, 8, "turn1"), (2, 7, "turn1")])
+@pytest.mark.parametrize(("joined_hit", "waited", "first"), [(1.5, 8, "fresh"), (3, 8, "turn1"), (1.5, 7, "turn1")])
 def test_in_short_conversations_the_last_first_turns_go_ahead_of_last_turns_beside_as_many_running(
         monkeypatch, joined_hit, waited, first):
     # While at most LPM_SHORT (1.5) requests joined with a cached prefix per one that joined without (conversations of
@@ -739,10 +740,68 @@ def test_in_short_conversations_the_last_first_turns_go_ahead_of_last_turns_besi
     other = Request("other", list(range(400, 408)), 4, arrival=-1)
     prefill(m, other)
     other.state = RequestState.RUNNING
-    s._joined_hit, s._joined_cold = joined_hit, 1  # the two joining now add one each: 3/2 or 4/2
+    s._joined_hit, s._joined_cold = joined_hit, 1  # the two joining now add one each: about 2.5/2 or 4/2
     s._steps, fresh.queued_at, follow.queued_at = 10, 11 - waited, 10  # admitted at step 11, `waited` steps on
     out = s.step(deque([fresh, follow]), [other])
     assert [r.req_id for r in out.admitted] == [first]
+
+
+def _short_conversation_rule_at_stake(monkeypatch) -> tuple[KVCacheV2Scheduler, Request, Request, Request]:
+    """The case above: a fresh prompt that waited 2 x its 4 new tokens and a cached history, one request running
+    beside one free slot (the scheduler, the fresh prompt, the history, the running request)."""
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=2, max_num_tokens=64, init_ratio=0.0)
+    fresh, follow = _cached_and_two_waiting(m)
+    other = Request("other", list(range(400, 408)), 4, arrival=-1)
+    prefill(m, other)
+    other.state = RequestState.RUNNING
+    return s, fresh, follow, other
+
+
+def _join(s: KVCacheV2Scheduler, requests: list[Request]) -> None:
+    """``requests`` join the scheduler's queue (looked up once each), in order."""
+    for i in range(0, len(requests), 100):
+        s._cache_aware(deque(requests[i:i + 100]))
+
+
+@pytest.mark.parametrize(("phases", "first"), [(("one-shot", 200, "turn", 150), "turn1"),
+                                               (("turn", 300, "one-shot", 100), "fresh")])
+def test_the_short_conversation_estimate_reads_the_recent_joins(monkeypatch, phases, first):
+    # 200 one-shot prompts, then 150 follow-up turns: counted over the whole run 0.75 hits joined per fresh start, short
+    # conversations, so a first turn that waited twice its answer went ahead of a cached history (and a conversation
+    # of many turns waited). The recent joins are the turns: the history goes first, longest prefix first. And the
+    # reverse: 300 turns, then 100 one-shot prompts, read as long over the run (the history went first), short now.
+    s, fresh, follow, other = _short_conversation_rule_at_stake(monkeypatch)
+    for kind, n in zip(phases[::2], phases[1::2], strict=True):
+        _join(s, [Request(f"{kind}{i}", [*range(1, 17), 1000 + i] if kind == "turn" else [2000 + 4 * i + j
+                                                                                          for j in range(4)], 4)
+                  for i in range(n)])
+    s._steps, fresh.queued_at, follow.queued_at = 10, 3, 10  # the fresh prompt waited 8 steps at the next one
+    out = s.step(deque([fresh, follow]), [other])
+    assert [r.req_id for r in out.admitted] == [first]
+
+
+def test_a_preempted_request_rejoining_is_no_conversations_next_turn(monkeypatch):
+    # One hit joined per fresh start so far (short conversations); then three requests preempted for recompute rejoin
+    # the queue with their own blocks cached. Counted as hits they read as conversations of three turns and more, and
+    # the cached history went ahead of the fresh prompt that waited twice its answer; they are no next turns.
+    s, fresh, follow, other = _short_conversation_rule_at_stake(monkeypatch)
+    m = s.manager
+    s._joined_hit, s._joined_cold = 1, 1
+    gone = [Request(f"gone{i}", [500 + 8 * i + j for j in range(8)], 4, arrival=-2) for i in range(3)]
+    running, out = [*gone], SchedulerOutput()
+    for r in gone:
+        prefill(m, r)
+        r.state = RequestState.RUNNING
+        s._move_out(r, deque(), running, out, suspend=False)
+    assert out.preempted == gone
+    _join(s, gone)
+    s._steps, fresh.queued_at, follow.queued_at = 10, 3, 10
+    out = s.step(deque([fresh, follow]), [other])
+    assert [r.req_id for r in out.admitted] == ["fresh"]
 
 
 @pytest.mark.parametrize("max_tokens", [4096, 5120])
@@ -912,10 +971,13 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running
         if r.cached_hint < 0:
             hit = m.cached_prefix_tokens(r)
             rank = r.cached_hint = hit if hit >= scheduler.LPM_MIN_HIT else 0
-            if hit:
-                s._joined_hit += 1
-            else:
-                s._joined_cold += 1
+            if r.first_reused_tokens is None:  # first joins only, the earlier ones weighed down
+                s._joined_hit *= 1 - 1 / scheduler.LPM_RECENT
+                s._joined_cold *= 1 - 1 / scheduler.LPM_RECENT
+                if hit:
+                    s._joined_hit += 1
+                else:
+                    s._joined_cold += 1
         elif r.cached_hint:
             hit = m.cached_prefix_tokens(r)
             rank = hit if hit >= scheduler.LPM_MIN_HIT else 1

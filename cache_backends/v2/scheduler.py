@@ -63,7 +63,12 @@ One :meth:`~KVCacheV2Scheduler.step`:
    later turn, while a first turn started in the last wave runs its next turn alone after it: 16 two-turn
    conversations of 640-token prompts at 4,096 and 5,120 tokens of KV took 1.14x and 1.17x V1's steps, now 1.005x
    and 0.994x (BENCHMARKS.md, "Two-turn conversations"). With more turns a displaced hit delays its own
-   conversation's next turns (the same rule with four-turn conversations: up to 1.09x V1's steps).
+   conversation's next turns (the same rule with four-turn conversations: up to 1.09x V1's steps). The estimate
+   reads the recent joins (each weighs the earlier ones down by ``1 - 1 / LPM_RECENT``), and only first joins: a
+   preempted request rejoins with its own blocks cached, not as a conversation's next turn. Why: counted over the
+   whole run, 200 one-shot prompts before 64 four-turn conversations kept it short for every later turn (1.101x
+   V1's steps; recent, 1.078x, as with the rule off: BENCHMARKS.md, "The short-conversation estimate follows the
+   recent joins").
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
    request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
@@ -171,6 +176,14 @@ LPM_FEW = 0.25
 #: ``LPM_CARRY``) steps. 1 left 2-turn conversations at 4,096 tokens of KV at 1.16x V1's steps, 2 took 3-turn ones to
 #: 1.09x; an own wait of 2 or 2.5 answers gave the same figures (BENCHMARKS.md, "Two-turn conversations").
 LPM_SHORT, LPM_OWN = 1.5, 2
+#: The short-conversation estimate reads the recent joins: each first join weighs the counts so far down by
+#: ``1 - 1 / LPM_RECENT`` (about the last ``LPM_RECENT`` joins count). 200 one-shot prompts, then 64 four-turn
+#: conversations at a quarter of their budget: counted over the whole run the one-shots kept the estimate short for
+#: every later turn (1.101x V1's steps); 48 to 80 read the conversations (1.078x, as with the rule off), 96 and more did
+#: not, 32 read 16 two-turn conversations as long once their second turns joined (4,096 tokens of KV: 1.005x ->
+#: 1.163x; BENCHMARKS.md, "The short-conversation estimate follows the recent joins").
+LPM_RECENT = 64
+_DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
 
@@ -219,8 +232,9 @@ class KVCacheV2Scheduler(SchedulerBase):
         # the prompt lengths among them (a joining request's prompt is cut at each to look it up)
         self._carried: dict[tuple[int, ...], int] = {}
         self._carried_lengths: Counter[int] = Counter()
-        # requests that joined the queue with a cached prefix / without one (the "short conversations" estimate)
-        self._joined_hit = self._joined_cold = 0
+        # requests that joined the queue with a cached prefix / without one, first joins only, each weighing the
+        # earlier ones down by _DECAY (the "short conversations" estimate: the recent joins)
+        self._joined_hit = self._joined_cold = 0.0
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -450,10 +464,13 @@ class KVCacheV2Scheduler(SchedulerBase):
             hit = m.cached_prefix_tokens(r)
             if r.cached_hint < 0:  # joined the queue: looked up once
                 ranks[i] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
-                if hit:
-                    self._joined_hit += 1
-                else:
-                    self._joined_cold += 1
+                if r.first_reused_tokens is None:  # a first join (a preempted request's hit is its own blocks)
+                    self._joined_hit *= _DECAY
+                    self._joined_cold *= _DECAY
+                    if hit:
+                        self._joined_hit += 1
+                    else:
+                        self._joined_cold += 1
             else:
                 # the running requests' growth may have evicted it while the request waited (module docstring, "a
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
