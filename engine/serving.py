@@ -60,7 +60,7 @@ from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, i
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, constrain
-from engine.token_bound import chars_per_token, fewest_tokens
+from engine.token_bound import Bound, fewest_tokens, token_bound
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 from pipeline.ranks import lost_rank_message
@@ -269,8 +269,8 @@ class ServingEngine:
         self.manager = executor.manager
         self.scheduler = executor.scheduler
         self.tokenizer = executor.tokenizer
-        #: ``engine.token_bound.chars_per_token`` of the tokenizer (None: unbounded), read at the first text prompt
-        self._per_token: int | bool | None = False
+        #: ``engine.token_bound.token_bound`` of the tokenizer (None: unbounded), read at the first text prompt
+        self._bound: Bound | bool | None = False
         #: vLLM's ``--chat-template-content-format``: how messages' content reaches the chat template
         #: (``engine.content_format``; "auto": as the template in effect reads it)
         self.content_format = "auto"
@@ -447,10 +447,10 @@ class ServingEngine:
         ``tokenizer``: a copy of the engine's to read the vocabulary of (the same bound)."""
         if self.tokenizer is None:
             return 0, None
-        if self._per_token is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
-            self._per_token = chars_per_token(self.tokenizer if tokenizer is None else tokenizer)
-        per_token = None if isinstance(self._per_token, bool) else self._per_token
-        return fewest_tokens(text, per_token), per_token
+        if self._bound is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
+            self._bound = token_bound(self.tokenizer if tokenizer is None else tokenizer)
+        bound = None if isinstance(self._bound, bool) else self._bound
+        return fewest_tokens(text, bound), None if bound is None else bound.per_token
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt",
                  tokenizer: Any = None) -> list[int]:
