@@ -48,6 +48,7 @@ from kvload.serve.embeddings import (
     prefill_params,
     prompt_list,
     refuse_normalize,
+    say_body_request_id,
     tokenized,
 )
 from kvload.serve.parse_gate import ParseGate
@@ -57,7 +58,6 @@ from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
 from models.classifier import head_logits, head_of
-from pipeline.events import SettingIgnored
 
 #: The tasks a generative model serves (vLLM's embedding adapter), the default first.
 EMBED_TASKS = ("token_embed", "embed")
@@ -195,11 +195,7 @@ def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor])
     tokens = sum(len(ids) for ids in job.prompts)
     head = {"id": f"pool-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
-    if job.body_request_id is not None:  # vLLM's /pooling takes it and names its answer by the header alone
-        state.engine.notify(SettingIgnored(
-            field="serve.request_id", value=job.body_request_id, request=head["id"],
-            reason="POST /pooling names its answer by the X-Request-Id header alone, as vLLM's does (the body's "
-                   f"request_id is taken and unused); send X-Request-Id to name it (request {head['id']})"))
+    say_body_request_id(state, "/pooling", job.body_request_id, head["id"])  # vLLM's takes it, names by the header
     if job.encoding.binary:
         return bytes_response(job.encoding, outputs, head, tokens)
     data = [{"index": i, "object": "pooling", "data": encoded(d, job.encoding)} for i, d in enumerate(outputs)]
