@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import sys
 
 import numpy as np
@@ -119,7 +120,7 @@ def test_bytes_answers_the_raw_bytes_with_vllms_metadata_header_and_bytes_only_w
     r = served.http.post("/pooling", json={"input": PROMPTS, "encoding_format": "bytes"})
     assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream", r.text
     meta = json.loads(r.headers["metadata"])
-    assert meta["id"].startswith("pool-") and meta["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert meta["id"].startswith("pooling-") and meta["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     assert [m["shape"] for m in meta["data"]] == [[len(ids), HIDDEN] for ids in PROMPTS]
     assert [(m["embed_dtype"], m["endianness"]) for m in meta["data"]] == [("float32", "native")] * 2
     for item, want in zip(meta["data"], rows, strict=True):
@@ -132,20 +133,23 @@ def test_bytes_answers_the_raw_bytes_with_vllms_metadata_header_and_bytes_only_w
 
 
 def test_an_x_request_id_header_names_the_answer(served):
-    """vLLM's: the answer's id is embd- / pool- and the X-Request-Id header, in the JSON and in bytes' metadata
-    alike; none: a fresh id each time."""
+    """vLLM's: the answer's id is embd- / pooling- (vLLM's ServingPooling.request_id_prefix; kvload said pool-, as
+    vLLM's older serving did) and the X-Request-Id header, in the JSON and in bytes' metadata alike; none: a fresh id
+    each time."""
     header = {"X-Request-Id": "from-header"}
     assert _ok(served, "/v1/embeddings", {"input": "w5"}, headers=header)["id"] == "embd-from-header"
-    assert _ok(served, "/pooling", {"input": "w5"}, headers=header)["id"] == "pool-from-header"
+    assert _ok(served, "/pooling", {"input": "w5"}, headers=header)["id"] == "pooling-from-header"
     r = served.http.post("/v1/embeddings", json={"input": "w5", "encoding_format": "bytes"}, headers=header)
     assert json.loads(r.headers["metadata"])["id"] == "embd-from-header"
     r = served.http.post("/pooling", json={"input": "w5", "encoding_format": "bytes"}, headers=header)
-    assert json.loads(r.headers["metadata"])["id"] == "pool-from-header"
+    assert json.loads(r.headers["metadata"])["id"] == "pooling-from-header"
     fresh = {_ok(served, "/v1/embeddings", {"input": "w5"})["id"] for _ in range(2)}
     assert len(fresh) == 2 and all(i.startswith("embd-") for i in fresh)
+    fresh = {_ok(served, "/pooling", {"input": "w5"})["id"] for _ in range(2)}
+    assert len(fresh) == 2 and all(re.fullmatch("pooling-[0-9a-f]{32}", i) for i in fresh), fresh
 
 
-@pytest.mark.parametrize(("path", "prefix"), [("/v1/embeddings", "embd-"), ("/pooling", "pool-")])
+@pytest.mark.parametrize(("path", "prefix"), [("/v1/embeddings", "embd-"), ("/pooling", "pooling-")])
 def test_a_body_request_id_is_taken_unused_as_vllm_does_and_said(served, path, prefix):
     """vLLM's /v1/embeddings and /pooling accept request_id in the body and name their answer by the X-Request-Id
     header alone, else a fresh id (PoolingServingBase._init_ctx); kvload named an embeddings answer

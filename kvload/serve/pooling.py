@@ -17,8 +17,9 @@ it ("use use_activation instead"). The answer is vLLM's ``PoolingResponse``: per
 ``{"index", "object": "pooling", "data"}``, ``data`` a list of floats (a per-token task: one list per prompt token) or,
 with ``encoding_format: "base64"``, the values' bytes (vLLM's ``embed_dtype``, float32 by default, in its
 ``endianness``, the server's by default), row after row, in base64; ``"bytes"`` and ``"bytes_only"`` answer the raw
-bytes as vLLM does (``kvload.serve.pooled_encoding``). The answer's id is ``pool-`` and the ``X-Request-Id`` header,
-else a fresh one, as vLLM names it: vLLM's ``/pooling`` takes a body's ``request_id`` (checked, a string) and never
+bytes as vLLM does (``kvload.serve.pooled_encoding``). The answer's id is ``pooling-`` and the ``X-Request-Id``
+header, else a fresh one, as vLLM names it (its ``ServingPooling.request_id_prefix``; ``pool-`` before vLLM moved its
+pooling routes onto one base): vLLM's ``/pooling`` takes a body's ``request_id`` (checked, a string) and never
 uses it (its serving passes only the header to ``_base_request_id``), so kvload takes it, leaves it unused, and says
 so (a ``setting_ignored``, naming the answer's id).
 """
@@ -193,7 +194,7 @@ def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor])
     answer for ``bytes`` and ``bytes_only``."""
     outputs = [d.float() for d in pooled_data(state, job, rows)]
     tokens = sum(len(ids) for ids in job.prompts)
-    head = {"id": f"pool-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
+    head = {"id": f"pooling-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
     say_body_request_id(state, "/pooling", job.body_request_id, head["id"])  # vLLM's takes it, names by the header
     if job.encoding.binary:
