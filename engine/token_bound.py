@@ -132,13 +132,18 @@ def _keeps_characters(pre_tokenizer: Any) -> bool:
     return kind in _KEEPING_PRE_TOKENIZERS
 
 
-def fewest_tokens(text: str, bound: int | Bound | None) -> int:
+def fewest_tokens(text: str, bound: int | Bound | None, at_least: int = 0) -> int:
     """The fewest tokens ``text`` can have under a tokenizer whose tokens cover at most ``bound`` characters (a
-    :class:`Bound`: its dropped characters not counted; 0 when unbounded)."""
+    :class:`Bound`: its dropped characters not counted; 0 when unbounded). ``at_least``: the count the caller checks
+    against; while the text's length alone says fewer, that smaller figure is returned without counting the dropped
+    characters (a pass over the text for each: 3.6 ms a megabyte, on every prompt)."""
     if bound is None:
         return 0
     if isinstance(bound, int):
         bound = Bound(bound)
+    most = math.ceil(len(text) / bound.per_token)
+    if not bound.dropped or most < at_least:
+        return most
     kept = len(text) - sum(text.count(c) for c in bound.dropped)
     return math.ceil(kept / bound.per_token)
 

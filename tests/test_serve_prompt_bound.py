@@ -91,6 +91,8 @@ def test_a_byte_level_bpe_missing_a_few_ascii_symbols_keeps_its_bound_but_does_n
     assert GAPPED(text, add_special_tokens=False)["input_ids"] == []
     assert fewest_tokens(text, bound) == 0
     assert fewest_tokens(text + "ab" * 100, bound) == -(-200 // bound.per_token)
+    # checked against a limit (the server's max_seq_len), they are counted only once the length alone reaches it
+    assert fewest_tokens(text, bound, at_least=10**9) < 10**9 and fewest_tokens(text, bound, at_least=10) == 0
 
 
 @needs_smollm2
