@@ -20,11 +20,6 @@ from pipeline.errors import GenerationError, did_you_mean
 from pipeline.limits import short
 
 
-def _check_normalize(_: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise GenerationError(f"PoolingParams: {attribute.name}: expected true, false or None, got {short(value)}")
-
-
 def _check_dimensions(_: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None:  # vLLM refuses it too for a model not trained for truncated (Matryoshka) embeddings
         raise GenerationError(f"PoolingParams: dimensions {short(value)}: the models kvload serves give their full "
@@ -42,28 +37,36 @@ def _check_activation(_: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise GenerationError(f"PoolingParams: {attribute.name}: expected true, false or None, got {short(value)}")
 
 
+class PoolingParamsError(GenerationError, TypeError):
+    """A keyword :class:`PoolingParams` does not take: a ``TypeError`` as vLLM's (a ``msgspec.Struct``: "Unexpected
+    keyword argument"), and a ``GenerationError`` as kvload's other refusals."""
+
+
 @attrs.frozen(kw_only=True, init=False)
 class PoolingParams:
-    """vLLM's ``PoolingParams`` for ``LLM.embed``, ``LLM.classify`` and ``LLM.score``: ``normalize`` (an embedding's
-    L2; None: on, vLLM's embed task's default; a classifier refuses it, as vLLM does), ``use_activation`` (a
-    classifier's softmax or sigmoid; None: on, vLLM's default; an embedding refuses it), ``truncate_prompt_tokens``
-    (keep the prompt's last N tokens; -1: the model's length) and ``dimensions`` (None only: no model kvload serves
-    is a Matryoshka one)."""
+    """vLLM's ``PoolingParams`` for ``LLM.embed``, ``LLM.classify``, ``LLM.score`` and ``LLM.encode``:
+    ``use_activation`` (every task's switch, as vLLM's: an embedding's L2 norm, a classifier's softmax or sigmoid;
+    None: on, vLLM's default), ``truncate_prompt_tokens`` (keep the prompt's last N tokens; -1: the model's length) and
+    ``dimensions`` (None only: no model kvload serves is a Matryoshka one). ``normalize`` is refused, as vLLM removed it
+    for ``use_activation``."""
 
-    normalize: bool | None = attrs.field(default=None, validator=_check_normalize)
     use_activation: bool | None = attrs.field(default=None, validator=_check_activation)
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
     dimensions: int | None = attrs.field(default=None, validator=_check_dimensions)
 
-    def __init__(self, *, normalize: bool | None = None, use_activation: bool | None = None,
-                 truncate_prompt_tokens: int | None = None, dimensions: int | None = None, **unknown: Any) -> None:
-        """Keywords only; one that is not a field is named, with the field it is close to (``normalise``)."""
+    def __init__(self, *, use_activation: bool | None = None, truncate_prompt_tokens: int | None = None,
+                 dimensions: int | None = None, **unknown: Any) -> None:
+        """Keywords only; one that is not a field is named, with the field it is close to (``use_activaton``);
+        ``normalize``, which vLLM's ``PoolingParams`` no longer has, points to ``use_activation``."""
+        if "normalize" in unknown:  # vLLM's PoolingParams dropped it: use_activation is every task's switch
+            raise PoolingParamsError("PoolingParams: normalize was removed, as vLLM removed it; use use_activation "
+                                     "(False: an embedding's hidden state as computed, not L2-normalized)")
         if unknown:  # Python's TypeError ("unexpected keyword argument 'normalise'") suggested nothing
             name = next(iter(unknown))
-            raise GenerationError(f"PoolingParams: unknown field {name[:80]!r}; fields are {', '.join(POOLING_FIELDS)}"
-                                  f"{did_you_mean(name, POOLING_FIELDS)}")
-        self.__attrs_init__(normalize=normalize, use_activation=use_activation,
-                            truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
+            raise PoolingParamsError(f"PoolingParams: unknown field {name[:80]!r}; fields are "
+                                     f"{', '.join(POOLING_FIELDS)}{did_you_mean(name, POOLING_FIELDS)}")
+        self.__attrs_init__(use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens,
+                            dimensions=dimensions)
 
 
 #: :class:`PoolingParams`' fields, as its unknown-field error lists them
@@ -170,9 +173,10 @@ def pooled(hidden: torch.Tensor, normalize: bool) -> torch.Tensor:
     return torch.nn.functional.normalize(row, p=2, dim=-1) if normalize else row
 
 
-def pooled_vector(hidden: torch.Tensor, normalize: bool | None) -> list[float]:
-    """:func:`pooled` as a list of floats (vLLM's ``EmbeddingOutput.embedding``); ``normalize`` None: normalized."""
-    return pooled(hidden, normalize is not False).tolist()
+def pooled_vector(hidden: torch.Tensor, use_activation: bool | None) -> list[float]:
+    """:func:`pooled` as a list of floats (vLLM's ``EmbeddingOutput.embedding``); ``use_activation`` None:
+    normalized."""
+    return pooled(hidden, use_activation is not False).tolist()
 
 
 class PooledRows:

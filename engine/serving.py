@@ -60,7 +60,7 @@ from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, i
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
 from engine.structured import Constraint, constrain
-from engine.token_bound import chars_per_token, fewest_tokens
+from engine.token_bound import Bound, fewest_tokens, token_bound
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 from pipeline.ranks import lost_rank_message
@@ -269,8 +269,8 @@ class ServingEngine:
         self.manager = executor.manager
         self.scheduler = executor.scheduler
         self.tokenizer = executor.tokenizer
-        #: ``engine.token_bound.chars_per_token`` of the tokenizer (None: unbounded), read at the first text prompt
-        self._per_token: int | bool | None = False
+        #: ``engine.token_bound.token_bound`` of the tokenizer (None: unbounded), read at the first text prompt
+        self._bound: Bound | bool | None = False
         #: vLLM's ``--chat-template-content-format``: how messages' content reaches the chat template
         #: (``engine.content_format``; "auto": as the template in effect reads it)
         self.content_format = "auto"
@@ -423,8 +423,8 @@ class ServingEngine:
         that many of the tokenizer's longest tokens cover (``engine.token_bound``): refused before tokenizing it,
         which for tens of megabytes took a minute of the server's one parsing worker. ``tokenizer``: the engine's
         copy to read the bound from, the first time (off the server's parse gate)."""
-        fewest, per_token = self._fewest_tokens(text, tokenizer)
         limit = self.executor.max_seq_len
+        fewest, per_token = self._fewest_tokens(text, limit, tokenizer)
         if fewest >= limit:
             raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of "
                                   f"this tokenizer covering at most {per_token}) leave no room to generate "
@@ -434,23 +434,24 @@ class ServingEngine:
         """As :meth:`_check_chars` for an embedding's input (``what``: the pooled request, as
         ``engine.executor.POOLED`` names it), which may fill ``max_seq_len`` (nothing is generated): worded as the
         executor words one past it."""
-        fewest, per_token = self._fewest_tokens(text)
         limit = self.executor.max_seq_len
+        fewest, per_token = self._fewest_tokens(text, limit + 1)
         if fewest > limit:
             raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of this "
                                   f"tokenizer covering at most {per_token}); {what} takes at most "
                                   f"max_seq_len={limit} (vLLM's max_model_len); shorten it, keep its last tokens "
                                   "(truncate_prompt_tokens) or raise max_seq_len")
 
-    def _fewest_tokens(self, text: str, tokenizer: Any = None) -> tuple[int, int | None]:
-        """(the fewest tokens ``text`` can have, the most characters a token covers); (0, None) when unbounded.
-        ``tokenizer``: a copy of the engine's to read the vocabulary of (the same bound)."""
+    def _fewest_tokens(self, text: str, at_least: int, tokenizer: Any = None) -> tuple[int, int | None]:
+        """(the fewest tokens ``text`` can have, exact from ``at_least`` up, the most characters a token covers);
+        (0, None) when unbounded. ``tokenizer``: a copy of the engine's to read the vocabulary of (the same
+        bound)."""
         if self.tokenizer is None:
             return 0, None
-        if self._per_token is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
-            self._per_token = chars_per_token(self.tokenizer if tokenizer is None else tokenizer)
-        per_token = None if isinstance(self._per_token, bool) else self._per_token
-        return fewest_tokens(text, per_token), per_token
+        if self._bound is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
+            self._bound = token_bound(self.tokenizer if tokenizer is None else tokenizer)
+        bound = None if isinstance(self._bound, bool) else self._bound
+        return fewest_tokens(text, bound, at_least), None if bound is None else bound.per_token
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt",
                  tokenizer: Any = None) -> list[int]:

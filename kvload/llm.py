@@ -155,12 +155,6 @@ class StreamClosed(Exception):
     """Raised inside the generation thread when the consumer of ``generate_stream`` went away."""
 
 
-#: What each pooling task's PoolingParams switch is, as the other task's refusal says (vLLM's ``PoolingParams.verify``
-#: refuses a field of the other task too)
-_OTHER_TASKS_SWITCH = {"use_activation": "a classifier's switch (LLM.classify); an embedding takes normalize",
-                       "normalize": "an embedding's switch (LLM.embed); a classifier takes use_activation"}
-
-
 @contextlib.contextmanager
 def _named(call: str) -> Iterator[None]:
     """Errors the shared executor titles ``generate:`` name the call the user made (``chat:``, ``beam_search:``,
@@ -505,7 +499,7 @@ class LLM:
               salt: str | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed`` for a decoder model: one :class:`EmbeddingRequestOutput` per prompt, in order, its
         ``outputs.embedding`` the final norm's output at the prompt's last token, L2-normalized (vLLM's LAST pooling
-        and its embed task's default; ``PoolingParams(normalize=False)``: as computed).
+        and its embed task's default; ``PoolingParams(use_activation=False)``: as computed).
 
         ``prompts`` as :meth:`generate` takes them (text, token ids, vLLM's prompt dicts). ``pooling_params``: one
         :class:`PoolingParams` for every prompt or a list of one per prompt. ``truncate_prompt_tokens``: keep each
@@ -587,19 +581,18 @@ class LLM:
                lora_request: Any, salt: str | None) -> list[EmbeddingRequestOutput]:
         """:meth:`embed` as ``call`` (``embed`` or ``score``), which titles its errors."""
         outputs, rows, pooling = self._pool(call, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
-                                            lora_request, salt, refused="use_activation")
+                                            lora_request, salt)
         return [EmbeddingRequestOutput(
             request_id=out.request_id, prompt=out.prompt, prompt_token_ids=list(out.prompt_token_ids),
-            num_cached_tokens=out.num_cached_tokens, outputs=EmbeddingOutput(pooled_vector(row, p.normalize)))
+            num_cached_tokens=out.num_cached_tokens, outputs=EmbeddingOutput(pooled_vector(row, p.use_activation)))
             for out, row, p in zip(outputs, rows, pooling, strict=True)]
 
     def _pool(self, call: str, prompts: Any, pooling_params: Any, truncate_prompt_tokens: int | None, use_tqdm: Any,
-              lora_request: Any, salt: str | None, refused: str = "normalize", every_token: bool = False) -> tuple[
+              lora_request: Any, salt: str | None, every_token: bool = False) -> tuple[
                   list[RequestOutput], list[torch.Tensor], list[PoolingParams]]:
         """Every prompt prefilled in one batch, as ``call`` (which titles its errors): each prompt's output, its last
         hidden row (the final norm's output at its last token; ``every_token``: a ``(tokens, hidden)`` tensor of
-        every prompt token's, the prompt computed whole) and its PoolingParams, in order. ``refused``: the other
-        task's PoolingParams switch (vLLM's ``PoolingParams.verify``), refused before any forward."""
+        every prompt token's, the prompt computed whole) and its PoolingParams, in order."""
         _no_lora(call, lora_request)
         with _named(call):
             # a text is not a list of PoolingParams (its letters were taken as one each)
@@ -611,8 +604,6 @@ class LLM:
                     raise GenerationError(f"{call}: {where}: expected a kvload.PoolingParams, got "
                                           f"{type(p).__name__}")
             pooling = [p if p is not None else PoolingParams() for p in given]
-            if any(getattr(p, refused) is not None for p in pooling):
-                raise GenerationError(f"{call}: pooling_params' {refused} is {_OTHER_TASKS_SWITCH[refused]}")
             if truncate_prompt_tokens is not None:
                 PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)  # its check, its message
                 clash = next((p for p in pooling if p.truncate_prompt_tokens not in (None, truncate_prompt_tokens)),
@@ -696,7 +687,7 @@ class LLM:
           token's (:meth:`classify`'s ``probs``); ``PoolingParams(use_activation=False)``: the logits;
         - a generative model: ``token_embed``, a ``(prompt tokens, hidden)`` tensor of every token's final norm
           output, and ``embed``, the last token's (:meth:`embed`'s vector), each row L2-normalized unless
-          ``PoolingParams(normalize=False)``.
+          ``PoolingParams(use_activation=False)``.
 
         ``pooling_task`` is required, as vLLM requires it; a task the model does not serve is a ``GenerationError``
         naming those it does. A per-token task's prompt is computed whole (``num_cached_tokens`` 0). Other arguments
@@ -715,10 +706,9 @@ class LLM:
                                   f"({kind}); accepted: {accepted}")
         every = pooling_task.startswith("token_")
         outputs, rows, pooling = self._pool("encode", prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
-                                            lora_request, salt, refused="normalize" if head else "use_activation",
-                                            every_token=every)
+                                            lora_request, salt, every_token=every)
         if head is None:
-            data = [pooled(row, p.normalize is not False) for row, p in zip(rows, pooling, strict=True)]
+            data = [pooled(row, p.use_activation is not False) for row, p in zip(rows, pooling, strict=True)]
         elif every:
             data = [head.probs(head_logits(model, tokens), p.use_activation is not False)
                     for tokens, p in zip(rows, pooling, strict=True)]

@@ -293,8 +293,8 @@ VLLM_ONLY: dict[str, VllmOnly] = {
     "override_attention_dtype": VllmOnly("refuse", "kvload runs attention in the model's dtype; instead, dtype sets "
                                                    "the whole model's"),
     **dict.fromkeys(("pooler_config", "override_pooler_config"), VllmOnly(
-        "refuse", "kvload pools as vLLM's LAST pooling does; instead, kvload.PoolingParams per call (normalize, "
-                  "truncate_prompt_tokens, use_activation) with LLM.embed / classify / score")),
+        "refuse", "kvload pools as vLLM's LAST pooling does; instead, kvload.PoolingParams per call "
+                  "(use_activation, truncate_prompt_tokens) with LLM.embed / classify / score / encode")),
     "logits_processor_pattern": VllmOnly("refuse", "kvload runs no custom logits processors; instead, "
                                                    "SamplingParams' own fields (logit_bias, allowed_token_ids, ...)"),
     "logits_processors": VllmOnly("refuse", "kvload runs no custom logits processors; instead, SamplingParams' own "

@@ -193,7 +193,7 @@ def param_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]
                     **spec, **{field: value})))
     typos = {"sp.typo": lambda: kvload.SamplingParams(temprature=0.5),
              "beam.typo": lambda: kvload.BeamSearchParams(beam_widht=2),
-             "pool.typo": lambda: kvload.PoolingParams(normalise=False),
+             "pool.typo": lambda: kvload.PoolingParams(use_activaton=False),
              "so.typo": lambda: kvload.StructuredOutputsParams(jsn={}),
              "gen_kw.typo": lambda: llm.generate(BASE_IDS, temprature=0.5, max_tokens=3),
              "chat.typo": lambda: llm.chat([{"role": "user", "content": "w1"}], max_tokns=3),

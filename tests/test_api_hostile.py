@@ -36,7 +36,7 @@ def test_a_list_of_pooling_params_of_the_wrong_length_is_named_pooling_params(ll
             llm.embed([IDS, [1, 2]], pooling_params=given)
     with pytest.raises(ValueError, match=r"^score: pooling_params: expected one PoolingParams or a list of 2"):
         llm.score("w1", "w2", pooling_params=[PoolingParams()])
-    assert len(llm.embed([IDS, [1, 2]], pooling_params=[PoolingParams(), PoolingParams(normalize=False)])) == 2
+    assert len(llm.embed([IDS, [1, 2]], pooling_params=[PoolingParams(), PoolingParams(use_activation=False)])) == 2
     assert tokens(llm) == before
 
 
@@ -136,8 +136,8 @@ def test_every_public_calls_mistyped_keyword_is_one_line_with_the_name_it_is_clo
     before = tokens(llm)
     msgs = [{"role": "user", "content": "w1"}]
     cases = {
-        "PoolingParams: unknown field 'normalise'; fields are dimensions, normalize, truncate_prompt_tokens, "
-        "use_activation; did you mean 'normalize'\\?": lambda: PoolingParams(normalise=False),
+        "PoolingParams: unknown field 'use_activaton'; fields are dimensions, truncate_prompt_tokens, "
+        "use_activation; did you mean 'use_activation'\\?": lambda: PoolingParams(use_activaton=False),
         "embed: unknown argument 'pooling_param'; arguments are prompts, pooling_params, .*; did you mean "
         "'pooling_params'\\?": lambda: llm.embed([IDS], pooling_param=PoolingParams()),
         "score: unknown argument 'truncate_prompt_token'; arguments are .*; did you mean 'truncate_prompt_tokens'\\?":
@@ -165,7 +165,7 @@ def test_every_public_calls_mistyped_keyword_is_one_line_with_the_name_it_is_clo
         llm.embed([IDS], zzz=1)  # close to nothing: no guess
     assert tokens(llm) == before
     # what the calls do take still works, by keyword
-    assert llm.embed(prompts=[IDS], pooling_params=PoolingParams(normalize=False), truncate_prompt_tokens=3)
+    assert llm.embed(prompts=[IDS], pooling_params=PoolingParams(use_activation=False), truncate_prompt_tokens=3)
     assert llm.beam_search(prompts=[IDS], params=kvload.BeamSearchParams(beam_width=2, max_tokens=2),
                            concurrency_limit=1)
     assert llm.get_metrics(metrics_name_prefix="vllm")

@@ -91,15 +91,14 @@ def test_a_classifier_does_not_generate_and_a_generative_model_does_not_classify
 
 
 def test_classify_refuses_a_bad_pooling_params(three_labels):
-    """use_activation must be a bool; an embedding's call refuses the classifier's switch before running the batch
-    (its prompt is not cached after)."""
+    """use_activation must be a bool; it is an embedding's switch too (vLLM's every task's): the hidden state as
+    computed, not L2-normalized."""
     with pytest.raises(GenerationError, match=r"^PoolingParams: use_activation: expected true, false or None"):
         kvload.PoolingParams(use_activation="yes")
     with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs()) as llm:
-        with pytest.raises(GenerationError, match=r"^embed: pooling_params' use_activation is a classifier's switch "
-                                                  r"\(LLM\.classify\); an embedding takes normalize$"):
-            llm.embed(PROMPTS[0], pooling_params=kvload.PoolingParams(use_activation=False))
-        assert llm.embed(PROMPTS[0])[0].num_cached_tokens == 0
+        raw = llm.embed(PROMPTS[0], pooling_params=kvload.PoolingParams(use_activation=False))[0].outputs.embedding
+        unit = llm.embed(PROMPTS[0])[0].outputs.embedding
+        np.testing.assert_allclose(np.array(raw) / np.linalg.norm(raw), unit, atol=1e-5)
 
 
 def test_vllms_classify_task_and_convert_are_taken_for_a_classifier(three_labels):
@@ -255,22 +254,19 @@ def test_a_cross_encoders_truncation_cuts_the_document_and_keeps_the_query(cross
         assert llm.score(q_text, d_text, truncate_prompt_tokens=-1)[0].prompt_token_ids == query + doc
 
 
-def test_a_classifier_refuses_normalize_and_an_embedding_use_activation_before_any_forward(three_labels,
-                                                                                          cross_encoder):
-    """vLLM's classify task takes use_activation only: normalize (any value) is refused in one line pointing to it,
-    by classify and a cross-encoder's score, before running the batch (nothing cached); embed still takes it."""
+def test_normalize_is_refused_and_use_activation_is_every_calls_switch(three_labels, cross_encoder):
+    """vLLM removed PoolingParams' normalize (use_activation is every task's switch): it is refused where it is
+    given, in one line pointing to use_activation; classify and a cross-encoder's score take use_activation."""
+    with pytest.raises(TypeError, match=r"^PoolingParams: normalize was removed, as vLLM removed it; use "
+                                        r"use_activation \(False: "):
+        kvload.PoolingParams(normalize=False)
     with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs()) as llm:
-        for normalize in (False, True):
-            with pytest.raises(GenerationError, match=r"^classify: pooling_params' normalize is an embedding's switch "
-                                                      r"\(LLM\.embed\); a classifier takes use_activation$"):
-                llm.classify(PROMPTS[0], pooling_params=kvload.PoolingParams(normalize=normalize))
-        with pytest.raises(GenerationError, match=r"^classify: pooling_params' normalize"):
-            llm.classify(PROMPTS, pooling_params=[kvload.PoolingParams(), kvload.PoolingParams(normalize=False)])
-        assert llm.classify(PROMPTS[0])[0].num_cached_tokens == 0  # no refused call ran its prompt
-        assert llm.embed(PROMPTS[1], pooling_params=kvload.PoolingParams(normalize=False))[0].outputs.hidden_size == 64
-    with kvload.LLM(str(cross_encoder), dtype="float32", **llm_kwargs()) as llm, \
-            pytest.raises(GenerationError, match=r"^score: pooling_params' normalize is an embedding's switch"):
-        llm.score("w5", "w6", pooling_params=kvload.PoolingParams(normalize=False))
+        logits = llm.classify(PROMPTS[0], pooling_params=kvload.PoolingParams(use_activation=False))[0].outputs.probs
+        probs = llm.classify(PROMPTS[0])[0].outputs.probs
+        np.testing.assert_allclose(torch.softmax(torch.tensor(logits), -1).numpy(), probs, atol=1e-5)
+    with kvload.LLM(str(cross_encoder), dtype="float32", **llm_kwargs()) as llm:
+        logit = llm.score("w5", "w6", pooling_params=kvload.PoolingParams(use_activation=False))[0].outputs.score
+        assert abs(torch.sigmoid(torch.tensor(logit)).item() - llm.score("w5", "w6")[0].outputs.score) < 1e-5
 
 
 def test_classify_and_reward_refusals_name_the_call_and_what_it_makes(three_labels):

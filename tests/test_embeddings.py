@@ -42,10 +42,23 @@ def reference(words):
     return last
 
 
+def test_pooling_params_refuses_normalize_as_vllm_removed_it_for_use_activation():
+    """vLLM's PoolingParams has no normalize now (use_activation is every task's switch; its constructor raises
+    TypeError for it): kvload's refuses it too, a TypeError in one line naming use_activation, whatever its value."""
+    for value in (False, True, None):
+        with pytest.raises(TypeError) as caught:
+            kvload.PoolingParams(normalize=value)
+        message = str(caught.value)
+        assert message == ("PoolingParams: normalize was removed, as vLLM removed it; use use_activation (False: an "
+                           "embedding's hidden state as computed, not L2-normalized)")
+        assert isinstance(caught.value, GenerationError)  # kvload's refusals' type too
+    assert "normalize" not in kvload.PoolingParams(use_activation=False).__repr__()
+
+
 @pytest.mark.parametrize("manager", ["v1", "v2"])
 def test_llm_embed_gives_the_last_tokens_normalized_hidden_state_as_transformers_computes_it(words, reference,
                                                                                               manager):
-    """Token ids and text alike, in order; normalize=False gives the state as computed; a prompt whose prefix the
+    """Token ids and text alike, in order; use_activation=False gives the state as computed; a prompt whose prefix the
     cache holds (computed again only past it) embeds the same; truncate_prompt_tokens keeps the last N tokens; and
     generate afterwards is untouched."""
     with kvload.LLM(str(words), dtype="float32", **llm_kwargs(manager)) as llm:
@@ -55,13 +68,14 @@ def test_llm_embed_gives_the_last_tokens_normalized_hidden_state_as_transformers
             got = np.array(out.outputs.embedding)
             assert out.outputs.hidden_size == 64 and abs(np.linalg.norm(got) - 1) < 1e-5
             np.testing.assert_allclose(got, reference(ids), atol=1e-5)
-        raw = llm.embed([PROMPTS[0]], pooling_params=kvload.PoolingParams(normalize=False))[0]
+        raw = llm.embed([PROMPTS[0]], pooling_params=kvload.PoolingParams(use_activation=False))[0]
         assert raw.num_cached_tokens >= 8  # its first blocks came from the prefix cache
         np.testing.assert_allclose(raw.outputs.embedding, reference(PROMPTS[0], normalize=False), atol=1e-4)
         (cut,) = llm.embed([PROMPTS[0]], truncate_prompt_tokens=4)
         assert cut.prompt_token_ids == PROMPTS[0][-4:]
         np.testing.assert_allclose(cut.outputs.embedding, reference(PROMPTS[0][-4:]), atol=1e-5)
-        per_prompt = llm.embed(PROMPTS, pooling_params=[kvload.PoolingParams(), kvload.PoolingParams(normalize=False)])
+        per_prompt = llm.embed(PROMPTS, pooling_params=[kvload.PoolingParams(),
+                                                        kvload.PoolingParams(use_activation=False)])
         np.testing.assert_allclose(per_prompt[1].outputs.embedding, reference(PROMPTS[1], normalize=False), atol=1e-4)
         assert not llm.result.executor.pooled  # no request is left waiting for a row
         assert not list(llm.audit.of("setting_ignored"))  # the one-token greedy prefill reports no setting of its own

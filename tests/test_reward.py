@@ -66,10 +66,7 @@ def test_reward_gives_every_prompt_tokens_class_probabilities_as_transformers_co
 
 
 def test_reward_on_a_generative_model_and_an_embeddings_switch_are_refused(three_labels, tiny_checkpoints, tmp_path):
-    """One line each: a generative model has no head to score tokens with; normalize is an embedding's switch."""
-    with kvload.LLM(str(three_labels), dtype="float32", **llm_kwargs()) as llm, \
-            pytest.raises(GenerationError, match=r"^reward: pooling_params' normalize is an embedding's switch"):
-        llm.reward(SHORT, pooling_params=kvload.PoolingParams(normalize=True))
+    """One line: a generative model has no head to score tokens with."""
     words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
     with kvload.LLM(str(words), dtype="float32", **llm_kwargs()) as llm, \
             pytest.raises(GenerationError, match=r"^reward: .* is a generative model \(LlamaForCausalLM\), with no "

@@ -80,7 +80,7 @@ def test_a_classifiers_default_task_gives_every_prompt_tokens_probabilities_as_t
     little-endian bytes; truncate_prompt_tokens keeps the last N tokens; /metrics counts prompt tokens only."""
     before = served.metrics()
     doc = _ok(served, "/pooling", {"model": served.state.model_name, "input": [text(LONG), SHORT]})
-    assert doc["id"].startswith("pool-") and doc["object"] == "list" and isinstance(doc["created"], int)
+    assert doc["id"].startswith("pooling-") and doc["object"] == "list" and isinstance(doc["created"], int)
     assert doc["model"] == served.state.model_name
     assert [(d["index"], d["object"]) for d in doc["data"]] == [(0, "pooling"), (1, "pooling")]
     for d, ids in zip(doc["data"], [LONG, SHORT], strict=True):
@@ -155,7 +155,7 @@ def test_invocations_sends_a_body_naming_a_task_to_pooling(served):
     without a task still goes to /classify on a classifier)."""
     body = {"input": text(SHORT), "task": "token_classify"}
     via, own = _ok(served, "/invocations", body), _ok(served, "/pooling", body)
-    assert via["id"].startswith("pool-") and via["data"] == own["data"] and via["usage"] == own["usage"]
+    assert via["id"].startswith("pooling-") and via["data"] == own["data"] and via["usage"] == own["usage"]
     chat = {"messages": CHAT, "task": "classify"}
     assert _ok(served, "/invocations", chat)["data"] == _ok(served, "/pooling", chat)["data"]
     assert _ok(served, "/invocations", {"input": text(SHORT)})["id"].startswith("classify-")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import sys
 
 import numpy as np
@@ -119,7 +120,7 @@ def test_bytes_answers_the_raw_bytes_with_vllms_metadata_header_and_bytes_only_w
     r = served.http.post("/pooling", json={"input": PROMPTS, "encoding_format": "bytes"})
     assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream", r.text
     meta = json.loads(r.headers["metadata"])
-    assert meta["id"].startswith("pool-") and meta["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert meta["id"].startswith("pooling-") and meta["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     assert [m["shape"] for m in meta["data"]] == [[len(ids), HIDDEN] for ids in PROMPTS]
     assert [(m["embed_dtype"], m["endianness"]) for m in meta["data"]] == [("float32", "native")] * 2
     for item, want in zip(meta["data"], rows, strict=True):
@@ -131,41 +132,49 @@ def test_bytes_answers_the_raw_bytes_with_vllms_metadata_header_and_bytes_only_w
     close_in("bfloat16", decode(last.content, "bfloat16", "little", (HIDDEN,)), floats[0]["embedding"])
 
 
-def test_request_id_names_the_answer_and_an_x_request_id_header_wins(served):
-    """vLLM's request_id: the embeddings' answer id is embd- and it, in the JSON and in bytes' metadata alike; an
-    X-Request-Id header names it instead; none: a fresh id each time."""
-    assert _ok(served, "/v1/embeddings", {"input": "w5", "request_id": "mine-1"})["id"] == "embd-mine-1"
+def test_an_x_request_id_header_names_the_answer(served):
+    """vLLM's: the answer's id is embd- / pooling- (vLLM's ServingPooling.request_id_prefix; kvload said pool-, as
+    vLLM's older serving did) and the X-Request-Id header, in the JSON and in bytes' metadata alike; none: a fresh id
+    each time."""
     header = {"X-Request-Id": "from-header"}
-    assert _ok(served, "/v1/embeddings", {"input": "w5", "request_id": "body"}, headers=header)["id"] \
-        == "embd-from-header"
-    assert _ok(served, "/pooling", {"input": "w5"}, headers=header)["id"] == "pool-from-header"
+    assert _ok(served, "/v1/embeddings", {"input": "w5"}, headers=header)["id"] == "embd-from-header"
+    assert _ok(served, "/pooling", {"input": "w5"}, headers=header)["id"] == "pooling-from-header"
+    r = served.http.post("/v1/embeddings", json={"input": "w5", "encoding_format": "bytes"}, headers=header)
+    assert json.loads(r.headers["metadata"])["id"] == "embd-from-header"
     r = served.http.post("/pooling", json={"input": "w5", "encoding_format": "bytes"}, headers=header)
-    assert json.loads(r.headers["metadata"])["id"] == "pool-from-header"
+    assert json.loads(r.headers["metadata"])["id"] == "pooling-from-header"
     fresh = {_ok(served, "/v1/embeddings", {"input": "w5"})["id"] for _ in range(2)}
     assert len(fresh) == 2 and all(i.startswith("embd-") for i in fresh)
+    fresh = {_ok(served, "/pooling", {"input": "w5"})["id"] for _ in range(2)}
+    assert len(fresh) == 2 and all(re.fullmatch("pooling-[0-9a-f]{32}", i) for i in fresh), fresh
 
 
-def test_pooling_takes_a_body_request_id_unused_as_vllm_does_and_says_so(served):
-    """vLLM's /pooling accepts request_id in the body and names its answer by the X-Request-Id header alone (else a
-    fresh id); kvload named it pool-<request_id>, as no vLLM server does. Now the body's id is taken, unused, and a
-    setting_ignored naming the answer says to send the header."""
-    answers = [_ok(served, "/pooling", {"input": "w5", "request_id": "mine-2"}),
-               _ok(served, "/pooling", {"input": "w5", "request_id": "mine-2"})]
+@pytest.mark.parametrize(("path", "prefix"), [("/v1/embeddings", "embd-"), ("/pooling", "pooling-")])
+def test_a_body_request_id_is_taken_unused_as_vllm_does_and_said(served, path, prefix):
+    """vLLM's /v1/embeddings and /pooling accept request_id in the body and name their answer by the X-Request-Id
+    header alone, else a fresh id (PoolingServingBase._init_ctx); kvload named an embeddings answer
+    embd-<request_id>, as no vLLM server now does. The body's id is taken, unused, and a setting_ignored naming the
+    answer says to send the header."""
+    mine, raw, body = (f"{path}-{n}" for n in ("mine", "raw", "body"))
+    answers = [_ok(served, path, {"input": "w5", "request_id": mine}) for _ in range(2)]
     ids = [a["id"] for a in answers]
-    assert all(i.startswith("pool-") and i != "pool-mine-2" for i in ids) and ids[0] != ids[1]
-    r = served.http.post("/pooling", json={"input": "w5", "request_id": "raw", "encoding_format": "bytes"})
-    assert r.status_code == 200 and json.loads(r.headers["metadata"])["id"] not in ("pool-raw", *ids)
-    named = _ok(served, "/pooling", {"input": "w5", "request_id": "body"}, headers={"X-Request-Id": "hdr"})
-    assert named["id"] == "pool-hdr"
+    assert all(i.startswith(prefix) and i != prefix + mine for i in ids) and ids[0] != ids[1]
+    r = served.http.post(path, json={"input": "w5", "request_id": raw, "encoding_format": "bytes"})
+    assert r.status_code == 200 and json.loads(r.headers["metadata"])["id"] not in (prefix + raw, *ids)
+    named = _ok(served, path, {"input": "w5", "request_id": body}, headers={"X-Request-Id": f"hdr{path}"})
+    assert named["id"] == f"{prefix}hdr{path}"
+    r = served.http.post(path, json={"input": "w5", "request_id": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"  # still checked
 
-    def said() -> dict[str, str]:
-        return {e["request"]: e for e in served.result.audit.of("setting_ignored") if e["field"] == "serve.request_id"}
+    def said() -> dict[str, dict]:
+        return {e["request"]: e for e in served.result.audit.of("setting_ignored")
+                if e["field"] == "serve.request_id" and e["value"].startswith(path)}
 
-    wait_for(lambda: len(said()) == 4, what="one setting_ignored per pooling request with a request_id")
+    wait_for(lambda: len(said()) == 4, what="one setting_ignored per request with a request_id")
     note = said()[ids[0]]
-    assert note["value"] == "mine-2" and "names its answer by the X-Request-Id header alone" in note["reason"]
-    assert said()["pool-hdr"]["value"] == "body"
-    assert not [e for e in served.result.audit.of("setting_ignored") if e["value"] == "mine-1"]  # embeddings' own
+    assert note["value"] == mine and f"POST {path} names its answer by the X-Request-Id header alone" in note["reason"]
+    assert note["reason"].endswith(f"send X-Request-Id to name it (request {ids[0]})")
+    assert said()[f"{prefix}hdr{path}"]["value"] == body
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
@@ -187,9 +196,12 @@ def test_an_encoding_kvload_cannot_honour_is_a_one_line_400_naming_the_field(ser
 
 
 def test_invocations_forwards_the_encoding_fields_and_request_id(served):
-    """/invocations answers an input body as /v1/embeddings and a task body as /pooling, with their encoding."""
-    body = {"input": PROMPTS[1], "encoding_format": "bytes", "embed_dtype": "fp8_e4m3", "request_id": "inv"}
-    via, own = served.http.post("/invocations", json=body), served.http.post("/v1/embeddings", json=body)
+    """/invocations answers an input body as /v1/embeddings and a task body as /pooling, with their encoding; the
+    X-Request-Id header names the answer there too (the body's request_id taken unused, as vLLM's)."""
+    body = {"input": PROMPTS[1], "encoding_format": "bytes", "embed_dtype": "fp8_e4m3", "request_id": "unused"}
+    header = {"X-Request-Id": "inv"}
+    via = served.http.post("/invocations", json=body, headers=header)
+    own = served.http.post("/v1/embeddings", json=body, headers=header)
     assert via.status_code == own.status_code == 200, via.text
     assert via.content == own.content and json.loads(via.headers["metadata"])["id"] == "embd-inv"
     task = {"input": PROMPTS[1], "task": "embed", "encoding_format": "base64", "embed_dtype": "float16",
@@ -202,13 +214,16 @@ def test_invocations_forwards_the_encoding_fields_and_request_id(served):
 def test_openais_client_still_reads_base64_and_its_extra_body_takes_vllms_fields(served):
     """The openai client's default (it asks for base64 and decodes it as little-endian float32) and its explicit
     base64 (the string, decoded here as OpenAI documents it) are the float answer exactly; vLLM's request_id and
-    embed_dtype through extra_body are taken."""
+    embed_dtype through extra_body are taken (request_id unused, as vLLM's: extra_headers' X-Request-Id names the
+    answer)."""
     model = served.state.model_name
     floats = served.client.embeddings.create(model=model, input=PROMPTS, encoding_format="float")
     default = served.client.embeddings.create(model=model, input=PROMPTS, extra_body={"request_id": "oai"})
+    named = served.client.embeddings.create(model=model, input=PROMPTS, extra_headers={"X-Request-Id": "oai"})
     explicit = served.client.embeddings.create(model=model, input=PROMPTS, encoding_format="base64",
                                                extra_body={"embed_dtype": "float32", "endianness": "little"})
-    assert default.id == "embd-oai" and explicit.id.startswith("embd-")
+    assert default.id != "embd-oai" and default.id.startswith("embd-") and explicit.id.startswith("embd-")
+    assert named.id == "embd-oai" and named.data == default.data
     for mine, theirs, want in zip(default.data, explicit.data, floats.data, strict=True):
         assert mine.embedding == want.embedding
         assert np.frombuffer(base64.b64decode(theirs.embedding), dtype="<f4").tolist() == want.embedding

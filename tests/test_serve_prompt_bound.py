@@ -5,17 +5,50 @@ behind it, for a minute or more, only to be refused for its length."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from engine.token_bound import chars_per_token, fewest_tokens
+from engine.token_bound import Bound, chars_per_token, fewest_tokens, token_bound
+from tests.conftest import needs_smollm2
 from tests.serve_support import serving
 from tests.test_serve_responses import TEMPLATE
 from tests.text_support import CORPUS, bytelevel_checkpoint, trained_tokenizer
 
 BYTELEVEL = trained_tokenizer("bytelevel", 300)
-METASPACE = trained_tokenizer("metaspace", 300)
+METASPACE = trained_tokenizer("metaspace", 300)  # its byte fallback has no <0xNN> token: it drops what it can't spell
+
+
+def _with_bytes(tok):
+    """``tok`` (a byte-fallback BPE) with all 256 ``<0xNN>`` tokens in its vocabulary, as Llama's has."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+def _gapped_bytelevel():
+    """A byte-level BPE whose vocabulary lacks the symbols of the bytes 0x04 and 0x1D, as SmolLM2's lacks those of
+    six control characters: it drops them from any text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    missing = {chr(0x100 + 4), chr(0x100 + 0x1D)}  # GPT-2's symbols for 0x04 and 0x1D
+    alphabet = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in missing]
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>", "<pad>"],
+                                                        initial_alphabet=alphabet))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+
+
+FALLBACK = _with_bytes(METASPACE)
+GAPPED = _gapped_bytelevel()
 
 
 def _wordpiece(normalizer=None, pre_tokenizer=None, kind: str = "wordpiece"):
@@ -25,8 +58,8 @@ def _wordpiece(normalizer=None, pre_tokenizer=None, kind: str = "wordpiece"):
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"])
     else:
-        tok = Tokenizer(models.BPE())
-        trainer = trainers.BpeTrainer(vocab_size=200)
+        tok = Tokenizer(models.BPE())  # every byte's symbol in its vocabulary: it drops none
+        trainer = trainers.BpeTrainer(vocab_size=200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel()
@@ -35,8 +68,44 @@ def _wordpiece(normalizer=None, pre_tokenizer=None, kind: str = "wordpiece"):
 
 
 def test_a_byte_level_or_metaspace_bpe_is_bounded_by_its_longest_entry():
-    for tok in (BYTELEVEL, METASPACE):
+    for tok in (BYTELEVEL, FALLBACK):
         assert chars_per_token(tok) == max(len(t) for t in tok.get_vocab())
+
+
+def test_a_bpe_that_drops_characters_it_cannot_spell_has_no_bound():
+    """A BPE with no unknown token leaves out a character it has no symbol for (its byte fallback short of a byte's
+    <0xNN>): a text of any length of such characters may be one token, so a bound would refuse a prompt that fits."""
+    text = "a" + "Ġ" * 10_000
+    assert len(METASPACE(text, add_special_tokens=False)["input_ids"]) == 1
+    assert chars_per_token(METASPACE) is None
+    assert fewest_tokens(text, token_bound(METASPACE)) == 0
+    assert len(FALLBACK(text, add_special_tokens=False)["input_ids"]) >= fewest_tokens(text, token_bound(FALLBACK)) > 1
+
+
+def test_a_byte_level_bpe_missing_a_few_ascii_symbols_keeps_its_bound_but_does_not_count_them():
+    """SmolLM2's vocabulary has no symbol for six control characters: it drops them, so they are not counted; every
+    other character still is, so a huge prompt is still refused untokenized."""
+    bound = token_bound(GAPPED)
+    assert bound == Bound(max(len(t) for t in GAPPED.get_vocab()), "\x04\x1d")
+    text = "\x04\x1d" * 10_000
+    assert GAPPED(text, add_special_tokens=False)["input_ids"] == []
+    assert fewest_tokens(text, bound) == 0
+    assert fewest_tokens(text + "ab" * 100, bound) == -(-200 // bound.per_token)
+    # checked against a limit (the server's max_seq_len), they are counted only once the length alone reaches it
+    assert fewest_tokens(text, bound, at_least=10**9) < 10**9 and fewest_tokens(text, bound, at_least=10) == 0
+
+
+@needs_smollm2
+def test_smollm2s_tokenizer_keeps_its_bound():
+    """The bound's point (refusing a huge prompt before tokenizing it) is kept for SmolLM2's byte-level BPE."""
+    from bench.bench_structured import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    bound = token_bound(tok)
+    assert bound is not None and bound.per_token == max(len(t) for t in tok.get_vocab())
+    assert bound.dropped == "\x04\x06\x13\x14\x16\x1d"
+    for text in ("Hello world " * 50, "".join(map(chr, range(128))) * 4, "\x04\x1d" * 100 + "日🙂"):
+        assert len(tok(text, add_special_tokens=False)["input_ids"]) >= fewest_tokens(text, bound) > 0
 
 
 def test_tokenizers_that_can_drop_or_merge_characters_have_no_bound():
@@ -64,11 +133,13 @@ def test_an_added_token_that_strips_the_spaces_beside_it_leaves_no_bound():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from([*"ab ĠĊ\n\t#éa\u0301🙂日", "Hello", "world", "</s>", "<pad>"]),
+@given(st.lists(st.sampled_from([*"ab ĠĊ\n\t#éa\u0301🙂日\x04\x1d", "Hello", "world", "</s>", "<pad>"]),
                 max_size=200).map("".join))
+@example("aĠĠĠĠĠĠĠĠĠĠ")  # the metaspace BPE drops the Ġ it cannot spell: one token, not the two once claimed
+@example("\x04\x1d" * 20 + "a")  # the gapped byte-level BPE drops both
 def test_no_text_has_fewer_tokens_than_the_bound_says(text):
-    for tok in (BYTELEVEL, METASPACE):
-        assert len(tok(text, add_special_tokens=False)["input_ids"]) >= fewest_tokens(text, chars_per_token(tok))
+    for tok in (BYTELEVEL, METASPACE, FALLBACK, GAPPED):
+        assert len(tok(text, add_special_tokens=False)["input_ids"]) >= fewest_tokens(text, token_bound(tok))
 
 
 @pytest.fixture(scope="module")

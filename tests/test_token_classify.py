@@ -91,8 +91,6 @@ def test_a_token_classifier_does_not_generate_and_encode_needs_a_task_it_serves(
                                                   r"\(LlamaForTokenClassification, a classifier\); accepted: "
                                                   r"\"token_classify\", \"classify\"$"):
             llm.encode(SHORT, pooling_task="token_embed")
-        with pytest.raises(GenerationError, match=r"^encode: pooling_params' normalize is an embedding's switch"):
-            llm.encode(SHORT, kvload.PoolingParams(normalize=True), pooling_task="token_classify")
     words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
     with kvload.LLM(str(words), dtype="float32", **llm_kwargs()) as llm:
         with pytest.raises(GenerationError, match=r"^encode: pooling_task: 'token_classify' is not served by this "
@@ -106,6 +104,10 @@ def test_a_token_classifier_does_not_generate_and_encode_needs_a_task_it_serves(
         np.testing.assert_allclose(rows.norm(dim=-1).numpy(), np.ones(3), atol=1e-5)
         np.testing.assert_allclose(llm.encode(SHORT, pooling_task="embed")[0].outputs.data.numpy(), vector,
                                    atol=1e-6)
+        # use_activation is the embedding tasks' switch too, as vLLM's: the rows as computed
+        raw = llm.encode(SHORT, kvload.PoolingParams(use_activation=False), pooling_task="token_embed")[0].outputs.data
+        np.testing.assert_allclose(torch.nn.functional.normalize(raw, dim=-1).numpy(), rows.numpy(), atol=1e-5)
+        assert not np.allclose(raw.norm(dim=-1).numpy(), np.ones(3), atol=1e-3)
 
 
 def test_the_server_answers_token_classify_by_default_and_refuses_completions(ner):

@@ -5,7 +5,10 @@ Each input is prefilled by the engine as a one-token request whose prompt's last
 converted from a ``*ForCausalLM`` checkpoint. ``encoding_format`` ``"float"`` answers lists of floats, ``"base64"``
 (what OpenAI's Python client asks for unless told otherwise) each vector's float32 bytes in base64, ``"bytes"`` and
 ``"bytes_only"`` the raw bytes, with vLLM's ``embed_dtype`` and ``endianness`` (``kvload.serve.pooled_encoding``).
-The answer's id is ``embd-`` and the ``X-Request-Id`` header, else the body's ``request_id``, else a fresh one (vLLM's).
+The answer's id is ``embd-`` and the ``X-Request-Id`` header, else a fresh one, as vLLM names it: vLLM's
+``/v1/embeddings`` takes a body's ``request_id`` (checked, a string) and never uses it (its
+``PoolingServingBase._init_ctx`` passes only the header to ``_base_request_id``), so kvload takes it, leaves it unused,
+and says so (:func:`say_body_request_id`: a ``setting_ignored`` naming the answer's id).
 The route's body checks and its run (:func:`pooling_route`: every input in one batch) serve ``/score`` and ``/rerank``
 too (``kvload.serve.scoring``).
 """
@@ -49,6 +52,7 @@ from kvload.serve.request_input import _check_model, _header_request_id, text_to
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
 from pipeline.errors import GenerationError, KvBuildError, first_line
+from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT
 
 #: The fields ``/v1/embeddings`` takes: OpenAI's, and vLLM's extras for it.
@@ -68,8 +72,9 @@ def refuse_normalize(body: Any, instead: str) -> None:
 
 @attrs.frozen
 class EmbedJob:
-    """One parsed ``/v1/embeddings`` body: each input's token ids, and how to answer (``request_id``: the body's, or
-    the ``X-Request-Id`` header's once :func:`pooling_run` read it)."""
+    """One parsed ``/v1/embeddings`` body: each input's token ids, and how to answer (``request_id``: the
+    ``X-Request-Id`` header's once :func:`pooling_run` read it; ``body_request_id``: the body's, unused as vLLM leaves
+    it, and reported ``setting_ignored``)."""
 
     prompts: list[list[int]]
     encoding: Encoding
@@ -77,6 +82,18 @@ class EmbedJob:
     params: SamplingParams
     priority: int = 0
     request_id: str | None = None
+    body_request_id: str | None = None
+
+
+def say_body_request_id(state: ServeState, route: str, given: str | None, answer_id: str) -> None:
+    """A ``setting_ignored`` (``serve.request_id``) for a body's ``request_id`` that ``route`` took and left unused,
+    as vLLM's pooling routes do (they name the answer by the ``X-Request-Id`` header alone); nothing when none was
+    given."""
+    if given is not None:
+        state.engine.notify(SettingIgnored(
+            field="serve.request_id", value=given, request=answer_id,
+            reason=f"POST {route} names its answer by the X-Request-Id header alone, as vLLM's does (the body's "
+                   f"request_id is taken and unused); send X-Request-Id to name it (request {answer_id})"))
 
 
 def pooling_body(state: ServeState, raw: bytes | bytearray, fields: frozenset[str]) -> dict[str, Any]:
@@ -165,7 +182,8 @@ def embed_job(state: ServeState, body: Any) -> EmbedJob:
     params = prefill_params(body)
     inputs, wheres = prompt_list(body, "input")
     prompts = tokenized(state, inputs, wheres, params, "input", add_special_tokens=flags["add_special_tokens"])
-    return EmbedJob(prompts, encoding, flags["use_activation"], params, pool_priority(state, body), given_id)
+    return EmbedJob(prompts, encoding, flags["use_activation"], params, pool_priority(state, body),
+                    body_request_id=given_id)
 
 
 class PoolJob(Protocol):
@@ -204,7 +222,7 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
     """:func:`pooling_route` once the body is parsed: ``job``'s inputs queued in one batch, then its answer (each
     input's row; a job whose ``every_token`` is true: a ``(tokens, hidden)`` tensor of every prompt token's): a JSON
     document, or a ``Response`` as it is (``encoding_format`` ``bytes``)."""
-    if hasattr(job, "request_id"):  # vLLM's: an X-Request-Id header names the answer, else the body's request_id
+    if hasattr(job, "request_id"):  # vLLM's: an X-Request-Id header names the answer (a body's request_id never)
         header = _header_request_id(request)  # checked before anything is queued: a bad one is a 400
         if header is not None:
             job = attrs.evolve(job, request_id=header)  # type: ignore[misc]
@@ -327,6 +345,7 @@ def embeddings_answer(state: ServeState, job: EmbedJob, rows: list[torch.Tensor]
     tokens = sum(len(ids) for ids in job.prompts)
     head = {"id": f"embd-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
+    say_body_request_id(state, "/v1/embeddings", job.body_request_id, head["id"])
     if job.encoding.binary:
         return bytes_response(job.encoding, vectors, head, tokens)
     enc = job.encoding
@@ -346,4 +365,5 @@ async def embeddings_route(state: ServeState, request: Request, gate: ParseGate,
 
 __all__ = ["FIELDS", "EmbedJob", "PoolJob", "RenderedJSON", "base64_floats", "embed_job", "embeddings_answer",
            "embeddings_route", "float_rows", "json_response", "parse_embeddings", "pool_priority", "pooling_body",
-           "pooling_fields", "pooling_route", "pooling_run", "prefill_params", "prompt_list", "rendered", "tokenized"]
+           "pooling_fields", "pooling_route", "pooling_run", "prefill_params", "prompt_list", "rendered",
+           "say_body_request_id", "tokenized"]

@@ -17,8 +17,9 @@ it ("use use_activation instead"). The answer is vLLM's ``PoolingResponse``: per
 ``{"index", "object": "pooling", "data"}``, ``data`` a list of floats (a per-token task: one list per prompt token) or,
 with ``encoding_format: "base64"``, the values' bytes (vLLM's ``embed_dtype``, float32 by default, in its
 ``endianness``, the server's by default), row after row, in base64; ``"bytes"`` and ``"bytes_only"`` answer the raw
-bytes as vLLM does (``kvload.serve.pooled_encoding``). The answer's id is ``pool-`` and the ``X-Request-Id`` header,
-else a fresh one, as vLLM names it: vLLM's ``/pooling`` takes a body's ``request_id`` (checked, a string) and never
+bytes as vLLM does (``kvload.serve.pooled_encoding``). The answer's id is ``pooling-`` and the ``X-Request-Id``
+header, else a fresh one, as vLLM names it (its ``ServingPooling.request_id_prefix``; ``pool-`` before vLLM moved its
+pooling routes onto one base): vLLM's ``/pooling`` takes a body's ``request_id`` (checked, a string) and never
 uses it (its serving passes only the header to ``_base_request_id``), so kvload takes it, leaves it unused, and says
 so (a ``setting_ignored``, naming the answer's id).
 """
@@ -48,6 +49,7 @@ from kvload.serve.embeddings import (
     prefill_params,
     prompt_list,
     refuse_normalize,
+    say_body_request_id,
     tokenized,
 )
 from kvload.serve.parse_gate import ParseGate
@@ -57,7 +59,6 @@ from kvload.serve.protocol import request_id as checked_request_id
 from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
 from models.classifier import head_logits, head_of
-from pipeline.events import SettingIgnored
 
 #: The tasks a generative model serves (vLLM's embedding adapter), the default first.
 EMBED_TASKS = ("token_embed", "embed")
@@ -193,13 +194,9 @@ def pooling_answer(state: ServeState, job: PoolingJob, rows: list[torch.Tensor])
     answer for ``bytes`` and ``bytes_only``."""
     outputs = [d.float() for d in pooled_data(state, job, rows)]
     tokens = sum(len(ids) for ids in job.prompts)
-    head = {"id": f"pool-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
+    head = {"id": f"pooling-{job.request_id or uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
-    if job.body_request_id is not None:  # vLLM's /pooling takes it and names its answer by the header alone
-        state.engine.notify(SettingIgnored(
-            field="serve.request_id", value=job.body_request_id, request=head["id"],
-            reason="POST /pooling names its answer by the X-Request-Id header alone, as vLLM's does (the body's "
-                   f"request_id is taken and unused); send X-Request-Id to name it (request {head['id']})"))
+    say_body_request_id(state, "/pooling", job.body_request_id, head["id"])  # vLLM's takes it, names by the header
     if job.encoding.binary:
         return bytes_response(job.encoding, outputs, head, tokens)
     data = [{"index": i, "object": "pooling", "data": encoded(d, job.encoding)} for i, d in enumerate(outputs)]
