@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def main() -> None:
         if files:
             left += 1
             print("left", [(str(f.relative_to(cache)), f"{f.stat().st_mtime - ended:+.3f} s") for f in files])
+    shutil.rmtree(root, ignore_errors=True)
     print(f"{repo}: {trials} trials, {left} left a file in the kernel cache, {bad_status} exit status not 143")
 
 
