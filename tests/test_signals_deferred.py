@@ -1,0 +1,44 @@
+"""``pipeline.signals.deferred`` holds a stop signal until its block ends in a process with other threads too.
+
+It blocked the signals in the calling thread only; a signal sent to the process is then taken by another thread (torch
+starts several in every ``kvload generate`` / ``serve``), and its handler ran in the main thread at once, inside the
+block: between creating an audit temporary and remembering to remove it, the very gap the block is there to close.
+A real signal to a real process, sent from inside the block so that it lands there every time.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.cli_support import ENV, REPO
+
+_CHILD = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    from pipeline.signals import Terminated, deferred, handle_sigterm
+
+    handle_sigterm()
+    for _ in range(int(sys.argv[2])):  # idle threads, signals not blocked in them, as torch's
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    try:
+        with deferred():
+            os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+            for _ in range(50):
+                time.sleep(0.002)
+            print("block finished", flush=True)
+        print("after the block", flush=True)
+    except KeyboardInterrupt as exc:  # Terminated for SIGTERM
+        print(type(exc).__name__, flush=True)
+""")
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("stop_with, raised", [("SIGTERM", "Terminated"), ("SIGINT", "KeyboardInterrupt"),
+                                               ("SIGHUP", "HungUp")])
+def test_a_stop_signal_is_raised_after_the_deferred_block_not_inside_it(stop_with, raised, threads):
+    r = subprocess.run([sys.executable, "-c", _CHILD, stop_with, str(threads)], capture_output=True, text=True,
+                       timeout=60, cwd=REPO, env={**ENV, "PYTHONPATH": str(REPO)})
+    assert (r.returncode, r.stdout.splitlines(), r.stderr) == (0, ["block finished", raised], "")
