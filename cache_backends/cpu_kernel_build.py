@@ -6,7 +6,8 @@ Kept apart from the kernels' callers (``cache_backends.cpu_decode``, ``models.sm
 directory the caller names, under a key of its source, the compiler's version, the flags and the CPU
 (``-march=native`` builds for this CPU), so a rebuild happens only when one of them changes; it is written under a
 temporary name of its process and thread and renamed when complete, so a crashed or concurrent build never leaves
-half a library under the final name.
+half a library under the final name; a killed build's temporary files (SIGKILL, a power cut) are swept by the next
+build once they are past any build's time and their process is gone.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +156,7 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
                 return target
         except OSError as exc:  # a name past the file system's limit, a folder the user cannot search: exists() raises
             raise KernelUnavailable(f"the kernel cache {cache_dir} cannot be read: {exc.strerror}") from None
+    _sweep_dead_builds(cache_dir, stem)
     errors = []
     for target, key, cflags, lflags in targets:
         try:
@@ -182,6 +186,40 @@ def build_kernel(cache_dir: Path, source: Path | None = None, what: str = "the C
             tmp.unlink(missing_ok=True)
             obj.unlink(missing_ok=True)
     raise KernelUnavailable(f"compiling {what} with {cc} failed: {errors[-1]}")
+
+
+#: A build's temporary files: ``.<stem>-<key>.<pid>.<thread>.o`` / ``.so`` (:func:`build_kernel`).
+_TEMP = re.compile(r"\.(?P<stem>.+)-[0-9a-f]{16}\.(?P<pid>\d+)\.\d+\.(?:o|so)")
+
+
+def _sweep_dead_builds(cache_dir: Path, stem: str) -> None:
+    """Remove the temporary files of ``stem``'s builds that were killed where nothing could clean up (SIGKILL, a
+    power cut): older than any build may take (its two commands at most :data:`COMPILE_TIMEOUT_S` each, for every
+    flag set) and of a process that is gone. Both, since a cache may be shared with another machine or container
+    whose processes this one cannot see; a file that cannot be read or removed is left."""
+    oldest = time.time() - 2 * COMPILE_TIMEOUT_S * len(FLAG_SETS) - 60
+    try:
+        entries = list(os.scandir(cache_dir))
+    except OSError:
+        return
+    for entry in entries:
+        m = _TEMP.fullmatch(entry.name)
+        if m is None or m["stem"] != stem:
+            continue
+        with contextlib.suppress(OSError):
+            if entry.stat(follow_symlinks=False).st_mtime < oldest and not _alive(int(m["pid"])):
+                os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists here (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def load_library(cache_dir: Path, source: Path | None = None,

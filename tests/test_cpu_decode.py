@@ -3,6 +3,7 @@ with its reason where it cannot run, and never reading outside the pool."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -427,3 +428,29 @@ def test_a_relative_kernel_cache_named_like_an_option_builds(tmp_path, monkeypat
     built = cpu_kernel_build.build_kernel(Path("-1") / "kernels")
     assert built.exists() and built.is_relative_to(tmp_path / "-1" / "kernels")
     assert len([c for c in compiler_runs if "-c" in c or "-shared" in c]) == 2  # one compile, one link
+
+
+@needs_cc
+def test_a_killed_builds_temporary_files_are_swept_by_the_next_build(tmp_path, tiny_source):
+    """A build killed where nothing could clean up (SIGKILL) left ``.<stem>-<key>.<pid>.<thread>.o/.so`` in the cache
+    for good; the next build removes those past any build's time whose process is gone, and nothing else: a live
+    process's (another build now), a recent one's (maybe another machine's sharing the cache), another kernel's."""
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - 2 * cpu_kernel_build.COMPILE_TIMEOUT_S * len(cpu_kernel_build.FLAG_SETS) - 120
+    key = "0123456789abcdef"
+    stale = [cache / f".probe-{key}.{dead.pid}.140305877490560.{ext}" for ext in ("o", "so")]
+    kept = [cache / f".probe-{key}.{dead.pid}.1.so",  # recent: a build of a machine sharing the cache may own it
+            cache / f".probe-{key}.{os.getpid()}.2.o",  # old, but its process is alive
+            cache / f".paged_decode-{key}.{dead.pid}.3.so",  # another kernel's: its own build sweeps it
+            cache / "notes.txt"]
+    for path in stale + kept:
+        path.write_bytes(b"half")
+    for path in stale + kept[1:]:
+        os.utime(path, (old, old))
+    built = cpu_kernel_build.build_kernel(cache)
+    assert built.exists()
+    assert not any(path.exists() for path in stale)
+    assert all(path.exists() for path in kept)
