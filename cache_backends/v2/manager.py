@@ -590,7 +590,16 @@ class KVCacheManagerV2:
         n, r = divmod(cache.committed, self.T)
         if not n or r < self._partial_unit:
             return 0
-        tables, pools = cache.tables, self._pool
+        tables, pools, arena = cache.tables, self._pool, self._arena
+        if arena is not None and len(self._names) > 1:  # every group's block at once, at C speed (31 on Gemma 3 27B)
+            got = list(map(tables.__getitem__, self._names))
+            if min(map(len, got)) <= n:
+                return 0
+            at, before = list(map(itemgetter(n), got)), list(map(itemgetter(n - 1), got))
+            if min(at) < 0 or min(before) < 0:  # (the block before it let go by a window: see below)
+                return 0
+            get = itemgetter(*at)
+            return r if get(arena.ref).count(1) == len(at) and not any(get(arena.node)) else 0
         for name in self._names:
             table = tables[name]
             # (the block before it let go by a window no wider than r: a hit on the history cannot end there)
@@ -621,12 +630,17 @@ class KVCacheManagerV2:
             if old.adjacent() and old.valid >= r and old.held[0] == len(self._names) \
                     and old.block(0)[:8 * r] == pack_tokens(_tokens(cache.request, n * T, n * T + r)):
                 return
-            for name in self._names:  # left behind: its blocks go free (taken out of the queue, then dropped)
-                b = old.blocks[name][0]
-                if b >= 0:
-                    pool = pools[name]
-                    pool.incref(b)
-                    pool.decref(b, 0, False, self._detach)
+            if self._arena is not None:  # left behind: its blocks go free (out of the queue, dropped), in one pass
+                blocks = old.blocks
+                self._arena.drop_each(self._share_index, [blocks[name][0] for name in self._names],
+                                      self._detach_mixed)
+            else:
+                for name in self._names:  # left behind: its blocks go free (taken out of the queue, then dropped)
+                    b = old.blocks[name][0]
+                    if b >= 0:
+                        pool = pools[name]
+                        pool.incref(b)
+                        pool.decref(b, 0, False, self._detach)
             if last.tail is old:  # (every block of it was evicted already: unhooked by the last detach otherwise)
                 last.tail = None
         last.tail = self._hang_tail(last, cache.request, n, r, {name: tables[name][n] for name in self._names})
@@ -2195,14 +2209,21 @@ class KVCacheManagerV2:
             if m:  # else nothing matched: the tables stay as create() left them
                 assert run is not None
                 run, i = self._tree.position(run, m // T - 1)
+                arena = self._arena
+                pieces: list[list[int]] = []
                 for g in self.groups:
                     tpb, step = g.tokens_per_block, g.tokens_per_block // T
                     lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
                     along = self._tree.path_blocks(run, i + run.start + 1, g.name)
                     claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
-                    self._pool[g.name].incref_many(claimed)
+                    if arena is None:
+                        self._pool[g.name].incref_many(claimed)
+                    else:
+                        pieces.append(claimed)
                     cache.tables[g.name] = [-1] * lo + claimed
                     cache.released[g.name] = lo
+                if arena is not None:  # every group's claim in one pass (the paths are only read above)
+                    arena.incref_groups(self._share_index, pieces)
                 cache.last = self._tree.claim(run, i)
             cache.keyed = m // T
             cache.key_at = (m // T + 1) * T
@@ -2479,24 +2500,31 @@ class KVCacheManagerV2:
         if best is None:
             return 0
         src_of = {g.name: best.blocks[g.name][0] for g in self.groups}
-        for g in self.groups:  # hold the source so our own allocation cannot evict it
-            self._pool[g.name].incref(src_of[g.name])
+        arena = self._arena
+        if arena is not None:  # hold the source so our own allocation cannot evict it: every group's in one pass
+            srcs = list(src_of.values())
+            arena.incref_each(self._share_index, srcs)
+        else:
+            for g in self.groups:  # hold the source so our own allocation cannot evict it
+                self._pool[g.name].incref(src_of[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            fresh = ([piece[0] for piece in self._arena.take_each(self._share_index, [1] * len(self.groups),
-                                                                  self._detach)]
-                     if self._arena is not None else [self._pool[g.name].allocate(self._detach) for g in self.groups])
-            if self._arena is not None:  # every group's tensor is the one arena: copy all the pages in one go
-                arena = self.pools.tensors[self.groups[0].name]
-                arena[:, fresh] = arena[:, [src_of[g.name] for g in self.groups]]
+            fresh = (arena.take_one_each(self._share_index, self._detach_mixed) if arena is not None
+                     else [self._pool[g.name].allocate(self._detach) for g in self.groups])
+            if arena is not None:  # every group's tensor is the one arena: copy all the pages in one go
+                pages = self.pools.tensors[self.groups[0].name]
+                pages[:, fresh] = pages[:, srcs]
             for g, b in zip(self.groups, fresh, strict=True):
-                if self._arena is None:
+                if arena is None:
                     src = src_of[g.name]
                     self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
             cache.partial_hit = True
             self.counters["reuse_partial_hits"] += 1
+        if arena is not None:
+            arena.decref_each(self._share_index, srcs, list(map(arena.priority.__getitem__, srcs)))
+            return gained
         for g in self.groups:
             pool, src = self._pool[g.name], src_of[g.name]
             pool.decref(src, pool.priority[src], True, self._detach)
