@@ -2275,13 +2275,22 @@ class KVCacheManagerV2:
             run, segs = tree.extend(None, prefix.salt, pack_tokens(_tokens(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
             assert segs == [(run, 0, n)], "a pending prefix's first token starts no run"
             counts = run.held
+            one, whole = self._one_owner, 0  # (a shared arena's one block -> run list: a group without holes in bulk)
             for name, _, owner, _ in self._attach_steps:
-                dst = run.blocks[name]
-                for i, b in enumerate(prefix.blocks[name][:n]):
+                dst, src = run.blocks[name], prefix.blocks[name][:n]
+                if one is not None and len(src) == n and -1 not in src:  # (the run's lists are fresh: -1 and 0)
+                    dst[:] = src
+                    for b in src:
+                        owner[b] = run  # its position (pos[b] == i) stays
+                    whole += 1
+                    continue
+                for i, b in enumerate(src):
                     if b >= 0:
                         dst[i] = b
                         owner[b] = run  # its position (pos[b] == i) stays
                         counts[i] += 1
+            if whole:
+                counts[:] = [c + whole for c in counts]
         if prefix.tail and held[full]:  # its parked partial last block: the run's tail, or loose if the run ends early
             # (with no run: a parent of its own, outside the tree, as a removed run is for a tail it left loose)
             parent = run if run is not None else RadixNode(None, prefix.salt, 0, (), 0)
@@ -2508,7 +2517,9 @@ class KVCacheManagerV2:
             for g in self.groups:  # hold the source so our own allocation cannot evict it
                 self._pool[g.name].incref(src_of[g.name])
         gained = 0
-        if self.shortfall({g.name: 1 for g in self.groups}) is None:
+        # a page for every group: on a shared arena (one pool set) that is len(groups) pages of its free or evictable
+        if (len(self.groups) <= arena.available if arena is not None and self._slabs is None
+                else self.shortfall({g.name: 1 for g in self.groups}) is None):
             fresh = (arena.take_one_each(self._share_index, self._detach_mixed) if arena is not None
                      else [self._pool[g.name].allocate(self._detach) for g in self.groups])
             if arena is not None:  # every group's tensor is the one arena: copy all the pages in one go
