@@ -204,6 +204,12 @@ class KVCacheManagerV2:
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node,
                                self._pool[g.name].pos) for g in self.groups]
         self._names = [g.name for g in self.groups]
+        # a hit's claim per group: (group, block span in tokens, in token blocks, window, what claims its blocks: its
+        # pool's incref_many, or on a shared arena an append to _hit_pieces, claimed for every group at once)
+        self._hit_pieces: list[list[int]] = []
+        self._claim_steps = [(g.name, g.tokens_per_block, g.tokens_per_block // self.T, g.window,
+                              self._hit_pieces.append if self._arena is not None else self._pool[g.name].incref_many)
+                             for g in self.groups]
         # a shared arena whose every group block spans one token block: its block -> run list, which every group's
         # view shares (a decode that fills a block keys every group's block at one position, checked in bulk)
         self._one_owner = (self._arena.node if self._arena is not None and all(g.tokens_per_block == self.T
@@ -2221,27 +2227,22 @@ class KVCacheManagerV2:
             if m:  # else nothing matched: the tables stay as create() left them
                 assert run is not None
                 run, i = self._tree.position(run, m // T - 1)
-                if self._arena is None:
-                    for g in self.groups:
-                        tpb, step = g.tokens_per_block, g.tokens_per_block // T
-                        lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
-                        along = self._tree.path_blocks(run, i + run.start + 1, g.name)
-                        claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
-                        self._pool[g.name].incref_many(claimed)
-                        cache.tables[g.name] = [-1] * lo + claimed
-                        cache.released[g.name] = lo
-                else:
-                    pieces: list[list[int]] = []
-                    for g in self.groups:
-                        tpb, step = g.tokens_per_block, g.tokens_per_block // T
-                        lo = 0 if g.window is None else max(0, m - g.window + 1) // tpb
-                        along = self._tree.path_blocks(run, i + run.start + 1, g.name)
-                        claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
-                        pieces.append(claimed)
-                        cache.tables[g.name] = [-1] * lo + claimed
-                        cache.released[g.name] = lo
-                    # every group's claim in one pass (the paths are only read above; 31 calls on Gemma 3 27B)
-                    self._arena.incref_groups(self._share_index, pieces)
+                path_blocks, end, tables, released = self._tree.path_blocks, i + run.start + 1, cache.tables, \
+                    cache.released
+                # each group's pool claims its blocks; on a shared arena the claims collect them, then every group's
+                # are claimed in one pass (the paths are only read in the loop; 31 calls on Gemma 3 27B)
+                for name, tpb, step, window, claim in self._claim_steps:
+                    lo = 0 if window is None else max(0, m - window + 1) // tpb
+                    along = path_blocks(run, end, name)
+                    claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
+                    claim(claimed)
+                    tables[name] = [-1] * lo + claimed
+                    released[name] = lo
+                pieces = self._hit_pieces
+                if pieces:
+                    got = pieces[:]
+                    pieces.clear()
+                    self._arena.incref_groups(self._share_index, got)  # type: ignore[union-attr]
                 cache.last = self._tree.claim(run, i)
             cache.keyed = m // T
             cache.key_at = (m // T + 1) * T
