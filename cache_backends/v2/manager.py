@@ -2227,21 +2227,18 @@ class KVCacheManagerV2:
             if m:  # else nothing matched: the tables stay as create() left them
                 assert run is not None
                 run, i = self._tree.position(run, m // T - 1)
-                path_blocks, end, tables, released = self._tree.path_blocks, i + run.start + 1, cache.tables, \
-                    cache.released
                 # each group's pool claims its blocks; on a shared arena the claims collect them, then every group's
                 # are claimed in one pass (the paths are only read in the loop; 31 calls on Gemma 3 27B)
                 for name, tpb, step, window, claim in self._claim_steps:
                     lo = 0 if window is None else max(0, m - window + 1) // tpb
-                    along = path_blocks(run, end, name)
+                    along = self._tree.path_blocks(run, i + run.start + 1, name)
                     claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
                     claim(claimed)
-                    tables[name] = [-1] * lo + claimed
-                    released[name] = lo
-                pieces = self._hit_pieces
-                if pieces:
-                    got = pieces[:]
-                    pieces.clear()
+                    cache.tables[name] = [-1] * lo + claimed
+                    cache.released[name] = lo
+                if self._hit_pieces:
+                    got = self._hit_pieces[:]
+                    self._hit_pieces.clear()
                     self._arena.incref_groups(self._share_index, got)  # type: ignore[union-attr]
                 cache.last = self._tree.claim(run, i)
             cache.keyed = m // T
