@@ -680,15 +680,15 @@ def _turns_run(convs: list[tuple[list[int], list[list[int]], int]], fast: bool, 
             took[name] += 1
             return (one if fast else slow)[name](*args)
         setattr(arena, name, call)
-    tail_to_keep = m._tail_to_keep
+    tail_to_keep = m._tail_fn
 
-    def checked_tail(cache):  # the arena's check at C speed answers as the per-group loop does
-        got = tail_to_keep(cache)
-        assert got == KVCacheManagerV2._tail_to_keep(m, cache)
+    def checked_tail(manager, cache):  # the arena's check at C speed answers as the per-group loop does
+        got = tail_to_keep(manager, cache)
+        assert got == KVCacheManagerV2._tail_to_keep(manager, cache)
         took["tail"] += bool(got)
         return got
 
-    m._tail_to_keep = checked_tail  # type: ignore[method-assign]
+    m._tail_fn = checked_tail
     nexts = [[] for _ in convs]  # per conversation: its next turn's prompt, once the previous turn ended
     for c, (opening, _, _) in enumerate(convs):
         nexts[c] = [list(opening)]

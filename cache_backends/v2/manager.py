@@ -214,10 +214,13 @@ class KVCacheManagerV2:
         # view shares (a decode that fills a block keys every group's block at one position, checked in bulk)
         self._one_owner = (self._arena.node if self._arena is not None and all(g.tokens_per_block == self.T
                                                                                 for g in self.groups) else None)
-        if self._arena is not None:  # the arena's versions of per-group paths (one pass over the groups)
-            self._claim_partial = self._claim_partial_arena  # type: ignore[method-assign]
-            if len(self._names) > 1:
-                self._tail_to_keep = self._tail_to_keep_arena  # type: ignore[method-assign]
+        # the arena's versions of per-group paths (one pass over the groups), or the per-group ones: plain functions
+        # called with the manager (a bound method kept on the manager would make it a reference cycle, and its pools
+        # would outlive it until the garbage collector runs)
+        cls = type(self)
+        self._claim_partial_fn = cls._claim_partial_arena if self._arena is not None else cls._claim_partial
+        self._tail_fn = (cls._tail_to_keep_arena if self._arena is not None and len(self._names) > 1
+                         else cls._tail_to_keep)
         self._sliding = [g for g in self.groups if g.window is not None]
         # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
         windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
@@ -565,7 +568,7 @@ class KVCacheManagerV2:
         if cache is None:
             return
         self._active_requests.discard(request)
-        if cache.pending is None and self._tail_to_keep(cache):
+        if cache.pending is None and self._tail_fn(self, cache):
             self._keep_tail(cache)
         pending, active = cache.pending, cache.is_active  # (the release below clears cache.pending)
         if cache.pending is not None and self._one_owner is not None and cache.is_active \
@@ -573,7 +576,7 @@ class KVCacheManagerV2:
             pass  # parked and let go in one pass
         else:
             if cache.pending is not None:
-                self._park(cache, self._tail_to_keep(cache))
+                self._park(cache, self._tail_fn(self, cache))
             elif cache.latent is not None:
                 self._drop_latent(cache)
             if cache.is_active:
@@ -610,7 +613,7 @@ class KVCacheManagerV2:
         return r
 
     def _tail_to_keep_arena(self, cache: SequenceCache) -> int:
-        """:meth:`_tail_to_keep` on a shared arena of several groups (bound in its place), every group's block checked
+        """:meth:`_tail_to_keep` on a shared arena of several groups (``_tail_fn``), every group's block checked
         at once at C speed (a finish asks it: 31 groups on Gemma 3 27B)."""
         if not self._partial or not cache.is_active or self.kv_events is not None:
             return 0
@@ -2246,7 +2249,7 @@ class KVCacheManagerV2:
             if self._lazy and not cache.keyed and first:
                 self._add_latent(cache, first)
             if self._partial and self._prefix_check is None:  # a limited prefix ends where its caller's state does
-                m += self._claim_partial(cache, m)
+                m += self._claim_partial_fn(self, cache, m)
         self._activate(cache, m)
 
     def _cheap_miss(self, request: Request, first: bytes) -> bool:
@@ -2423,7 +2426,7 @@ class KVCacheManagerV2:
         assert prefix is not None
         cache.pending = None
         prefix.cache = None
-        r = self._tail_to_keep(cache)  # a partial last block parked too, at position n (its tokens: prefix.tail)
+        r = self._tail_fn(self, cache)  # a partial last block parked too, at position n (its tokens: prefix.tail)
         end = n + 1 if r else n
         if len(prefix.held) < end:
             self._grow(prefix, end)
@@ -2565,7 +2568,7 @@ class KVCacheManagerV2:
         return gained
 
     def _claim_partial_arena(self, cache: SequenceCache, m: int) -> int:
-        """:meth:`_claim_partial` on a shared arena (bound in its place): the source's block of every group held and
+        """:meth:`_claim_partial` on a shared arena (``_claim_partial_fn``): the source's block of every group held and
         let go in one pass each (:meth:`SharedPool.incref_each`, :meth:`SharedPool.decref_each`), the room check one
         comparison (a page a group against the arena's free or evictable: one pool set), the pages taken in one
         :meth:`SharedPool.take_one_each`. The same blocks, counts and queue order as the per-group calls (on Gemma 3
