@@ -642,3 +642,96 @@ def test_a_finished_window_keeps_what_its_next_turns_hit_reads_ahead_of_younger_
     compute(m, turn, turn.num_tokens - turn.num_computed_tokens)
     check_kv(m, turn)
     m.check_invariants()
+
+
+def _turns_run(convs: list[tuple[list[int], list[list[int]], int]], fast: bool, pages: int,
+               window: int) -> tuple[list, dict[str, int]]:
+    """Conversations (opening, each later turn's new user tokens, new tokens a turn) through a Gemma-3-like arena,
+    every conversation's turns one after another (a turn's prompt: its previous turn's tokens and the new ones), a
+    token per decode step; the state after every step, and how often each one-pass method of the arena ran (``fast``
+    false: the per-group calls main made instead: ``incref`` / ``release`` / ``incref_many`` group by group)."""
+    m = make_manager(gemma_like(window=window), pages)
+    arena = m._arena
+    took = {"incref_each": 0, "decref_each": 0, "drop_each": 0, "incref_groups": 0, "tail": 0}
+    one = {name: getattr(arena, name) for name in ("incref_each", "decref_each", "drop_each", "incref_groups")}
+
+    def per_group_incref_each(groups, blocks):
+        for g, b in zip(groups, blocks, strict=True):
+            arena.incref(g, b)
+
+    def per_group_decref_each(groups, blocks, priorities):
+        for g, b, p in zip(groups, blocks, priorities, strict=True):
+            arena.release(g, (b,), p, True, m._detach)
+
+    def per_group_drop_each(groups, blocks, detach_mixed):
+        for g, b in zip(groups, blocks, strict=True):
+            if b >= 0:
+                arena.incref(g, b)
+                arena.release(g, (b,), 0, False, m._detach)
+
+    def per_group_incref_groups(groups, pieces):
+        for g, piece in zip(groups, pieces, strict=True):
+            arena.incref_many(g, piece)
+
+    slow = {"incref_each": per_group_incref_each, "decref_each": per_group_decref_each,
+            "drop_each": per_group_drop_each, "incref_groups": per_group_incref_groups}
+    for name in one:
+        def call(*args, name=name):
+            took[name] += 1
+            return (one if fast else slow)[name](*args)
+        setattr(arena, name, call)
+    tail_to_keep = m._tail_fn
+
+    def checked_tail(manager, cache):  # the arena's check at C speed answers as the per-group loop does
+        got = tail_to_keep(manager, cache)
+        assert got == KVCacheManagerV2._tail_to_keep(manager, cache)
+        took["tail"] += bool(got)
+        return got
+
+    m._tail_fn = checked_tail
+    nexts = [[] for _ in convs]  # per conversation: its next turn's prompt, once the previous turn ended
+    for c, (opening, _, _) in enumerate(convs):
+        nexts[c] = [list(opening)]
+    turn = [0] * len(convs)
+    running: dict[int, Request] = {}
+    states = []
+    while any(nexts) or running:
+        for c in range(len(convs)):
+            if c not in running and nexts[c] and len(running) < 2:
+                r = Request(f"c{c}t{turn[c]}", nexts[c].pop(), convs[c][2])
+                prefill(m, r)
+                running[c] = r
+        for c, r in list(running.items()):
+            if len(r.output_token_ids) >= r.max_new_tokens:
+                m.free(r)
+                del running[c]
+                more = convs[c][1]
+                if turn[c] < len(more):
+                    nexts[c].append(r.all_token_ids + more[turn[c]])
+                    turn[c] += 1
+                continue
+            r.output_token_ids.append(next_token(r))
+            assert m.schedule_tokens(r, 1) == 1
+            write_kv(m, r, r.num_computed_tokens, 1)
+            m.commit(r, 1)
+        m.check_invariants()
+        states.append(_slide_state(m))
+    return states, took
+
+
+@pytest.mark.parametrize("pages", [14, 40], ids=["evicting", "roomy"])
+@pytest.mark.parametrize("window", [4, 8])
+def test_a_turn_s_claims_and_tails_in_one_pass_over_the_groups_leave_the_arena_as_the_per_group_calls_do(pages,
+                                                                                                        window):
+    # three conversations, two opening alike (their first turns share a prompt a partial block in: hits on blocks
+    # another table holds, partial matches between conversations); later turns hit their history's whole blocks,
+    # copy its partial last block (the tail) and leave the tail behind as their run grows
+    convs = [([5, 6, 7, 8, 9, 10, 11], [[21, 22], [23, 24, 25, 26, 27], [28]], 3),
+             ([5, 6, 7, 8, 9, 12], [[31, 32, 33], [34]], 2),
+             ([40 + t for t in range(10)], [[41, 42, 43, 44, 45, 46], [47, 48], [49, 50, 51]], 5)]
+    fast, took = _turns_run(convs, True, pages, window)
+    slow, _ = _turns_run(convs, False, pages, window)
+    assert all(took.values()), took  # each one-pass method ran, and tails were kept
+    assert len(fast) == len(slow)
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
+        assert got == want, f"step {step}"

@@ -32,6 +32,7 @@ step by step); only the per-block work remains per group.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
@@ -255,6 +256,133 @@ class SharedPool:
                                "blocks") from None
         self.cached[group] -= len(cached)
         self.used[group] += len(cached)
+
+    def incref_groups(self, groups: Sequence[int], pieces: Sequence[Sequence[int]]) -> None:
+        """:meth:`incref_many` of ``pieces[i]`` for ``groups[i]``, for each ``i`` in order: a prefix hit's claimed
+        blocks of every group.
+
+        The usual hit of a shared arena (every block its group's, cached and held by nobody: a finished turn's history)
+        is checked and claimed in one pass over every group's blocks and one queue removal (the removals commute), not
+        a call per group (31 on Gemma 3 27B); any other takes the calls."""
+        ref = self.ref
+        first = next((piece[0] for piece in pieces if piece), None)
+        if first is not None and not ref[first]:  # (a shared prompt other requests hold shows at its first block)
+            blocks = list(chain.from_iterable(pieces))
+            n = len(blocks)
+            get = itemgetter(*blocks) if n > 1 else None
+            if get is not None and get(ref).count(0) == n and \
+                    get(self.group_of) == tuple(chain.from_iterable(map(repeat, groups, map(len, pieces)))):
+                for b in blocks:
+                    ref[b] = 1
+                try:
+                    self.evictable.remove_many(blocks)
+                except KeyError as e:
+                    g = next(g for g, piece in zip(groups, pieces, strict=True) if e.args[0] in piece)
+                    raise RuntimeError(f"group {self.names[g]}: block {e.args[0]} is not one of its used or cached "
+                                       "blocks") from None
+                cached, used = self.cached, self.used
+                for g, piece in zip(groups, pieces, strict=True):
+                    k = len(piece)
+                    cached[g] -= k
+                    used[g] += k
+                return
+        for g, piece in zip(groups, pieces, strict=True):
+            self.incref_many(g, piece)
+
+    def incref_each(self, groups: Sequence[int], blocks: Sequence[int]) -> None:
+        """:meth:`incref` of ``blocks[i]`` for ``groups[i]``, for each ``i`` in order, in one pass.
+
+        Why: a partial hit holds the block of every group its source run has at one position while it copies them;
+        on Gemma 3 27B a call per group through its view cost 31 calls and 31 queue removals a hit."""
+        ref, group_of, cached, used = self.ref, self.group_of, self.cached, self.used
+        queued: list[int] = []
+        for g, b in zip(groups, blocks, strict=True):  # a block a group (every group's differs: no repeats)
+            if group_of[b] != g:
+                raise RuntimeError(f"group {self.names[g]}: block {b} is not one of its used or cached blocks")
+            r = ref[b]
+            if not r:
+                queued.append(b)
+                cached[g] -= 1
+                used[g] += 1
+            ref[b] = r + 1
+        if queued:
+            try:
+                self.evictable.remove_many(queued)  # one pass over the queue, not a call per block
+            except KeyError as e:
+                g = groups[list(blocks).index(e.args[0])]
+                raise RuntimeError(f"group {self.names[g]}: block {e.args[0]} is not one of its used or cached "
+                                   "blocks") from None
+
+    def decref_each(self, groups: Sequence[int], blocks: Sequence[int], priorities: Sequence[int]) -> None:
+        """:meth:`release` of ``blocks[i]`` by ``groups[i]`` with ``keep_cached`` at ``priorities[i]``, for each ``i``
+        in order, in one pass (what :meth:`incref_each` held goes back: a cached block to the queue, an uncached one
+        free).
+
+        The blocks that go to the queue are queued in order, one by one as the calls would queue them; in one
+        ``add_many`` when that is the same: all leaves of one priority while no shared block is queued (then no
+        stale shared block is demoted between them)."""
+        ref, group_of, owner, free = self.ref, self.group_of, self.node, self._free
+        cached, used = self.cached, self.used
+        queued: list[tuple[int, int, bool]] = []
+        for g, b, p in zip(groups, blocks, priorities, strict=True):
+            if b < 0:
+                continue
+            r = ref[b] - 1
+            if r < 0 or group_of[b] != g:
+                raise RuntimeError(f"group {self.names[g]}: block {b} released more often than held")
+            ref[b] = r
+            if r:
+                continue
+            used[g] -= 1
+            node = owner[b]
+            if node is None:
+                free.append(b)
+                group_of[b] = -1
+            else:
+                cached[g] += 1
+                queued.append((b, p, bool(node.children)))
+        if not queued:
+            return
+        queue = self.evictable
+        p = queued[0][1]
+        if not queue.num_shared and all(not s and q == p for _, q, s in queued):
+            queue.add_many([b for b, _, _ in queued], p)
+            return
+        for b, q, s in queued:
+            queue.add_many((b,), q, s)
+
+    def drop_each(self, groups: Sequence[int], blocks: Sequence[int], detach_mixed: DetachMixed) -> None:
+        """For each ``i`` in order, ``blocks[i]`` of ``groups[i]`` (ids below 0 skipped) goes free if nobody holds it
+        (taken out of the eviction queue and unhooked from its run): what :meth:`incref` then :meth:`release` without
+        ``keep_cached`` does, group by group, in one pass (a finished turn's stale partial tail, a block in every
+        group)."""
+        ref, group_of, owner, free, cached = self.ref, self.group_of, self.node, self._free, self.cached
+        queued: list[int] = []
+        gone: list[int] = []
+        gone_groups: list[int] = []
+        for g, b in zip(groups, blocks, strict=True):
+            if b < 0:
+                continue
+            if group_of[b] != g:
+                raise RuntimeError(f"group {self.names[g]}: block {b} is not one of its used or cached blocks")
+            if ref[b]:
+                continue  # held by a table: it stays
+            queued.append(b)
+            cached[g] -= 1  # (held for the drop then let go: its used count ends as it was)
+            free.append(b)
+            group_of[b] = -1
+            if owner[b] is not None:
+                gone.append(b)
+                gone_groups.append(g)
+        if queued:
+            try:
+                self.evictable.remove_many(queued)
+            except KeyError as e:
+                g = groups[list(blocks).index(e.args[0])]
+                raise RuntimeError(f"group {self.names[g]}: block {e.args[0]} is not one of its used or cached "
+                                   "blocks") from None
+        if gone:
+            detach_mixed(gone, gone_groups)
 
     def release_slices(self, members: Sequence[tuple[int, list[int]]], lo: int, hi: int, priority: int) -> None:
         """Let go of ``table[lo:hi]`` of every ``(group, table)`` (ids below 0 skipped) and mark them -1; blocks in
