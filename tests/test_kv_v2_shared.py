@@ -735,3 +735,37 @@ def test_a_turn_s_claims_and_tails_in_one_pass_over_the_groups_leave_the_arena_a
     assert len(fast) == len(slow)
     for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
         assert got == want, f"step {step}"
+
+
+def test_a_hits_claim_interrupted_on_a_shared_arena_leaves_no_claim_behind():
+    """A stop signal (KeyboardInterrupt) inside a prefix hit's claim loop, on a shared arena, after some groups' blocks
+    were gathered: the request is freed as ``LLM.generate`` frees it on its way out, and the same manager serves the
+    next hit with every invariant holding. The gathered claims were kept on the manager and made again by the next hit
+    (a "block is not one of its used or cached blocks" error, then "ref 1 but 0 owners"); a table could also name a
+    block not yet claimed."""
+    m = make_manager(gemma_like(window=8), 14)
+    prompt = list(range(1, 21))
+    first = Request("a", prompt, 2)
+    prefill(m, first)
+    m.free(first)
+    path_blocks, calls = m._tree.path_blocks, [0]
+
+    def interrupted(*args: object) -> list[int]:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return path_blocks(*args)
+
+    m._tree.path_blocks = interrupted  # type: ignore[method-assign]
+    second = Request("b", prompt + [99], 2)
+    with pytest.raises(KeyboardInterrupt):
+        admit(m, second)
+    m._tree.path_blocks = path_blocks  # type: ignore[method-assign]
+    m.free(second)
+    m.check_invariants()
+    third = Request("c", prompt + [98], 2)
+    prefill(m, third)
+    m.check_invariants()
+    assert third.num_reused_tokens >= 16  # the cached prompt's whole blocks still hit
+    m.free(third)
+    m.check_invariants()

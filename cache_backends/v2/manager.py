@@ -205,10 +205,9 @@ class KVCacheManagerV2:
                                self._pool[g.name].pos) for g in self.groups]
         self._names = [g.name for g in self.groups]
         # a hit's claim per group: (group, block span in tokens, in token blocks, window, what claims its blocks: its
-        # pool's incref_many, or on a shared arena an append to _hit_pieces, claimed for every group at once)
-        self._hit_pieces: list[list[int]] = []
+        # pool's incref_many, or None on a shared arena, whose claims are made for every group at once)
         self._claim_steps = [(g.name, g.tokens_per_block, g.tokens_per_block // self.T, g.window,
-                              self._hit_pieces.append if self._arena is not None else self._pool[g.name].incref_many)
+                              None if self._arena is not None else self._pool[g.name].incref_many)
                              for g in self.groups]
         # a shared arena whose every group block spans one token block: its block -> run list, which every group's
         # view shares (a decode that fills a block keys every group's block at one position, checked in bulk)
@@ -2231,18 +2230,24 @@ class KVCacheManagerV2:
                 assert run is not None
                 run, i = self._tree.position(run, m // T - 1)
                 # each group's pool claims its blocks; on a shared arena the claims collect them, then every group's
-                # are claimed in one pass (the paths are only read in the loop; 31 calls on Gemma 3 27B)
+                # are claimed in one pass (the paths are only read in the loop; 31 calls on Gemma 3 27B), and only then
+                # go into the tables: a table never holds a block unclaimed, and an interrupted loop leaves nothing
+                got: list[tuple[str, int, list[int]]] = []
                 for name, tpb, step, window, claim in self._claim_steps:
                     lo = 0 if window is None else max(0, m - window + 1) // tpb
                     along = self._tree.path_blocks(run, i + run.start + 1, name)
                     claimed = along[lo:] if step == 1 else [along[(j + 1) * step - 1] for j in range(lo, m // tpb)]
+                    if claim is None:
+                        got.append((name, lo, claimed))
+                        continue
                     claim(claimed)
                     cache.tables[name] = [-1] * lo + claimed
                     cache.released[name] = lo
-                if self._hit_pieces:
-                    got = self._hit_pieces[:]
-                    self._hit_pieces.clear()
-                    self._arena.incref_groups(self._share_index, got)  # type: ignore[union-attr]
+                if got:
+                    self._arena.incref_groups(self._share_index, [claimed for _, _, claimed in got])  # type: ignore[union-attr]
+                    for name, lo, claimed in got:
+                        cache.tables[name] = [-1] * lo + claimed
+                        cache.released[name] = lo
                 cache.last = self._tree.claim(run, i)
             cache.keyed = m // T
             cache.key_at = (m // T + 1) * T
@@ -2538,7 +2543,8 @@ class KVCacheManagerV2:
         self._release_window(cache)
 
     def _claim_partial(self, cache: SequenceCache, m: int) -> int:
-        """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained."""
+        """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained. Pools of
+        their own (a shared arena takes :meth:`_claim_partial_arena`)."""
         request = cache.request
         best, best_k = self._partial_source(request, cache.last if m else self._tree.root(request.salt), m)
         if best is None:
@@ -2548,16 +2554,10 @@ class KVCacheManagerV2:
             self._pool[g.name].incref(src_of[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            fresh = ([piece[0] for piece in self._arena.take_each(self._share_index, [1] * len(self.groups),
-                                                                  self._detach)]
-                     if self._arena is not None else [self._pool[g.name].allocate(self._detach) for g in self.groups])
-            if self._arena is not None:  # every group's tensor is the one arena: copy all the pages in one go
-                arena = self.pools.tensors[self.groups[0].name]
-                arena[:, fresh] = arena[:, [src_of[g.name] for g in self.groups]]
+            fresh = [self._pool[g.name].allocate(self._detach) for g in self.groups]
             for g, b in zip(self.groups, fresh, strict=True):
-                if self._arena is None:
-                    src = src_of[g.name]
-                    self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
+                src = src_of[g.name]
+                self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
             cache.partial_hit = True
