@@ -24,9 +24,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+
+from cache_backends.signal_hold import handlers_held
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 #: (compile, link) flags, best first: a set the compiler refuses is dropped for the next one. -ffast-math only
@@ -55,43 +55,6 @@ def compiler() -> str | None:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-@contextlib.contextmanager
-def _stop_signals_held() -> Iterator[None]:
-    """Hold back the stop signals whose Python handlers raise (SIGINT's ``KeyboardInterrupt``, kvload's SIGTERM and
-    SIGHUP) until the block ends, then raise the first that came, as its handler would have.
-
-    Their handlers are swapped for one that only notes the signal, not the signal mask: a blocked signal sent to the
-    process is taken by any thread that does not block it (torch starts several), whose handler then sets the flag the
-    main thread raises on at once. Once the block ends, a signal left with the noting handler (one landing while the
-    handlers are put back) is passed to the handler it replaced. Outside the main thread (where Python runs no
-    handler) and for a handler Python did not set (the default action, ignored) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    holding, noted = [True], []
-    replaced: dict[int, Callable[[int, Any], Any]] = {}
-
-    def note(signum: int, frame: Any) -> None:
-        if holding[0]:
-            noted.append(signum)
-        else:
-            replaced[signum](signum, frame)
-
-    for signum in _STOP_SIGNALS:
-        handler = signal.getsignal(signum)
-        if callable(handler):
-            replaced[signum] = handler
-            signal.signal(signum, note)
-    try:
-        yield
-    finally:
-        holding[0] = False  # from here a signal goes to the handler it would have gone to
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)
-        if noted:
-            replaced[noted[0]](noted[0], None)
-
-
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """``subprocess.run`` in a session of its own, whose whole process group is killed on timeout (or on an
     interrupt): ``cc`` runs ``cc1``, ``as`` and ``ld`` under it, and killing ``cc`` alone would leave a hung ``cc1``
@@ -101,7 +64,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     function had the process to kill, and ``cc`` ran on after kvload had exited, writing into the kernel cache."""
     proc = None
     try:
-        with _stop_signals_held():
+        with handlers_held(_STOP_SIGNALS):
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
         out, err = proc.communicate(timeout=timeout)

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from cache_backends.signal_hold import handlers_held
+
 #: Signals :func:`handle_sigterm` turns into :class:`Terminated` (SIGINT already raises ``KeyboardInterrupt``).
 _HANDLED = (signal.SIGTERM, signal.SIGHUP)
 _HELD = {signal.SIGINT, *_HANDLED}
@@ -117,35 +119,19 @@ def release_sigterm() -> None:
 def deferred() -> Iterator[None]:
     """Hold SIGINT, SIGTERM and SIGHUP until the block ends; they are delivered (and raise) right after it.
 
-    Held twice over. Blocked in the calling thread, so a default action (SIGTERM before :func:`handle_sigterm`) waits
-    too; and their Python handlers swapped for one that only notes the signal, since the mask is the thread's own: a
-    signal sent to the process is taken by another thread that does not block it (torch starts several), and its
-    handler then ran in the main thread at once, inside the block. A signal noted is raised by its own handler once
-    the block ends; one landing with the noting handler still in place after it goes to the handler it replaced."""
+    Held twice over: their Python handlers noted instead of run (:func:`cache_backends.signal_hold.handlers_held`: a
+    signal sent to the process is taken by any thread that does not block it, torch starts several, and its Python
+    handler then ran in the main thread at once, inside the block); and blocked in the calling thread, which holds a
+    default action (SIGTERM before :func:`handle_sigterm`) only while no other thread can take it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    holding, noted = [True], []
-    replaced: dict[int, Any] = {}
-
-    def note(signum: int, frame: Any) -> None:
-        if holding[0]:
-            noted.append(signum)
-        else:
-            replaced[signum](signum, frame)
-
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
     try:
-        for signum in _HELD:
-            handler = signal.getsignal(signum)
-            if callable(handler):
-                replaced[signum] = handler
-                signal.signal(signum, note)
-        yield
-    finally:
+        with handlers_held(_HELD):
+            try:
+                yield
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    finally:  # (put back once more: a signal's exception out of the handlers' restore must not leave it blocked)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        holding[0] = False  # from here a signal goes to the handler it would have gone to
-        for signum, handler in replaced.items():
-            signal.signal(signum, handler)
-        if noted:
-            replaced[noted[0]](noted[0], None)

@@ -42,3 +42,39 @@ def test_a_stop_signal_is_raised_after_the_deferred_block_not_inside_it(stop_wit
     r = subprocess.run([sys.executable, "-c", _CHILD, stop_with, str(threads)], capture_output=True, text=True,
                        timeout=60, cwd=REPO, env={**ENV, "PYTHONPATH": str(REPO)})
     assert (r.returncode, r.stdout.splitlines(), r.stderr) == (0, ["block finished", raised], "")
+
+
+def test_a_signal_raised_while_the_handlers_are_put_back_leaves_none_swapped(monkeypatch):
+    """The block's end puts every handler back even when a stop signal raises between two of them (a signal lands on a
+    handler already put back, or ``signal.signal`` runs a pending one first); the exception then goes on. Before, the
+    restore stopped at the raise and SIGINT / SIGTERM kept the noting handler for good: later signals were noted by a
+    block long over (or bounced between it and kvload's handler until RecursionError)."""
+    import signal
+
+    from cache_backends.signal_hold import handlers_held
+
+    def term(signum, frame):
+        raise SystemExit(143)
+
+    before = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
+    monkeypatch.setattr(signal, "getsignal", signal.getsignal)  # (monkeypatch restores whatever this test changes)
+    signal.signal(signal.SIGTERM, term)
+    try:
+        real_set = signal.signal
+        calls = []
+
+        def set_then_interrupted(signum, handler):
+            calls.append(signum)
+            got = real_set(signum, handler)
+            if len(calls) == 3:  # the first put back (two swapped in): a signal raises right after it
+                raise KeyboardInterrupt
+            return got
+
+        monkeypatch.setattr(signal, "signal", set_then_interrupted)
+        with pytest.raises(KeyboardInterrupt), handlers_held((signal.SIGINT, signal.SIGTERM)):
+            assert signal.getsignal(signal.SIGTERM) is not term  # swapped for the noting one
+        monkeypatch.setattr(signal, "signal", real_set)
+        assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
+        assert signal.getsignal(signal.SIGTERM) is term
+    finally:
+        signal.signal(signal.SIGTERM, before[signal.SIGTERM])
