@@ -249,13 +249,18 @@ class SharedPool:
                     was_cached.append(b)
                 ref[b] = r + 1
             cached = was_cached
-        try:
-            self.evictable.remove_many(cached)  # one pass over the queue, not a call per block
-        except KeyError as e:
-            raise RuntimeError(f"group {self.names[group]}: block {e.args[0]} is not one of its used or cached "
-                               "blocks") from None
+        self._unqueue(cached, lambda b: group)  # one pass over the queue, not a call per block
         self.cached[group] -= len(cached)
         self.used[group] += len(cached)
+
+    def _unqueue(self, blocks: list[int], group_of: Callable[[int], int]) -> None:
+        """Take ``blocks`` out of the eviction queue in one pass; one not queued is a caller's error, named with its
+        group (``group_of(block)``)."""
+        try:
+            self.evictable.remove_many(blocks)
+        except KeyError as e:
+            raise RuntimeError(f"group {self.names[group_of(e.args[0])]}: block {e.args[0]} is not one of its used or "
+                               "cached blocks") from None
 
     def incref_groups(self, groups: Sequence[int], pieces: Sequence[Sequence[int]]) -> None:
         """:meth:`incref_many` of ``pieces[i]`` for ``groups[i]``, for each ``i`` in order: a prefix hit's claimed
@@ -274,12 +279,7 @@ class SharedPool:
                     get(self.group_of) == tuple(chain.from_iterable(map(repeat, groups, map(len, pieces)))):
                 for b in blocks:
                     ref[b] = 1
-                try:
-                    self.evictable.remove_many(blocks)
-                except KeyError as e:
-                    g = next(g for g, piece in zip(groups, pieces, strict=True) if e.args[0] in piece)
-                    raise RuntimeError(f"group {self.names[g]}: block {e.args[0]} is not one of its used or cached "
-                                       "blocks") from None
+                self._unqueue(blocks, lambda b: next(g for g, piece in zip(groups, pieces, strict=True) if b in piece))
                 cached, used = self.cached, self.used
                 for g, piece in zip(groups, pieces, strict=True):
                     k = len(piece)
@@ -305,13 +305,8 @@ class SharedPool:
                 cached[g] -= 1
                 used[g] += 1
             ref[b] = r + 1
-        if queued:
-            try:
-                self.evictable.remove_many(queued)  # one pass over the queue, not a call per block
-            except KeyError as e:
-                g = groups[list(blocks).index(e.args[0])]
-                raise RuntimeError(f"group {self.names[g]}: block {e.args[0]} is not one of its used or cached "
-                                   "blocks") from None
+        if queued:  # one pass over the queue, not a call per block
+            self._unqueue(queued, lambda b: groups[list(blocks).index(b)])
 
     def decref_each(self, groups: Sequence[int], blocks: Sequence[int], priorities: Sequence[int]) -> None:
         """:meth:`release` of ``blocks[i]`` by ``groups[i]`` with ``keep_cached`` at ``priorities[i]``, for each ``i``
@@ -375,12 +370,7 @@ class SharedPool:
                 gone.append(b)
                 gone_groups.append(g)
         if queued:
-            try:
-                self.evictable.remove_many(queued)
-            except KeyError as e:
-                g = groups[list(blocks).index(e.args[0])]
-                raise RuntimeError(f"group {self.names[g]}: block {e.args[0]} is not one of its used or cached "
-                                   "blocks") from None
+            self._unqueue(queued, lambda b: groups[list(blocks).index(b)])
         if gone:
             detach_mixed(gone, gone_groups)
 
