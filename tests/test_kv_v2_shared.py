@@ -757,13 +757,13 @@ def test_a_hits_claim_interrupted_on_a_shared_arena_leaves_no_claim_behind():
         return path_blocks(*args)
 
     m._tree.path_blocks = interrupted  # type: ignore[method-assign]
-    second = Request("b", prompt + [99], 2)
+    second = Request("b", [*prompt, 99], 2)
     with pytest.raises(KeyboardInterrupt):
         admit(m, second)
     m._tree.path_blocks = path_blocks  # type: ignore[method-assign]
     m.free(second)
     m.check_invariants()
-    third = Request("c", prompt + [98], 2)
+    third = Request("c", [*prompt, 98], 2)
     prefill(m, third)
     m.check_invariants()
     assert third.num_reused_tokens >= 16  # the cached prompt's whole blocks still hit
