@@ -426,7 +426,7 @@ class ServingEngine:
         limit = self.executor.max_seq_len
         fewest, per_token = self._fewest_tokens(text, limit, tokenizer)
         if fewest >= limit:
-            raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of "
+            raise GenerationError(f"{where}: at least {fewest:,} tokens ({self._chars_said(text)}, a token of "
                                   f"this tokenizer covering at most {per_token}) leave no room to generate "
                                   f"under max_seq_len={limit}; shorten it or raise max_seq_len")
 
@@ -437,10 +437,18 @@ class ServingEngine:
         limit = self.executor.max_seq_len
         fewest, per_token = self._fewest_tokens(text, limit + 1)
         if fewest > limit:
-            raise GenerationError(f"{where}: at least {fewest:,} tokens (its {len(text):,} characters, a token of this "
+            raise GenerationError(f"{where}: at least {fewest:,} tokens ({self._chars_said(text)}, a token of this "
                                   f"tokenizer covering at most {per_token}); {what} takes at most "
                                   f"max_seq_len={limit} (vLLM's max_model_len); shorten it, keep its last tokens "
                                   "(truncate_prompt_tokens) or raise max_seq_len")
+
+    def _chars_said(self, text: str) -> str:
+        """``text``'s characters as a refusal by :meth:`_fewest_tokens` counts them: "its M characters", and where
+        the tokenizer drops some (``Bound.dropped``, not counted) how many, so the count follows from the kept ones."""
+        said = f"its {len(text):,} characters"
+        dropped = "" if isinstance(self._bound, bool) or self._bound is None else self._bound.dropped
+        left_out = sum(text.count(c) for c in dropped)  # on a refusal only: a pass over the text per dropped character
+        return said + (f", {left_out:,} of them ones this tokenizer drops" if left_out else "")
 
     def _fewest_tokens(self, text: str, at_least: int, tokenizer: Any = None) -> tuple[int, int | None]:
         """(the fewest tokens ``text`` can have, exact from ``at_least`` up, the most characters a token covers);

@@ -69,7 +69,9 @@ def token_bound(tokenizer: Any) -> Bound | None:
 
 
 def chars_per_token(tokenizer: Any) -> int | None:
-    """The most characters of a prompt one token of ``tokenizer`` can stand for (:func:`token_bound`), or None."""
+    """The most characters of a prompt one token of ``tokenizer`` can stand for (:func:`token_bound`), or None.
+
+    Only the tests call it now: the engine reads :func:`token_bound`, whose ``dropped`` this leaves out."""
     bound = token_bound(tokenizer)
     return None if bound is None else bound.per_token
 

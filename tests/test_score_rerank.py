@@ -145,6 +145,10 @@ def test_invocations_answers_a_score_or_a_rerank_body_as_its_own_route_does(serv
     _same_answer(doc, _ok(served, "/rerank", body))
 
 
+NORMALIZE_REFUSED = ("normalize: the parameter was removed (vLLM's: use use_activation instead); send use_activation "
+                     "(false: a cross-encoder's logit as computed")
+
+
 @pytest.mark.parametrize(("body", "param", "said"), [
     ({"query": "w1"}, "documents", "documents: required"),  # part of a rerank: rerank's refusal
     ({"query": "w1", "documents": ["w2"], "top_n": -1}, "top_n", "an integer >= 0"),
@@ -152,6 +156,7 @@ def test_invocations_answers_a_score_or_a_rerank_body_as_its_own_route_does(serv
     ({"queries": "w1", "items": ["w2"], "text_1": "w3"}, "text_1", "not with queries and items"),
     # a score, not half a rerank
     ({"query": "w1", "text_1": "w1", "text_2": "w2"}, "query", "accepted fields: activation, data_1"),
+    ({"query": "w1", "documents": ["w2"], "normalize": False}, "normalize", NORMALIZE_REFUSED),
 ])
 def test_invocations_refuses_a_score_or_rerank_body_as_its_route_does(served, body, param, said):
     """A body with a rerank's or a score's fields goes to that route even when it is unusable there, so the 400 names
@@ -195,6 +200,9 @@ LONG = text([(7 * i + 3) % VOCAB for i in range(65)])  # one token past max_seq_
     ("/v2/rerank", {"query": "w1", "documents": ["w2", LONG]}, "documents", "documents[1]: 65 tokens"),
     ("/v2/rerank", {"query": "w1", "documents": ["w2"], "rank_fields": ["text"]}, "rank_fields",
      "not supported by kvload serve"),
+    # vLLM's removed switch, refused as /v1/embeddings, /pooling and /classify refuse it (any value, null too)
+    ("/score", {"text_1": "w1", "text_2": "w2", "normalize": True}, "normalize", NORMALIZE_REFUSED),
+    ("/rerank", {"query": "w1", "documents": ["w2"], "normalize": None}, "normalize", NORMALIZE_REFUSED),
 ])
 def test_an_unusable_score_or_rerank_body_is_a_400_naming_the_field(served, path, body, param, said):
     """Nothing is queued: each refusal names the field (the item where one is), as /v1/embeddings' do."""

@@ -213,3 +213,37 @@ def test_an_embeddings_input_too_long_by_its_characters_is_refused_untokenized(s
     assert error["message"].startswith("input[1]: at least "), error["message"]
     assert f"an embedding takes at most max_seq_len={limit} (vLLM's max_model_len)" in error["message"]
     assert [n for n in encoded if n >= len(big)] == []
+
+
+@pytest.fixture(scope="module")
+def gapped(tiny_checkpoints, tmp_path_factory):
+    """A server whose tokenizer drops two control characters (as SmolLM2's drops six)."""
+    dest = bytelevel_checkpoint(tiny_checkpoints("llama"), tmp_path_factory.mktemp("gapped") / "ckpt",
+                                tokenizer=GAPPED)
+    with serving(str(dest)) as running:
+        yield running
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", lambda big: {"prompt": big, "max_tokens": 1}, "prompt"),
+    ("/v1/embeddings", lambda big: {"input": big}, "input"),
+])
+def test_a_refusal_by_the_characters_says_how_many_the_tokenizer_drops(gapped, encoded, path, body, param):
+    """The characters the tokenizer drops are not counted, so the refusal says how many of the text's are such:
+    the tokens it names follow from the others; a text with none of them is refused in the usual words."""
+    engine = gapped.state.engine
+    limit, per_token = engine.executor.max_seq_len, token_bound(engine.tokenizer).per_token
+    words = "Hello world " * ((limit * per_token) // 12 + 10)
+    big = "\x04\x1d" * 5_000 + words
+    r = gapped.http.post(path, json=body(big))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    fewest = -(-len(words) // per_token)
+    assert error["message"].startswith(f"{param}: at least {fewest:,} tokens (its {len(big):,} characters, 10,000 of "
+                                       f"them ones this tokenizer drops, a token of this tokenizer covering at most "
+                                       f"{per_token})"), error["message"]
+    assert [n for n in encoded if n >= len(words)] == []  # never tokenized
+    error = gapped.http.post(path, json=body(words)).json()["error"]
+    assert error["message"].startswith(f"{param}: at least {fewest:,} tokens (its {len(words):,} characters, a "
+                                       f"token of this tokenizer covering at most {per_token})"), error["message"]

@@ -77,11 +77,12 @@ class RedecodeText:
         return out
 
 
-def bytelevel_checkpoint(source: Path, dest: Path, chat_template: str | None = None) -> Path:
+def bytelevel_checkpoint(source: Path, dest: Path, chat_template: str | None = None, tokenizer: Any = None) -> Path:
     """A copy of the checkpoint ``source`` at ``dest`` with a byte-level BPE tokenizer (every character spellable,
-    so any grammar can be followed), its EOS the tokenizer's (the presets' EOS id 2 is a byte there)."""
+    so any grammar can be followed; ``tokenizer``: this one instead), its EOS the tokenizer's (the presets' EOS id 2
+    is a byte there)."""
     shutil.copytree(source, dest)
-    tok = trained_tokenizer("bytelevel", 300)
+    tok = trained_tokenizer("bytelevel", 300) if tokenizer is None else tokenizer
     if chat_template is not None:
         tok.chat_template = chat_template
     tok.save_pretrained(dest)

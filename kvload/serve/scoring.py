@@ -33,6 +33,7 @@ from kvload.serve.embeddings import (
     pooling_route,
     prefill_params,
     prompt_list,
+    refuse_normalize,
     tokenized,
 )
 from kvload.serve.parse_gate import ParseGate
@@ -50,6 +51,10 @@ SCORE_FIELDS = frozenset({"model", "truncate_prompt_tokens", "priority", *ACTIVA
 #: The fields ``/rerank`` takes: vLLM's, and Cohere's and Jina's ``return_documents``.
 RERANK_FIELDS = frozenset({"model", "query", "documents", "top_n", "truncate_prompt_tokens", "return_documents",
                            "priority", *ACTIVATION_FIELDS})
+
+#: What ``use_activation`` false gives on ``/score`` and ``/rerank``, said where ``normalize`` is refused.
+NORMALIZE_INSTEAD = ("false: a cross-encoder's logit as computed; an embedding model's score, the cosine, takes "
+                     "none")
 
 
 @attrs.frozen
@@ -147,6 +152,7 @@ def parse_score(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
 
 def score_job(state: ServeState, body: Any) -> ScoreJob:
     """:func:`parse_score` of a body already loaded."""
+    refuse_normalize(body, NORMALIZE_INSTEAD)  # vLLM's removed switch, refused on every pooling route
     body = pooling_fields(state, body, SCORE_FIELDS)
     first, second = _sides(body)
     return _scored(state, body, [(name, *prompt_list(body, name)) for name in (first, second)])
@@ -159,6 +165,7 @@ def parse_rerank(state: ServeState, raw: bytes | bytearray) -> ScoreJob:
 
 def rerank_job(state: ServeState, body: Any) -> ScoreJob:
     """:func:`parse_rerank` of a body already loaded."""
+    refuse_normalize(body, NORMALIZE_INSTEAD)
     body = pooling_fields(state, body, RERANK_FIELDS)
     query = body.get("query")
     _need(isinstance(query, str) and bool(query), "query", "a non-empty string", query)
