@@ -212,6 +212,9 @@ class GenerationExecutor:
         #: SamplingParams fields a call that passes no SamplingParams takes unless its keywords set them: the model's
         #: generation_config.json (``LoadResult.sampling_defaults``, set by ``from_result``); empty: kvload's own
         self.sampling_defaults: dict[str, Any] = {}
+        #: where each of them came from (``SamplingDefaults.sources``: the model's file or the user's override), for
+        #: refusals that name a default the caller did not give
+        self.sampling_sources: dict[str, str] = {}
         self.last_stats: GenerationStats | None = None
         #: the requests that want their prompt's pooled hidden state (``LLM.embed``, ``/v1/embeddings``)
         self.pooled = PooledRows()
