@@ -20,6 +20,7 @@ _CHILD = textwrap.dedent("""
     import os, signal, sys, threading, time
     from pipeline.signals import Terminated, deferred, handle_sigterm
 
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a run under nohup ignores it, and kvload leaves it ignored
     handle_sigterm()
     for _ in range(int(sys.argv[2])):  # idle threads, signals not blocked in them, as torch's
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
