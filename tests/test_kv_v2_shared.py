@@ -525,13 +525,19 @@ def _decode_all(m: KVCacheManagerV2, queue: list[Request], at_once: int, ending:
                 m.free(r)
                 running.remove(r)
                 continue
-            r.output_token_ids.append(next_token(r))
-            assert m.schedule_tokens(r, 1) == 1
-            write_kv(m, r, r.num_computed_tokens, 1)
-            m.commit(r, 1)
+            _decode_one(m, r)
         m.check_invariants()
         states.append(_slide_state(m))
     return states
+
+
+def _decode_one(m: KVCacheManagerV2, r: Request) -> None:
+    """One decode step of ``r``: a token reserved by ``schedule_tokens`` (as the scheduler does), its KV written and
+    committed."""
+    r.output_token_ids.append(next_token(r))
+    assert m.schedule_tokens(r, 1) == 1
+    write_kv(m, r, r.num_computed_tokens, 1)
+    m.commit(r, 1)
 
 
 @pytest.mark.parametrize("requests", [
@@ -710,10 +716,7 @@ def _turns_run(convs: list[tuple[list[int], list[list[int]], int]], fast: bool, 
                     nexts[c].append(r.all_token_ids + more[turn[c]])
                     turn[c] += 1
                 continue
-            r.output_token_ids.append(next_token(r))
-            assert m.schedule_tokens(r, 1) == 1
-            write_kv(m, r, r.num_computed_tokens, 1)
-            m.commit(r, 1)
+            _decode_one(m, r)
         m.check_invariants()
         states.append(_slide_state(m))
     return states, took
