@@ -9,6 +9,7 @@ as a property, so both spellings keep working.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import numbers
 from collections.abc import Collection, Mapping, Sequence
@@ -38,6 +39,22 @@ from pipeline.limits import (
     plain_scalar,
     short,
 )
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's ``RequestOutputKind`` (``from vllm.sampling_params import RequestOutputKind``): what a streamed output
+    holds. ``LLM.generate`` returns each prompt's final output whatever it says (vLLM's ``LLM.generate`` sets
+    ``FINAL_ONLY`` on every params it is given), so ``SamplingParams(output_kind=...)`` takes ``CUMULATIVE`` (vLLM's
+    default) and ``FINAL_ONLY``, which ask for nothing else; ``DELTA`` is refused (``LLM.generate_stream`` yields the
+    deltas)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+    def __repr__(self) -> str:  # as a script writes it (the refusal lists what is accepted)
+        return f"RequestOutputKind.{self.name}"
+
 
 #: Tokens generated per prompt when nothing says otherwise: the Python API and ``kvload generate``
 #: share it (vLLM defaults to 16, TensorRT-LLM to 32; 64 lets a short chat reply finish).
@@ -540,8 +557,8 @@ VLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
     "guided_decoding": "vLLM's older name; pass structured_outputs=kvload.StructuredOutputsParams(...)",
     "logits_processors": "kvload runs no user code in its sampler; logit_bias, allowed_token_ids, bad_words and "
                          "structured_outputs shape the logits",
-    "output_kind": "LLM.generate returns each prompt's final RequestOutput; LLM.generate_stream yields a TokenDelta "
-                   "per token",
+    "output_kind": "LLM.generate returns each prompt's final RequestOutput, as vLLM's LLM.generate does whatever "
+                   "output_kind says; for deltas, LLM.generate_stream yields a TokenDelta per token",
     "extra_args": "kvload has no sampler plugins to read them",
     "logprob_token_ids": "kvload returns the top logprobs=k tokens (and the sampled one), not chosen ids; ask for "
                          "logprobs=20 and read the ids you need, or score a candidate with prompt_logprobs",
@@ -562,8 +579,9 @@ VLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
 #: ``kvload.LLM``'s own keywords where one exists: ``lora_request``) → what to do instead.
 VLLM_CALL_ARGUMENTS_NOT_TAKEN: dict[str, str] = {
     "lora_request": "kvload serves the checkpoint's own weights, with no LoRA adapters; accepted: None",
-    "tokenization_kwargs": "kvload tokenizes prompts with the tokenizer's defaults; pass token ids to control "
-                           "them",
+    "tokenization_kwargs": "LLM.generate, chat and the pooling calls take its truncate_prompt_tokens; here give "
+                           "truncate_prompt_tokens=k as a sampling field (kvload tokenizes with the tokenizer's "
+                           "defaults)",
     "prompt_adapter_request": "kvload has no prompt adapters",
     "guided_options_request": "vLLM's older argument; pass SamplingParams(structured_outputs=...)",
     "mm_processor_kwargs": "kvload serves text-only models",
@@ -585,6 +603,8 @@ VLLM_FIELDS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
                      "logprob_token_ids", "prompt_logprob_token_ids", "prompt_logprob_start",
                      "trace_decode_token_ids"), (None,)),
     "routed_experts_prompt_start": (0,),
+    # vLLM's LLM.generate sets FINAL_ONLY on every params itself: its default and FINAL_ONLY are what generate returns
+    "output_kind": (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
 }
 
 #: vLLM's ``LLM.generate`` / ``LLM.chat`` arguments kvload lacks → the values that ask for nothing (their defaults).
@@ -724,7 +744,8 @@ def inert_settings(params: SamplingParams, has_tokenizer: bool,
     return out
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "VLLM_CALL_ARGUMENTS_NOT_TAKEN", "VLLM_FIELDS_NOT_TAKEN", "SamplingParams", "check",
+__all__ = ["DEFAULT_MAX_TOKENS", "VLLM_CALL_ARGUMENTS_NOT_TAKEN", "VLLM_FIELDS_NOT_TAKEN", "RequestOutputKind",
+           "SamplingParams", "check",
            "check_keywords", "check_logit_bias_count", "check_logprobs", "check_salt",
            "check_stop_sizes", "check_stop_token_ids_count", "defaulted_fields", "greedy_ignored", "inert_settings",
            "is_finite", "is_int", "is_number", "unknown_field"]

@@ -28,6 +28,7 @@ _EXPORTS = {
     "EngineArgs": "kvload.engine_args",
     "FlexibleArgumentParser": "kvload.engine_args",
     "SamplingParams": "engine.sampling_params",
+    "RequestOutputKind": "engine.sampling_params",
     "StructuredOutputsParams": "engine.structured_params",
     "BeamSearchParams": "engine.beam_search",
     "BeamSearchOutput": "engine.beam_search",

@@ -122,6 +122,69 @@ def _no_lora(call: str, lora_request: Any) -> None:
                               f"adapters; accepted: None, got {type(lora_request).__name__}")
 
 
+#: vLLM's ``tokenization_kwargs`` keys kvload does not act on → what to do instead (``truncate_prompt_tokens`` acts)
+TOKENIZATION_KWARGS_NOT_TAKEN: dict[str, str] = {
+    "add_special_tokens": "kvload tokenizes a text prompt with the tokenizer's defaults (its BOS included); give the "
+                          "token ids instead (tokenizer.encode(text, add_special_tokens=False))",
+    **dict.fromkeys(("truncation", "max_length"),
+                    "kvload cuts a prompt to its last k tokens with tokenization_kwargs={'truncate_prompt_tokens': k}"),
+}
+
+
+def _tokenization_cut(call: str, tokenization_kwargs: Any) -> Any:
+    """vLLM's ``tokenization_kwargs`` (where vLLM now takes the prompt cut, ``SamplingParams.truncate_prompt_tokens``
+    and the pooling calls' argument being deprecated for it): its ``truncate_prompt_tokens`` (None when it has none);
+    None or ``{}`` asks for nothing; another key is refused naming it, with what to do instead."""
+    if tokenization_kwargs is None:
+        return None
+    if not isinstance(tokenization_kwargs, Mapping):
+        raise GenerationError(f"{call}: tokenization_kwargs: expected a dict (kvload acts on its "
+                              f"truncate_prompt_tokens) or None, got {short(tokenization_kwargs)}")
+    for key in tokenization_kwargs:
+        if key != "truncate_prompt_tokens":
+            why = TOKENIZATION_KWARGS_NOT_TAKEN.get(key, "not a setting kvload's tokenization takes")
+            name = key if isinstance(key, str) and len(key) <= 80 else short(key)
+            raise GenerationError(f"{call}: tokenization_kwargs.{name}: vLLM's, not kvload's: {why}; kvload "
+                                  "acts on tokenization_kwargs' truncate_prompt_tokens only")
+    return tokenization_kwargs.get("truncate_prompt_tokens")
+
+
+def _one_cut(call: str, given: Any, cut: Any, where: str) -> Any:
+    """The prompt cut of a call that has it twice (``where``'s and ``tokenization_kwargs``'): one value, or one line
+    when they differ."""
+    if cut is None or given is None or given == cut:
+        return given if cut is None else cut
+    raise GenerationError(f"{call}: truncate_prompt_tokens: {short(given)} in {where} and {short(cut)} in "
+                          "tokenization_kwargs differ; give it once")
+
+
+def _call_cut(call: str, truncate_prompt_tokens: Any, tokenization_kwargs: Any) -> Any:
+    """A pooling call's prompt cut: its ``truncate_prompt_tokens`` argument or ``tokenization_kwargs``' (vLLM's newer
+    place for it), one value; one line when they differ."""
+    cut = _tokenization_cut(call, tokenization_kwargs)
+    return _one_cut(call, truncate_prompt_tokens, cut, "the call's argument")
+
+
+def _cut_sampling(call: str, sampling_params: Any, sampling: dict[str, Any], cut: Any) -> tuple[Any, dict[str, Any]]:
+    """``generate`` / ``chat``'s sampling with ``tokenization_kwargs``' ``truncate_prompt_tokens`` (``cut``) set: on
+    the keywords when no SamplingParams is given, else on a copy of each (the caller's objects stay as given)."""
+    if cut is None:
+        return sampling_params, sampling
+    if sampling_params is None:
+        keyword = sampling.get("truncate_prompt_tokens")
+        return None, {**sampling, "truncate_prompt_tokens": _one_cut(call, keyword, cut, "the keywords")}
+    many = isinstance(sampling_params, (list, tuple))
+    cut_params = []
+    for i, params in enumerate(sampling_params if many else [sampling_params]):
+        if isinstance(params, SamplingParams):  # anything else: refused by the call, naming it
+            where = f"sampling_params[{i}]" if many else "sampling_params"
+            with _named(call):
+                params = attrs.evolve(params, truncate_prompt_tokens=_one_cut(call, params.truncate_prompt_tokens,
+                                                                              cut, where))
+        cut_params.append(params)
+    return (cut_params if many else cut_params[0]), sampling
+
+
 def _kv_events(value: Any, kv_cache_config: Any, config_file: Any = None) -> Any:
     """vLLM's ``kv_events_config`` keyword checked (None when not given), before anything loads: events on with the
     user's ``event_buffer_max_size`` 0 (the keyword's, else the config file's) is refused, as ``kvload serve
@@ -262,6 +325,9 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
                     "kvload runs no user functions on its workers; the torch model is llm.result.hf_model"),
     **dict.fromkeys(("start_profile", "stop_profile"), "profile a generate call with torch.profiler"),
     "set_tokenizer": "kvload uses the checkpoint's own tokenizer",
+    **dict.fromkeys(("update_weights", "init_weight_transfer_engine"),
+                    "kvload loads a checkpoint's weights once and takes no weight updates; load the new checkpoint "
+                    "with a new kvload.LLM"),
     "model_config": "vLLM's model settings; kvload's resolved settings are llm.args (llm.args.max_seq_len is vLLM's "
                     "model_config.max_model_len, llm.args.dtype its dtype)",
 }
@@ -360,6 +426,7 @@ class LLM:
             self.result.context.on_close(lambda: self._write_audit(audit_log))
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
+        self._said_no_mm_cache = False  # reset_mm_cache() too: a benchmark calls it between every run
         self._metrics = LlmMetrics(str(self.args.model), self.args.max_draft_len)
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
@@ -432,6 +499,25 @@ class LLM:
         """The tokenizer (vLLM's spelling)."""
         return self.tokenizer
 
+    @_keywords
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's ``LLM.get_world_size``: the ranks the model runs on, ``tensor_parallel_size`` (kvload has no
+        pipeline or data parallelism, so ``include_dp`` changes nothing: both counts are the same)."""
+        if not isinstance(include_dp, bool):
+            raise GenerationError(f"get_world_size: include_dp: expected true or false, got {short(include_dp)}")
+        return int(self.args.tensor_parallel_size)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's ``LLM.reset_mm_cache`` (benchmarks call it beside :meth:`reset_prefix_cache`): kvload serves text-only
+        models and keeps no multimodal cache, so there is nothing to reset; said once as ``setting_ignored``."""
+        self._check_open()
+        if self._said_no_mm_cache or self.result.bus is None:
+            return
+        self._said_no_mm_cache = True
+        self.result.bus.emitter("generate")(SettingIgnored(
+            field="LLM.reset_mm_cache", value=True,
+            reason="kvload serves text-only models and keeps no multimodal cache: there is nothing to reset"))
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the SamplingParams a call given none uses, from the model's ``generation_config.json`` under
         ``override_generation_config`` (``generation_config="vllm"``: kvload's built-in ``SamplingParams()``). Keywords
@@ -451,7 +537,7 @@ class LLM:
     def generate(self, prompts: Any = None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: Any = None, salt: str | None = None, chat: bool | Mapping[str, Any] = False,
                  priority: Sequence[int] | None = None, lora_request: Any = None, prompt_token_ids: Any = None,
-                 **sampling: Any) -> list[RequestOutput]:
+                 tokenization_kwargs: Mapping[str, Any] | None = None, **sampling: Any) -> list[RequestOutput]:
         """One :class:`RequestOutput` per prompt, in order (a single prompt still gives a list of one).
 
         ``prompts``: a string, a list of strings (``chat=True`` applies the chat template), lists of
@@ -464,9 +550,13 @@ class LLM:
         first (ties by arrival); it needs ``scheduling_policy="priority"`` (under "fcfs" only 0 is accepted).
         ``lora_request``: vLLM's; kvload has no LoRA adapters, so only None (or vLLM's list of one per prompt, all
         None) is accepted. ``prompt_token_ids``: vLLM's
-        older way to give token ids (one list, or a list of them), in place of ``prompts``.
+        older way to give token ids (one list, or a list of them), in place of ``prompts``. ``tokenization_kwargs``:
+        vLLM's; its ``truncate_prompt_tokens`` (where vLLM now takes the cut) acts as the SamplingParams field does,
+        on every prompt; None or ``{}`` asks for nothing, and its other keys are refused naming them.
         """
         _no_lora("generate", lora_request)
+        sampling_params, sampling = _cut_sampling("generate", sampling_params, sampling,
+                                                  _tokenization_cut("generate", tokenization_kwargs))
         if prompt_token_ids is None:
             return self._generate("generate", prompts, sampling_params, use_tqdm, salt, chat, sampling, priority)
         # vLLM's legacy keyword (scripts written for vLLM before 0.10 pass it)
@@ -496,6 +586,7 @@ class LLM:
     @_followed
     def embed(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+              tokenization_kwargs: Mapping[str, Any] | None = None,
               salt: str | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed`` for a decoder model: one :class:`EmbeddingRequestOutput` per prompt, in order, its
         ``outputs.embedding`` the final norm's output at the prompt's last token, L2-normalized (vLLM's LAST pooling
@@ -503,17 +594,20 @@ class LLM:
 
         ``prompts`` as :meth:`generate` takes them (text, token ids, vLLM's prompt dicts). ``pooling_params``: one
         :class:`PoolingParams` for every prompt or a list of one per prompt. ``truncate_prompt_tokens``: keep each
-        prompt's last N tokens (-1: the model's length), as ``PoolingParams.truncate_prompt_tokens``. The prompt is
+        prompt's last N tokens (-1: the model's length), as ``PoolingParams.truncate_prompt_tokens`` (vLLM's
+        ``tokenization_kwargs={"truncate_prompt_tokens": N}`` too, where vLLM now takes it). The prompt is
         prefilled as a generate call's is (its prefix cached and reused); the one token its logits give is dropped as
         it is drawn, its KV never written, so a prompt may have up to ``max_seq_len`` tokens (vLLM's
         ``max_model_len``; -1 keeps that many).
         """
+        truncate_prompt_tokens = _call_cut("embed", truncate_prompt_tokens, tokenization_kwargs)
         return self._embed("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, salt)
 
     @_keywords
     @_followed
     def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None, use_tqdm: Any = None,
               pooling_params: PoolingParams | None = None, lora_request: Any = None,
+              tokenization_kwargs: Mapping[str, Any] | None = None,
               salt: str | None = None) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: one :class:`ScoringRequestOutput` per pair, in order (``outputs.score``). ``data_1``
         one prompt scored against each of ``data_2`` (one or a list), or a list as long as ``data_2``, scored pairwise.
@@ -521,6 +615,7 @@ class LLM:
         :meth:`generate` takes them, every prompt embedded in one batch); a one-label classifier (a cross-encoder) by
         its head's logit through sigmoid over the pair as one sequence (texts, joined by the tokenizer as vLLM joins
         them; ``PoolingParams(use_activation=False)``: the logit), every pair in one batch."""
+        truncate_prompt_tokens = _call_cut("score", truncate_prompt_tokens, tokenization_kwargs)
         firsts, seconds = _one_or_many(data_1), _one_or_many(data_2)
         try:
             pairs = score_pairs(len(firsts), len(seconds))
@@ -638,11 +733,13 @@ class LLM:
     @_followed
     def classify(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                  truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+                 tokenization_kwargs: Mapping[str, Any] | None = None,
                  salt: str | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify`` for a ``*ForSequenceClassification`` checkpoint: one
         :class:`ClassificationRequestOutput` per prompt, in order, its ``outputs.probs`` the classifier head's logits at
         the prompt's last token through softmax (sigmoid for one label; ``PoolingParams(use_activation=False)``: the
         logits as computed). Arguments as :meth:`embed`'s; a generative model has no head (``GenerationError``)."""
+        truncate_prompt_tokens = _call_cut("classify", truncate_prompt_tokens, tokenization_kwargs)
         head = self._head("classify")
         outputs, rows, pooling = self._pool("classify", prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
                                             lora_request, salt)
@@ -656,6 +753,7 @@ class LLM:
     @_followed
     def reward(self, prompts: Any, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
+               tokenization_kwargs: Mapping[str, Any] | None = None,
                salt: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.reward`` (its ``token_classify`` pooling) for a classifier checkpoint: one
         :class:`PoolingRequestOutput` per prompt, in order, its ``outputs.data`` a ``(prompt tokens, labels)`` float32
@@ -663,6 +761,7 @@ class LLM:
         :meth:`classify` activates its one (its last row is that call's ``probs``). Each prompt is computed whole (a
         cached prefix gives no rows), so ``num_cached_tokens`` is 0. Arguments as :meth:`classify`'s; a generative
         model has no head to score tokens with (``GenerationError``)."""
+        truncate_prompt_tokens = _call_cut("reward", truncate_prompt_tokens, tokenization_kwargs)
         head = self._head("reward")
         outputs, rows, pooling = self._pool("reward", prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
                                             lora_request, salt, every_token=True)
@@ -677,7 +776,8 @@ class LLM:
     @_followed
     def encode(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: Any = None, lora_request: Any = None,
-               pooling_task: str | None = None, salt: str | None = None) -> list[PoolingRequestOutput]:
+               pooling_task: str | None = None, tokenization_kwargs: Mapping[str, Any] | None = None,
+               salt: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: one :class:`PoolingRequestOutput` per prompt, in order, its ``outputs.data`` a
         float32 tensor pooled by ``pooling_task``, one of the tasks the model serves (vLLM's adapters give them):
 
@@ -692,6 +792,7 @@ class LLM:
         ``pooling_task`` is required, as vLLM requires it; a task the model does not serve is a ``GenerationError``
         naming those it does. A per-token task's prompt is computed whole (``num_cached_tokens`` 0). Other arguments
         as :meth:`embed`'s."""
+        truncate_prompt_tokens = _call_cut("encode", truncate_prompt_tokens, tokenization_kwargs)
         model = self.result.hf_model
         head = head_of(model)
         tasks = ("token_classify", "classify") if head is not None else ("token_embed", "embed")
@@ -751,7 +852,8 @@ class LLM:
              use_tqdm: Any = None, lora_request: Any = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, *, salt: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tokenization_kwargs: Mapping[str, Any] | None = None, *, salt: str | None = None,
              **sampling: Any) -> list[RequestOutput]:
         """Reply to a conversation through the tokenizer's chat template (vLLM's ``LLM.chat``).
 
@@ -769,6 +871,8 @@ class LLM:
         before ``salt`` stand in vLLM's order, so a call that passes them by position reads as it does there.
         """
         _no_lora("chat", lora_request)
+        sampling_params, sampling = _cut_sampling("chat", sampling_params, sampling,
+                                                  _tokenization_cut("chat", tokenization_kwargs))
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])
@@ -897,15 +1001,28 @@ class LLM:
                     if ranks is not None:  # the consumer leaving is no failure: every rank stopped after one step
                         ranks.end("generate_stream", None if isinstance(ended[0], StreamLeft) else ended[0])
 
+    @_keywords
     @_followed
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached prefix, so the next call computes its prompts afresh (vLLM's ``LLM.reset_prefix_cache``,
         which benchmarks call between runs): True when it did (the audit's ``prefix_cache_reset``). False, with a
         ``setting_ignored``, when prefix reuse is off (nothing is cached). While a call runs on this LLM (a
         ``generate_stream`` still open, another thread generating) it raises ``GenerationError`` as every other call
         does: its requests hold the cache, and a False a benchmark never reads would time a warm cache as a cold one.
+
+        vLLM's arguments, in its order: ``reset_running_requests`` (vLLM preempts the running requests first; here a
+        reset runs only between calls, when no request runs, so true and false reset alike) and ``reset_connector``
+        (vLLM's KV connector's cache too; kvload has no KV connector, so true is reported ``setting_ignored``).
         """
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(value, bool):
+                raise GenerationError(f"reset_prefix_cache: {name}: expected true or false, got {short(value)}")
         with self._exclusive("reset_prefix_cache"), self._running("reset_prefix_cache") as executor:
+            if reset_connector:
+                executor._event(SettingIgnored(
+                    field="LLM.reset_prefix_cache.reset_connector", value=True,
+                    reason="kvload has no KV connector (vLLM's kv_transfer_config) whose cache could be reset; the "
+                           "prefix cache is reset as asked"))
             done, event = executor.reset_prefix_cache("LLM.reset_prefix_cache")
             executor._event(event)
             return done

@@ -4,7 +4,7 @@ line reads the same with ``kvload`` in place of ``vllm``; the classes are ``engi
 from __future__ import annotations
 
 from engine.beam_search import BeamSearchParams
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured_params import StructuredOutputsParams
 
-__all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

@@ -1,0 +1,127 @@
+"""vLLM's newer front door habits on ``kvload.LLM`` (habits42's audit against vllm/entrypoints/llm.py and
+vllm/sampling_params.py): ``tokenization_kwargs={"truncate_prompt_tokens": k}`` (where vLLM now takes the prompt cut),
+``reset_prefix_cache``'s arguments, ``RequestOutputKind`` / ``output_kind``, ``get_world_size`` and
+``reset_mm_cache``: each acts, or is reported ``setting_ignored``, or is one line saying what to do instead."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvload
+from engine.sampling_params import SamplingParams
+from pipeline.errors import GenerationError
+from tests.llm_support import llm_kwargs, with_tokenizer
+
+VOCAB = 512  # the tiny llama's
+TEXT = "w5 w17 w300 w42 w9"  # five tokens, no BOS (the word tokenizer adds none)
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def words(tiny_checkpoints, tmp_path_factory):
+    return with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("words") / "ckpt", VOCAB)
+
+
+@pytest.fixture(scope="module")
+def llm(words):
+    with kvload.LLM(str(words), **llm_kwargs("v1")) as loaded:
+        yield loaded
+
+
+def ignored(llm) -> dict[str, str]:
+    return {e["field"]: e["reason"] for e in llm.audit.of("setting_ignored")}
+
+
+# --- tokenization_kwargs -------------------------------------------------------------------------
+
+
+def test_tokenization_kwargs_truncate_prompt_tokens_keeps_each_prompts_last_k_tokens_as_vllm_does(llm):
+    """vLLM deprecated ``SamplingParams.truncate_prompt_tokens`` for ``tokenization_kwargs`` (its warning says "pass it
+    via tokenization_kwargs"); that call was refused here ("vLLM's argument, not kvload's")."""
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    cut = {"truncate_prompt_tokens": 2}
+    (out,) = llm.generate([TEXT], sp, tokenization_kwargs=cut)
+    assert out.prompt_token_ids == [42, 9]
+    assert out.outputs[0].token_ids == llm.generate([[42, 9]], sp)[0].outputs[0].token_ids
+    assert sp.truncate_prompt_tokens is None  # the caller's params stay as given
+    outs = llm.generate([TEXT, "w6 w7 w8"], [sp, sp], tokenization_kwargs=cut)
+    assert [o.prompt_token_ids for o in outs] == [[42, 9], [7, 8]]
+    assert llm.generate([TEXT], max_tokens=1, tokenization_kwargs={"truncate_prompt_tokens": 3})[0] \
+        .prompt_token_ids == [300, 42, 9]  # sampling keywords, no SamplingParams
+    conv = [{"role": "user", "content": TEXT}]
+    (chat,) = llm.chat(conv, sp, chat_template=TEMPLATE, tokenization_kwargs=cut)
+    assert chat.prompt_token_ids == [9, 2]  # the templated "w5 ... w9 w2", its last two
+    (emb,) = llm.embed([TEXT], tokenization_kwargs=cut)
+    assert emb.prompt_token_ids == [42, 9]
+    assert llm.generate([TEXT], sp, tokenization_kwargs={})[0].prompt_token_ids == [5, 17, 300, 42, 9]
+
+
+def test_tokenization_kwargs_a_cut_given_twice_or_a_key_kvload_lacks_is_one_line(llm):
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(GenerationError, match=r"^generate: truncate_prompt_tokens: 2 in sampling_params and 3 in "
+                                              r"tokenization_kwargs differ; give it once$"):
+        llm.generate([TEXT], SamplingParams(truncate_prompt_tokens=2),
+                     tokenization_kwargs={"truncate_prompt_tokens": 3})
+    with pytest.raises(GenerationError, match=r"^embed: truncate_prompt_tokens: 2 in the call's argument and 1 in "):
+        llm.embed([TEXT], truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 1})
+    with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs\.add_special_tokens: vLLM's, not "
+                                              r"kvload's: .*add_special_tokens=False"):
+        llm.generate([TEXT], sp, tokenization_kwargs={"add_special_tokens": False})
+    with pytest.raises(GenerationError, match=r"^chat: tokenization_kwargs\.truncation: .*'truncate_prompt_tokens'"):
+        llm.chat([{"role": "user", "content": TEXT}], sp, chat_template=TEMPLATE,
+                 tokenization_kwargs={"truncation": True, "max_length": 4})
+    with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs: expected a dict"):
+        llm.generate([TEXT], sp, tokenization_kwargs=4)
+    with pytest.raises(GenerationError, match=r"^generate: truncate_prompt_tokens: expected an integer >= 1"):
+        llm.generate([TEXT], sp, tokenization_kwargs={"truncate_prompt_tokens": 0})
+
+
+# --- reset_prefix_cache's arguments, get_world_size, reset_mm_cache --------------------------------
+
+
+def test_reset_prefix_cache_takes_vllms_arguments(words):
+    """vLLM's ``reset_prefix_cache(reset_running_requests=False, reset_connector=False)``: a call passing either was a
+    TypeError here."""
+    with kvload.LLM(str(words), **llm_kwargs("v1")) as llm:
+        llm.generate(TEXT * 3, max_tokens=1)
+        assert llm.reset_prefix_cache(reset_running_requests=True) is True  # nothing runs between calls: reset alike
+        assert llm.reset_prefix_cache(False, False) is True
+        assert "LLM.reset_prefix_cache.reset_connector" not in ignored(llm)
+        assert llm.reset_prefix_cache(reset_connector=True) is True
+        assert "no KV connector" in ignored(llm)["LLM.reset_prefix_cache.reset_connector"]
+        assert len(llm.audit.of("prefix_cache_reset")) == 3
+        with pytest.raises(GenerationError, match=r"^reset_prefix_cache: reset_running_requests: expected true or "
+                                                  r"false, got 'yes'$"):
+            llm.reset_prefix_cache("yes")
+        with pytest.raises(GenerationError, match=r"^reset_prefix_cache: unknown argument 'reset_conector'"):
+            llm.reset_prefix_cache(reset_conector=True)
+
+
+def test_get_world_size_and_reset_mm_cache_are_there_and_weight_updates_say_what_to_do(words):
+    with kvload.LLM(str(words), **llm_kwargs("v1")) as llm:
+        assert llm.get_world_size() == 1 and llm.get_world_size(include_dp=False) == 1
+        assert llm.reset_mm_cache() is None and llm.reset_mm_cache() is None
+        assert [e["field"] for e in llm.audit.of("setting_ignored")] == ["LLM.reset_mm_cache"]  # said once
+        assert "no multimodal cache" in ignored(llm)["LLM.reset_mm_cache"]
+        with pytest.raises(AttributeError, match=r"^LLM\.update_weights: vLLM's, not kvload's: .*new kvload\.LLM"):
+            llm.update_weights({"update_info": {}})
+
+
+# --- RequestOutputKind --------------------------------------------------------------------------
+
+
+def test_request_output_kind_imports_and_final_only_is_what_generate_returns(llm):
+    """``from vllm.sampling_params import RequestOutputKind`` had no kvload counterpart, and
+    ``SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)`` (which vLLM's LLM.generate sets itself) was refused."""
+    from kvload.sampling_params import RequestOutputKind
+
+    assert kvload.RequestOutputKind is RequestOutputKind
+    plain = SamplingParams(max_tokens=3, ignore_eos=True)
+    final = SamplingParams(max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    assert final == plain == SamplingParams(max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.CUMULATIVE)
+    assert llm.generate([TEXT], final)[0].outputs[0].token_ids == llm.generate([TEXT], plain)[0].outputs[0].token_ids
+    plain.output_kind = RequestOutputKind.FINAL_ONLY  # vLLM's LLM.generate sets it so on the params it is given
+    with pytest.raises(GenerationError, match=r"^generate: output_kind: vLLM's SamplingParams field, not kvload's: .*"
+                                              r"LLM\.generate_stream yields a TokenDelta per token; accepted: "
+                                              r"RequestOutputKind\.CUMULATIVE or RequestOutputKind\.FINAL_ONLY"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
