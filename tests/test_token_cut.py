@@ -36,9 +36,10 @@ ADVERSARIAL = ["it's don't we're they'll I'd you've I'M SHE'S", "12345 1234567 3
 
 def trained(regex: str, *, normalizer: Any = None, bos: bool = False, behavior: str = "isolated",
             byte_level_first: bool = False) -> PreTrainedTokenizerFast:
-    """A BPE trained on :data:`ADVERSARIAL` with the pre-tokenizer ``Sequence[Split(regex, behavior),
-    ByteLevel(use_regex=false)]`` (Llama 3's and Qwen 2's form; ``byte_level_first``: the other order), every byte's
-    symbol in its vocabulary; ``bos``: a ``<s>`` prepended as Llama 3's template adds ``<|begin_of_text|>``."""
+    """A BPE of 500 entries (the tiny checkpoints have 512 rows) trained on :data:`ADVERSARIAL` with the
+    pre-tokenizer ``Sequence[Split(regex, behavior), ByteLevel(use_regex=false)]`` (Llama 3's and Qwen 2's form;
+    ``byte_level_first``: the other order), every byte's symbol in its vocabulary; ``bos``: a ``<s>`` prepended as
+    Llama 3's template adds ``<|begin_of_text|>``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -49,7 +50,7 @@ def trained(regex: str, *, normalizer: Any = None, bos: bool = False, behavior: 
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.train_from_iterator(ADVERSARIAL * 3 + CORPUS, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=500, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
