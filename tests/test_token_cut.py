@@ -66,6 +66,22 @@ LLAMA3 = trained(CUT_REGEXES["llama3"], bos=True)  # Llama 3's: no normalizer, <
 QWEN2 = trained(CUT_REGEXES["qwen2"], normalizer=_nfc())  # Qwen 2's: NFC, no BOS
 
 
+def _gpt2_nfc() -> PreTrainedTokenizerFast:
+    """GPT-2's byte-level pre-tokenizer (its own regex) under NFC: admitted on the same grounds."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = _nfc()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(ADVERSARIAL * 3 + CORPUS, trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+GPT2_NFC = _gpt2_nfc()
+TOKENIZERS = {"llama3": LLAMA3, "qwen2": QWEN2, "gpt2_nfc": GPT2_NFC}
+
+
 @pytest.fixture
 def encoded(monkeypatch):
     """The length of every text the tokenizer is asked to encode meanwhile."""
@@ -111,14 +127,14 @@ _PIECES = (*ADVERSARIAL, "a", "é", "ab cd", " ", "  ", "\t", "\n\n", "\r\n", " 
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=st.lists(st.sampled_from(_PIECES) | st.text(_CHARS, max_size=8), min_size=1, max_size=40),
-       glue=st.sampled_from(["", " ", "\n", "a "]), which=st.sampled_from(["llama3", "qwen2"]))
+       glue=st.sampled_from(["", " ", "\n", "a "]), which=st.sampled_from(sorted(TOKENIZERS)))
 @example(pieces=["a", " \u0301"], glue="", which="qwen2")  # NFC: a mark after the space stays after it
 @example(pieces=["x'", "s"], glue=" ", which="llama3")
 @example(pieces=["a", "  ", "b"], glue="", which="llama3")  # a space run after a letter: \s+(?!\S) and \s+
 def test_a_text_cut_before_a_space_after_a_letter_tokenizes_as_its_two_ends(pieces, glue, which):
     """The claim :func:`cut_points` admits these tokenizers on: wherever a letter is followed by a space, the whole
     text's ids are those of the text before it followed by those of the text from it."""
-    tok = LLAMA3 if which == "llama3" else QWEN2
+    tok = TOKENIZERS[which]
     text = glue.join(pieces)
     whole = _ids(tok, text)
     for at in _cuts(text)[:30]:
@@ -128,12 +144,12 @@ def test_a_text_cut_before_a_space_after_a_letter_tokenizes_as_its_two_ends(piec
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pieces=st.lists(st.sampled_from(_PIECES) | st.text(_CHARS, max_size=6), min_size=1, max_size=400),
        glue=st.sampled_from(["", " ", "\n"]), keep=st.integers(1, 120), side=st.sampled_from(["left", "right"]),
-       special=st.booleans(), which=st.sampled_from(["llama3", "qwen2"]))
+       special=st.booleans(), which=st.sampled_from(sorted(TOKENIZERS)))
 def test_the_end_of_a_prompt_tokenized_for_truncate_prompt_tokens_has_the_whole_texts_ids(pieces, glue, keep, side,
                                                                                         special, which):
     """Whatever the text and k, the ids kept from the end tokenized alone (None: the caller tokenizes it all) equal
     the whole text's: its last k (first k for truncation_side "right"), the BOS counted as the whole text's is."""
-    tok = LLAMA3 if which == "llama3" else QWEN2
+    tok = TOKENIZERS[which]
     text = glue.join(pieces) * 3
     got = kept_text_tokens(_Engine(tok), text, keep, special, side)
     if got is not None:
@@ -179,7 +195,7 @@ LLAMA_CPP = CUT_REGEXES["llama3"].replace("(?i:'s|'t|'re|'ve|'m|'ll|'d)",
 
 def test_the_llama3_and_qwen2_pre_tokenizers_are_admitted_as_tokenizer_json_writes_them():
     assert _spec(LLAMA3)["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == CUT_REGEXES["llama3"]
-    assert cut_points(LLAMA3) and cut_points(QWEN2)
+    assert cut_points(LLAMA3) and cut_points(QWEN2) and cut_points(GPT2_NFC)
 
 
 @pytest.mark.parametrize("tok", [
