@@ -150,14 +150,37 @@ def fewest_tokens(text: str, bound: int | Bound | None, at_least: int = 0) -> in
     return math.ceil(kept / bound.per_token)
 
 
+#: The Split regexes of tokenizer.json pre-tokenizers (``Sequence[Split(regex, Isolated), ByteLevel(use_regex=false)]``)
+#: under which a text is split wherever a character that is not whitespace is followed by a space: Llama 3's (and
+#: tiktoken's cl100k_base, digits in threes) and Qwen 2's (Qwen 2.5's, Qwen 3's: digits one by one). Each is an
+#: alternation of letters (an optional non-letter first), digits, contractions, punctuation (an optional space
+#: first, line breaks after) and runs of whitespace: no alternative matches a space after a non-space character,
+#: and every character starts a match (no gaps), so the match holding that character ends before the space; the
+#: next match is searched from there, reading only forward (a look-ahead, no look-behind, anchor or ``\b``), as in
+#: the text's end cut there; and the match before it reads past its last character only to fail on it (a letter,
+#: digit, punctuation or line break wanted, none of which a space or the text's end is), as in the text's start cut
+#: there. Any other spelling, however close, is not admitted (:func:`cut_points`): a ``\p{L}+\s?`` takes the space.
+CUT_REGEXES = {
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
+
+
 def cut_points(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` (a transformers fast tokenizer) splits a text wherever a letter is followed by a space,
     whatever comes before and after, and makes its tokens within the pieces: then an end of a text cut at such a place
-    has the whole text's tokens past it (``truncate_prompt_tokens`` tokenizes only the end it keeps). True for a BPE
-    with no normalizer and GPT-2's byte-level pre-tokenizer (its regex: a letter is never matched with a space after
-    it; no look-behind), digits split or not, and no added token that holds a letter and a space or takes in spaces
-    or words around it; False for any other (a Metaspace or a Split of its own regex, a normalizer, BPE dropout),
-    which is tokenized whole."""
+    has the whole text's tokens past it (``truncate_prompt_tokens`` tokenizes only the end it keeps).
+
+    True for a BPE (no dropout) with no normalizer or NFC (Qwen 2's), whose pre-tokenizer is GPT-2's byte-level one
+    (its regex: a letter is never matched with a space after it; no look-behind) or one of :data:`CUT_REGEXES` split
+    ``Isolated`` before a byte-level mapping without its own regex (Llama 3's, Qwen 2's), digits split or not, and no
+    added token that holds a letter and a space or takes in spaces or words around it. NFC keeps the cut: a space has
+    no decomposition, composes with nothing before or after it and bounds the reordering of marks, so the normalized
+    text is the two ends' normalized, and a letter is never normalized into whitespace. False for any other (a
+    Metaspace, whose pieces a prepended ``▁`` or merges across ``▁`` may change; a Split of another regex; another
+    normalizer), which is tokenized whole."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False
@@ -166,12 +189,12 @@ def cut_points(tokenizer: Any) -> bool:
     except (ValueError, TypeError, AttributeError):
         return False
     model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("dropout") or spec.get("normalizer") is not None:
+    normalizer = spec.get("normalizer")
+    if model.get("type") != "BPE" or model.get("dropout") or normalizer not in (None, {"type": "NFC"}):
         return False
     pre = spec.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else [pre]
-    regex = [p for p in parts if p.get("type") == "ByteLevel" and p.get("use_regex", True)]
-    if not regex or any(p not in regex and p.get("type") != "Digits" for p in parts):
+    if not _cut_pre_tokenizer(parts):
         return False
     for t in spec.get("added_tokens") or []:
         content = t.get("content", "")
@@ -179,3 +202,31 @@ def cut_points(tokenizer: Any) -> bool:
                 a.isalpha() and b.isspace() for a, b in itertools.pairwise(content)):
             return False
     return True
+
+
+def _cut_pre_tokenizer(parts: list[dict]) -> bool:
+    """Whether the pre-tokenizers ``parts`` (in order) split before every space that follows a letter, each piece
+    alike wherever the text starts: Digits anywhere, and either GPT-2's ``ByteLevel`` with its regex, or a Split of
+    :data:`CUT_REGEXES` (matches kept as pieces) and after it a ``ByteLevel`` without its regex (before the Split, it
+    would hand it ``Ġ``, a letter, for each space)."""
+    split_seen = byte_level_seen = False
+    for part in parts:
+        kind = part.get("type")
+        if kind == "Digits":
+            continue
+        if kind == "ByteLevel" and part.get("use_regex", True):
+            byte_level_seen = True
+            split_seen = True  # GPT-2's own regex splits
+        elif kind == "ByteLevel":
+            if not split_seen:
+                return False
+            byte_level_seen = True
+        elif kind == "Split":
+            pattern = part.get("pattern") or {}
+            if (byte_level_seen or pattern.get("Regex") not in CUT_REGEXES.values()
+                    or part.get("behavior") != "Isolated" or part.get("invert")):
+                return False
+            split_seen = True
+        else:
+            return False
+    return byte_level_seen and split_seen
