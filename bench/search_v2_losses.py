@@ -71,7 +71,7 @@ def sample(seed: int, i: int) -> dict[str, Any]:
         prefixes = rng.randint(0, 6)
         case.update(requests=rng.randint(16, 128), prompt_min=lo, prompt_max=_log_uniform(rng, lo, 2048),
                     answer_min=alo, answer_max=_log_uniform(rng, alo, 256), prefixes=prefixes,
-                    shared_percent=rng.randint(0, 100) if prefixes else 0,
+                    shared_percent=max(1, rng.randint(0, 100)) if prefixes else 0,
                     urgent_percent=rng.choice((0, 0, 10, 25, 50)), max_gap=rng.randint(0, 8))
         if prefixes:
             case["prefix_len"] = _log_uniform(rng, 64, 1024)
@@ -94,7 +94,7 @@ def build(case: dict[str, Any]) -> Any:
         phases = ((case["p1_requests"], {**params, "turns": case["p1_turns"]}),
                   (case["p2_requests"], {**params, "turns": case["p2_turns"]}))
         return phased(phases, case["wseed"])[0]
-    return make_workload(case["workload"], case["requests"], case["wseed"], **params)
+    return make_workload(case["workload"], case.get("requests"), case["wseed"], **params)
 
 
 _LAYOUTS: dict[str, Any] = {}
@@ -117,7 +117,10 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     from engine.simulator import simulate
     from pipeline.errors import ConfigError, KvBuildError
 
-    wl = build(case)
+    try:
+        wl = build(case)
+    except ValueError as exc:  # parameters make_workload refuses (a replay line edited by hand)
+        return {"case": case, "error": str(exc).splitlines()[0][:200]}
     budget = max(1, int(default_bytes(case["preset"], wl) * case["budget"]))
     out: dict[str, Any] = {"case": case, "budget_bytes": budget}
     try:
