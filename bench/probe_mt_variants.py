@@ -56,17 +56,24 @@ VARIANTS.update({label: ({}, 0.25) for label in SHIFTS})
 
 
 def shifted(label: str) -> tuple[Any, int]:
-    """The workload of a ``SHIFTS`` variant and its budget in tokens: the phases' ``multi-turn`` workloads (seeds 0, 1,
-    ...) back to back, ids prefixed by the phase, each phase's tokens moved by a bijection of the vocabulary so that no
-    phase's prompt starts with another's marker token (each phase numbers its markers from 1)."""
+    """The workload of a ``SHIFTS`` variant and its budget in tokens (see :func:`phased`)."""
+    wl, (_, tokens) = phased(SHIFTS[label])
+    return wl, SHIFT_BUDGET.get(label, int(VARIANTS[label][1] * tokens))
+
+
+def phased(phases: tuple[tuple[int, dict[str, int]], ...], seed: int = 0) -> tuple[Any, tuple[int, int]]:
+    """``multi-turn`` workloads (seeds ``seed``, ``seed + 1``, ...) back to back, ids prefixed by the phase, each
+    phase's tokens moved by a bijection of the vocabulary so that no phase's prompt starts with another's marker token
+    (each phase numbers its markers from 1); and (turns, tokens) of the phase with the most turns: its conversations'
+    longest sequences (the ``multi-turn`` default budget of that phase)."""
     import attrs
 
     from engine.workloads import Workload, make_workload
 
     out, start, vocab, budget = [], 0, 32000, (0, 0)
-    for k, (requests, args) in enumerate(SHIFTS[label]):
-        wl = make_workload("multi-turn", requests, k, **args)
-        shift = k * (vocab - 1) // len(SHIFTS[label])
+    for k, (requests, args) in enumerate(phases):
+        wl = make_workload("multi-turn", requests, seed + k, **args)
+        shift = k * (vocab - 1) // len(phases)
 
         def move(tokens: tuple[int, ...], shift: int = shift) -> tuple[int, ...]:
             return tuple((t - 1 + shift) % (vocab - 1) + 1 for t in tokens)
@@ -80,7 +87,7 @@ def shifted(label: str) -> tuple[Any, int]:
         start += last + 1
         conversations = len({r.req_id.rsplit("-", 1)[0] for r in wl.requests})
         budget = max(budget, (wl.params["turns"], conversations * wl.max_sequence_tokens))
-    return Workload("multi-turn", tuple(out), 0, {}), SHIFT_BUDGET.get(label, int(VARIANTS[label][1] * budget[1]))
+    return Workload("multi-turn", tuple(out), seed, {}), budget
 
 
 def run_variant(label: str, model: str, v1: dict[str, Any] | None) -> dict[str, Any]:

@@ -477,3 +477,29 @@ def test_the_grid_bench_refuses_max_seq_len_outside_the_arena_slabs_sweep(capsys
             bench_grid.main(argv)
         assert err.value.code == 2
     assert "--max-seq-len: a positive integer, for --only arena-slabs alone" in capsys.readouterr().err
+
+
+def test_the_v2_loss_search_replays_a_found_case_to_its_recorded_figures():
+    # BENCHMARKS.md "Searching for V2's losses": sample 28 of seed 0 is the worst case found (GPT-OSS 20B's config,
+    # shared-prefix in groups of 3 at 0.42x the default budget: V2 1.56x V1's steps, the held-back shared prefixes).
+    # A scheduler change that moves it must update the figures here and the table there, not leave the tool's
+    # replay lines pointing at figures it no longer gives.
+    from bench import search_v2_losses as s
+
+    case = s.sample(0, 28)
+    line = ("preset=tests/data/configs/gpt-oss-20b,workload=shared-prefix,wseed=455,budget=0.422,policy=fcfs,"
+            "requests=60,group_size=3,prefix_len=426,question_len=101,answer_len=13")
+    assert s.case_str(case) == line and s.parse_case(line) == case
+    r = s.run_case(s.parse_case(line))
+    assert (r["v1"]["steps"], r["v2"]["steps"]) == (80, 125)
+    assert (round(r["v1"]["hit"], 3), round(r["v2"]["hit"], 3)) == (0.526, 0.483)
+    assert r["steps_ratio"] == 125 / 80 and r["hit_deficit"] == r["v1"]["hit"] - r["v2"]["hit"]
+
+
+def test_the_v2_loss_search_prints_its_worst_cases_with_their_replay_lines(capsys):
+    from bench import search_v2_losses as s
+
+    s.main(["--samples", "3", "--seed", "0", "--top", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith("3 samples (seed 0, from 0)") and "Worst 2 by V2/V1 steps" in out
+    assert re.search(r"\| [\d.]+ \| [\d,]+ / [\d,]+ \| .*`preset=.*,workload=", out)
