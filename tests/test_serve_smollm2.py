@@ -213,8 +213,9 @@ MANY = [{"role": ("user", "assistant")[i % 2], "content": LONG[i * 350:(i + 1) *
 @pytest.mark.parametrize("path, body, hold", [
     ("/tokenize", {"messages": [{"role": "user", "content": LONG}]}, "__call__"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}, "__call__"),
+    # cut: only the end of its templated text kept is tokenized (the test below), its templating held aside
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1,
-                              "truncate_prompt_tokens": 100, "return_token_ids": True}, "__call__"),
+                              "truncate_prompt_tokens": 100, "return_token_ids": True}, "apply_chat_template"),
     ("/tokenize", {"messages": MANY}, "apply_chat_template"),
     ("/v1/chat/completions", {"messages": MANY, "max_tokens": 1}, "apply_chat_template"),
     ("/v1/chat/completions", {"messages": MANY, "max_tokens": 1, "truncate_prompt_tokens": 100,
