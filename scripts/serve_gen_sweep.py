@@ -1234,10 +1234,11 @@ def suspect(r: dict[str, Any]) -> list[str]:
     anthropic = tag in ("messages", "count_tokens")
     parts = name.split(".")
     kind = parts[-1]
-    if r.get("tp_refused"):  # beam search under tensor parallel: every search refused naming use_beam_search
+    if r.get("tp_refused"):  # beam search under tensor parallel: refused, naming use_beam_search or a bad field
         error, _ = error_of(r, False)
-        if r["status"] != 400 or error is None or error.get("param") != "use_beam_search":
-            why.append(f"status {r['status']}: not refused naming use_beam_search (not served under tensor parallel)")
+        if r["status"] != 400 or error is None or not error.get("param"):
+            why.append(f"status {r['status']}: not refused naming use_beam_search or a field (no beam search is "
+                       "served under tensor parallel)")
         for k, label in (("left", "left behind"), ("log", "server log"), ("still_ok", "good request after")):
             if r.get(k) and r[k] is not True:
                 why.append(f"{label}: {str(r[k])[:160]}")
@@ -1508,8 +1509,8 @@ def beam_group(a: Any, sweep: Sweep, all_routes: list[Route], record: Any) -> No
                 continue
             rec = sweep.probe(route, full, body, route.path)
             rec["expect"] = expect
-            if tp:
-                rec["tp_refused"] = True
+            if tp and not (isinstance(body, dict) and body.get("use_beam_search", True) in (False, None)):
+                rec["tp_refused"] = True  # a search (false or null asks for none: judged as any request)
             elif rec["status"] == 200 and isinstance(body, dict):
                 try:
                     rec["shape"] = beam_shape(body, sweep.last_text, route)
