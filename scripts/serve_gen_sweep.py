@@ -28,6 +28,11 @@ sibling of the same type is refused (a parser reading ``body.get(f) or default``
     python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --summary           # the whole sweep
     python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --only chat.stop --summary
     python scripts/serve_gen_sweep.py --out /tmp/gen.jsonl --nested --summary  # the nested fields alone
+    python scripts/serve_gen_sweep.py --out /tmp/tp.jsonl --tp_size 2 --every 2 --summary  # 2 ranks, half the cases
+
+``--tp_size N`` sweeps a real ``kvload serve CKPT --tp_size N`` (``External``: kvload's own N rank processes) with the
+same cases and rules, its leftovers read over HTTP and every rank required alive after each case (BENCHMARKS.md,
+"tpfault42").
 
 ``--group`` runs one other server instead, each with its own cases (judged by the same rules, ``--only`` narrows):
 ``parsers`` (``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser deepseek_r1``): the fields the
