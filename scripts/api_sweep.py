@@ -388,7 +388,9 @@ def front_door_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], 
     yield "get_world_size.typo", lambda: llm.get_world_size(include_pd=True)
     yield "get_world_size.positional.two", lambda: llm.get_world_size(True, True)
     yield "reset_mm_cache.positional.one", lambda: llm.reset_mm_cache(True)
-    yield "reset_mm_cache.typo", lambda: llm.reset_mm_cache(reset=True)
+    # reset_mm_cache takes no argument (as vLLM's), so a keyword is no typo of one: Python's TypeError names it (the
+    # first list called this ".typo" and charged it with no "did you mean")
+    yield "reset_mm_cache.reset.keyword", lambda: llm.reset_mm_cache(reset=True)
 
 
 LLM_KWARGS = ["seed", "max_seq_len", "max_model_len", "max_num_seqs", "max_num_tokens", "dtype", "device",
