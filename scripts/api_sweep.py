@@ -516,7 +516,8 @@ def classify_cases(kvload: Any, cls: Any, ce: Any) -> Iterator[tuple[str, Callab
     yield "classify.pool_list.sp", lambda: cls.classify([BASE_IDS], pooling_params=kvload.SamplingParams())
     yield "classify.on_ce", lambda: ce.classify([BASE_IDS])
     yield "classify_reward.on_ce", lambda: ce.reward([BASE_IDS])
-    yield "classify_reward.pool.normalize", lambda: cls.reward([BASE_IDS], pooling_params=kvload.PoolingParams(
+    # named by the field the refusal names (PoolingParams' normalize, removed as in vLLM); "pool" was no argument
+    yield "classify_reward.normalize.removed", lambda: cls.reward([BASE_IDS], pooling_params=kvload.PoolingParams(
         normalize=True))
     yield "ce_score.mismatch", lambda: ce.score([PROMPT, PROMPT], [PROMPT, PROMPT, PROMPT])
     yield "ce_score.empty", lambda: ce.score([], [PROMPT])
