@@ -11,16 +11,18 @@ threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVL
 loads the llama with each hostile ``LLM(hf_overrides=...)`` dict (a value taken must then generate); ``classify.*``,
 ``classify_pool.*``, ``classify_reward.*`` and ``ce_score.*`` call ``LLM.classify`` and ``LLM.reward`` on a tiny
 3-label classifier and ``LLM.score`` on a one-label cross-encoder (``tests/classify_support.py``), both checked to
-answer as before after each case.
+answer as before after each case. The front door's newer arguments (``tokenization_kwargs`` on every call that takes
+it: itself, its ``truncate_prompt_tokens``, keys kvload lacks, the cut given twice; ``output_kind``;
+``reset_prefix_cache``'s, ``get_world_size``'s and ``reset_mm_cache``'s arguments) are ``front_door_cases``.
 
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --summary   # the suspects of a results file
 
 A suspect: an exception that is neither ValueError nor TypeError (an IndexError, a RuntimeError from torch), a
-message of more than one line or that does not name the argument, a typo (``*.typo``) not answered with "did you
-mean", a hang, leftovers, an LLM that no longer gives the baseline's tokens, or a hostile value accepted (judge these:
-``None`` is often a real default).
+message of more than one line, that cannot be printed (a lone surrogate) or that does not name the argument, a typo
+(``*.typo``) not answered with "did you mean", a hang, leftovers, an LLM that no longer gives the baseline's tokens,
+or a hostile value accepted (judge these: ``None`` is often a real default).
 """
 
 from __future__ import annotations
