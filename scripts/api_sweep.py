@@ -299,7 +299,7 @@ def call_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]
 #: (A dict in the cut is one of them, named under truncate_prompt_tokens: its refusal rightly names that key, where
 #: the first list had it among TK_KEYS and charged it with not naming tokenization_kwargs.)
 CUT_VALUES: dict[str, Any] = {**HOSTILE, "neg2": -2, "big": 10 ** 6, "float_int": 2.0, "minus_one": -1,
-                              "nested": {"truncate_prompt_tokens": 2}}
+                              "dict_cut": {"truncate_prompt_tokens": 2}}
 #: ``tokenization_kwargs`` dicts with keys kvload does not take (vLLM's others, junk, non-str keys, a typo).
 TK_KEYS: dict[str, Any] = {
     "add_special_tokens": {"add_special_tokens": False}, "truncation": {"truncation": True},
