@@ -361,32 +361,3 @@ def test_refresh_requeues_queued_blocks_at_the_young_end_of_their_bucket_in_orde
             ref.add(b, *kind[b])
     assert q.blocks() == ref.blocks() and len(q) == len(ref) and q.num_shared == ref.num_shared
     assert q.pop_many(len(q)) == ref.pop_many(len(ref))
-
-
-def test_a_finished_groups_prefix_is_no_longer_held_back_from_admission_while_a_live_system_prompt_is():
-    # Admission leaves up to half the arena to queued shared prefixes (SHARED_HOLD, once sliding windows let blocks
-    # go). A group's prefix hit by its two other prompts in a burst and never again (``shared-prefix``) is dead: held,
-    # a few such kept that half from admission (GPT-OSS 20B at 0.42x the budget: V2 1.56x V1's steps). A system
-    # prompt hit again and again stays held; the dead prefix is still cached (a late hit still finds it).
-    m = make_manager(full_sliding_layers(window=8), 64)
-    group, system = list(range(100, 116)), list(range(500, 516))  # 4 blocks each
-    for i in range(3):  # the group: 3 prompts, one after another
-        r = Request(f"g{i}", group + [200 + i] * 4, 1)
-        prefill(m, r)
-        m.free(r)
-    queue = m._arena.evictable
-    dead = queue.num_shared
-    assert dead and m.held_back(0.5, 10**6) == [-dead]  # just hit: held
-    for i in range(16):  # then a system prompt, hit by every later prompt
-        r = Request(f"s{i}", system + [300 + i] * 4, 1)
-        prefill(m, r)
-        m.free(r)
-    live = queue.num_shared - dead
-    assert live > 0
-    assert m.held_back(0.5, 10**6) == [-live]  # main: [-(live + dead)]
-    fresh = Request("fresh", [700 + i % 50 for i in range(2000)], 1)  # more than the arena holds
-    assert (m.fit_tokens_new(fresh, 2000, m.held_back(0.5, 10**6))  # the dead prefix's blocks are admission's
-            > m.fit_tokens_new(fresh, 2000, [-(live + dead)]))
-    late = Request("late", group + [299] * 4, 1)  # still cached: a late prompt on it hits
-    prefill(m, late)
-    assert m.cache(late).reused_tokens == 16

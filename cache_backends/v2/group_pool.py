@@ -122,10 +122,6 @@ class EvictionQueue:
         if self.num_shared:
             self._demote_stale()
 
-    def shared_blocks(self) -> Iterable[int]:
-        """The queued blocks of shared prefixes, bucket by bucket."""
-        return itertools.chain.from_iterable(bucket for key, bucket in self._by_key.items() if key >> _SHARED_BIT)
-
     def _demote_stale(self) -> None:
         """Move shared blocks queued ``_stale`` blocks ago or earlier to the front of their priority's leaves (each
         shared bucket is in queue order, so only its oldest blocks are looked at)."""
