@@ -218,6 +218,39 @@ class EvictionQueue:
         self._len -= len(blocks)
         self.num_shared -= shared
 
+    def claim_many(self, blocks: Sequence[int], ref: list[int]) -> None:
+        """Each of ``blocks`` (queued, held by nobody) gets ``ref[b] = 1`` and leaves the queue: the stores of a loop
+        over ``blocks`` then :meth:`remove_many`, in one pass when every block is in one bucket (a prefix hit on a
+        finished turn's history, queued by one release); ``KeyError`` as :meth:`remove_many` (every ``ref`` set)."""
+        n = len(blocks)
+        if n > 1:
+            keys = self._key
+            at = itemgetter(*blocks)(keys)
+            key = at[0]
+            bucket = self._by_key.get(key)
+            if bucket is not None and at.count(key) == n:
+                try:
+                    for b in blocks:  # this loop runs for every block a hit claims: kept lean
+                        del bucket[b]
+                        ref[b] = 1
+                except KeyError:  # as remove_many: the ones before it are out, and every reference is set
+                    for b in blocks:
+                        ref[b] = 1
+                    by_key = self._by_key
+                    if not bucket:
+                        del by_key[key]
+                    self._len = sum(map(len, by_key.values()))
+                    self.num_shared = sum(len(bk) for k, bk in by_key.items() if k >> _SHARED_BIT)
+                    raise
+                if not bucket:
+                    del self._by_key[key]
+                self._len -= n
+                self.num_shared -= (key >> _SHARED_BIT) * n
+                return
+        for b in blocks:
+            ref[b] = 1
+        self.remove_many(blocks)
+
     def count_shared(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` (queued) are queued as shared prefixes' blocks (:attr:`num_shared` counts them)."""
         return sum(map((1 << _SHARED_BIT).__le__, map(self._key.__getitem__, blocks)))

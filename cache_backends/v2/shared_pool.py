@@ -277,9 +277,12 @@ class SharedPool:
             get = itemgetter(*blocks) if n > 1 else None
             if get is not None and get(ref).count(0) == n and \
                     get(self.group_of) == tuple(chain.from_iterable(map(repeat, groups, map(len, pieces)))):
-                for b in blocks:
-                    ref[b] = 1
-                self._unqueue(blocks, lambda b: next(g for g, piece in zip(groups, pieces, strict=True) if b in piece))
+                try:  # references set and the queue left in one pass
+                    self.evictable.claim_many(blocks, ref)
+                except KeyError as e:
+                    g = next(g for g, piece in zip(groups, pieces, strict=True) if e.args[0] in piece)
+                    raise RuntimeError(f"group {self.names[g]}: block {e.args[0]} is not one of its used or cached "
+                                       "blocks") from None
                 cached, used = self.cached, self.used
                 for g, piece in zip(groups, pieces, strict=True):
                     k = len(piece)
