@@ -97,7 +97,8 @@ def test_tokenization_kwargs_a_cut_given_twice_or_a_key_kvload_lacks_is_one_line
     with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs\.add_special_token: not a "
                                               r".*did you mean 'add_special_tokens'\?$"):
         llm.generate([TEXT], sp, tokenization_kwargs={"add_special_token": True})
-    with pytest.raises(GenerationError, match=r"^chat: tokenization_kwargs\.truncation=true: .*'truncate_prompt_tokens'"):
+    with pytest.raises(GenerationError,
+                       match=r"^chat: tokenization_kwargs\.truncation=true: .*'truncate_prompt_tokens'"):
         llm.chat([{"role": "user", "content": TEXT}], sp, chat_template=TEMPLATE,
                  tokenization_kwargs={"truncation": True, "max_length": 4})
     with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs: expected a dict"):
