@@ -467,6 +467,7 @@ class LLM:
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
         self._said_no_mm_cache = False  # reset_mm_cache() too: a benchmark calls it between every run
+        self._said_no_connector = False  # reset_prefix_cache(reset_connector=True): said once, as reset_mm_cache
         self._metrics = LlmMetrics(str(self.args.model), self.args.max_draft_len)
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
@@ -1052,13 +1053,15 @@ class LLM:
 
         vLLM's arguments, in its order: ``reset_running_requests`` (vLLM preempts the running requests first; here a
         reset runs only between calls, when no request runs, so true and false reset alike) and ``reset_connector``
-        (vLLM's KV connector's cache too; kvload has no KV connector, so true is reported ``setting_ignored``).
+        (vLLM's KV connector's cache too; kvload has no KV connector, so true is reported ``setting_ignored``, once
+        per LLM).
         """
         for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
             if not isinstance(value, bool):
                 raise GenerationError(f"reset_prefix_cache: {name}: expected true or false, got {short(value)}")
         with self._exclusive("reset_prefix_cache"), self._running("reset_prefix_cache") as executor:
-            if reset_connector:
+            if reset_connector and not self._said_no_connector:  # said once: a benchmark resets between every run
+                self._said_no_connector = True
                 executor._event(SettingIgnored(
                     field="LLM.reset_prefix_cache.reset_connector", value=True,
                     reason="kvload has no KV connector (vLLM's kv_transfer_config) whose cache could be reset; the "
