@@ -23,6 +23,8 @@ Sample ``i`` of ``--seed S`` depends on (S, i) alone, so a longer search extends
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import math
 import os
@@ -184,6 +186,46 @@ HEAD = ("| V2/V1 steps | steps V1 / V2 | hit V1 / V2 | V2 suspends / preemptions
         "|--:|--:|--:|--:|---|")
 
 
+def apply_patch(kv: str) -> None:
+    """``MODULE.ATTR=VALUE``: set an existing module constant (``VALUE`` a Python literal, or ``inf``)."""
+    key, sep, value = kv.partition("=")
+    mod, _, attr = key.rpartition(".")
+    if not sep or not mod:
+        raise ValueError("expected MODULE.ATTR=VALUE")
+    module = importlib.import_module(mod)
+    if not hasattr(module, attr):
+        raise AttributeError(f"{mod} has no {attr}")
+    setattr(module, attr, math.inf if value == "inf" else ast.literal_eval(value))
+
+
+def compare_against(path: str) -> None:
+    """Rerun every sample ``path`` (a ``--json`` file) recorded as run on both managers; print the changed ones
+    (before -> after) and the counts over 1.02x V1's steps and with hits more than 0.5 points below V1's."""
+    with open(path) as f:
+        base = [r for r in map(json.loads, f) if "steps_ratio" in r]
+    now, better, worse = [], 0, 0
+    for b in base:
+        x = run_case(b["case"])
+        if "steps_ratio" not in x:
+            print(f"#{b['index']} no longer runs on both: {x.get('error', 'stalled')} | {case_str(b['case'])}")
+            continue
+        now.append(x)
+        if (x["steps_ratio"], x["hit_deficit"]) == (b["steps_ratio"], b["hit_deficit"]):
+            continue
+        better += x["steps_ratio"] < b["steps_ratio"]
+        worse += x["steps_ratio"] > b["steps_ratio"]
+        print(f"#{b['index']} steps {b['steps_ratio']:.3f} -> {x['steps_ratio']:.3f}, V2 - V1 hit "
+              f"{-100 * b['hit_deficit']:+.1f} -> {-100 * x['hit_deficit']:+.1f} points | {case_str(b['case'])}",
+              flush=True)
+
+    def counts(rows: list[dict[str, Any]]) -> str:
+        return (f"{sum(r['steps_ratio'] > 1.02 for r in rows)} over 1.02x V1's steps, "
+                f"{sum(r['hit_deficit'] > 0.005 for r in rows)} with hits > 0.5 points below V1's")
+
+    print(f"{len(base)} samples: steps better on {better}, worse on {worse}; before {counts(base)}; after "
+          f"{counts(now)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Search (or replay one case) and print the worst cases as markdown."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,8 +235,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--replay", default=None, help="one case, as printed (key=value,...)")
     p.add_argument("--json", default=None, help="write every sample's figures here (JSON lines)")
+    p.add_argument("--patch", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="set a module constant first (a literal: int, float, inf), e.g. "
+                        "cache_backends.v2.scheduler.SHARED_HOLD=0.25; repeatable; not kept")
+    p.add_argument("--against", default=None, metavar="BASE.jsonl",
+                   help="rerun the samples a --json file recorded (ran on both) and print those whose figures changed")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for kv in a.patch:
+        try:
+            apply_patch(kv)
+        except (ValueError, ImportError, AttributeError) as exc:
+            p.error(f"--patch {kv}: {exc}")
+    if a.against is not None:
+        compare_against(a.against)
+        return
     if a.replay is not None:
         try:
             case = parse_case(a.replay)

@@ -503,3 +503,23 @@ def test_the_v2_loss_search_prints_its_worst_cases_with_their_replay_lines(capsy
     out = capsys.readouterr().out
     assert out.startswith("3 samples (seed 0, from 0)") and "Worst 2 by V2/V1 steps" in out
     assert re.search(r"\| [\d.]+ \| [\d,]+ / [\d,]+ \| .*`preset=.*,workload=", out)
+
+
+def test_the_v2_loss_search_patches_a_constant_and_reruns_a_recorded_search(tmp_path, capsys):
+    # --patch sets a module constant for the run (a rule tried without editing code); --against reruns the samples a
+    # --json file recorded and prints those whose figures changed, with the loss counts before and after.
+    from bench import search_v2_losses as s
+    from cache_backends.v2 import scheduler
+
+    base = tmp_path / "base.jsonl"
+    s.main(["--samples", "2", "--seed", "0", "--start", "28", "--top", "1", "--json", str(base)])
+    hold = scheduler.SHARED_HOLD
+    try:
+        s.main(["--patch", "cache_backends.v2.scheduler.SHARED_HOLD=0.0", "--against", str(base)])
+        assert scheduler.SHARED_HOLD == 0.0
+    finally:
+        scheduler.SHARED_HOLD = hold
+    out = capsys.readouterr().out
+    assert re.search(r"\d samples: steps better on \d, worse on \d; before \d over 1.02x V1's steps", out)
+    with pytest.raises(SystemExit):
+        s.main(["--patch", "cache_backends.v2.scheduler.NO_SUCH=1", "--against", str(base)])
