@@ -198,15 +198,33 @@ def apply_patch(kv: str) -> None:
     setattr(module, attr, math.inf if value == "inf" else ast.literal_eval(value))
 
 
-def compare_against(path: str) -> None:
-    """Rerun every sample ``path`` (a ``--json`` file) recorded as run on both managers; print the changed ones
-    (before -> after) and the counts over 1.02x V1's steps and with hits more than 0.5 points below V1's."""
-    with open(path) as f:
-        base = [r for r in map(json.loads, f) if "steps_ratio" in r]
-    now, better, worse = [], 0, 0
+def read_base(path: str) -> list[dict[str, Any]]:
+    """The samples a ``--json`` file recorded as run on both managers (``ValueError`` naming what is wrong)."""
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not a --json file of this search (line {exc.lineno}: {exc.msg})") from None
+    if not all(isinstance(r, dict) and "case" in r and "index" in r for r in rows):
+        raise ValueError("not a --json file of this search (each line a sample with its case and index)")
+    return [r for r in rows if "steps_ratio" in r]
+
+
+def compare_against(base: list[dict[str, Any]], out: str | None = None) -> None:
+    """Rerun every sample of ``base`` (read by :func:`read_base`); print the changed ones (before -> after) and the
+    counts over 1.02x V1's steps and with hits more than 0.5 points below V1's. ``out``: the rerun's rows, as
+    ``--json`` writes them (the next comparison's base)."""
+    now, better, worse, gone = [], 0, 0, 0
+    sink = open(out, "w") if out is not None else None  # noqa: SIM115 (closed below, after every sample)
     for b in base:
         x = run_case(b["case"])
+        if sink is not None:
+            sink.write(json.dumps({"index": b["index"], **x}) + "\n")
+            sink.flush()
         if "steps_ratio" not in x:
+            gone += 1
             print(f"#{b['index']} no longer runs on both: {x.get('error', 'stalled')} | {case_str(b['case'])}")
             continue
         now.append(x)
@@ -222,8 +240,11 @@ def compare_against(path: str) -> None:
         return (f"{sum(r['steps_ratio'] > 1.02 for r in rows)} over 1.02x V1's steps, "
                 f"{sum(r['hit_deficit'] > 0.005 for r in rows)} with hits > 0.5 points below V1's")
 
+    if sink is not None:
+        sink.close()
+    left = f" ({gone} no longer run on both: left out of after)" if gone else ""
     print(f"{len(base)} samples: steps better on {better}, worse on {worse}; before {counts(base)}; after "
-          f"{counts(now)}")
+          f"{counts(now)}{left}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,16 +260,24 @@ def main(argv: list[str] | None = None) -> None:
                    help="set a module constant first (a literal: int, float, inf), e.g. "
                         "cache_backends.v2.scheduler.SHARED_HOLD=0.25; repeatable; not kept")
     p.add_argument("--against", default=None, metavar="BASE.jsonl",
-                   help="rerun the samples a --json file recorded (ran on both) and print those whose figures changed")
+                   help="rerun the samples a --json file recorded (ran on both) and print those whose figures changed "
+                        "(with --json: the rerun's rows written there)")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for kv in a.patch:
         try:
             apply_patch(kv)
-        except (ValueError, ImportError, AttributeError) as exc:
-            p.error(f"--patch {kv}: {exc}")
+        except (ValueError, SyntaxError, ImportError, AttributeError) as exc:
+            p.error(f"--patch {kv}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     if a.against is not None:
-        compare_against(a.against)
+        given = [f"--{k}" for k in ("samples", "seed", "start", "top", "replay") if getattr(a, k) != p.get_default(k)]
+        if given:
+            p.error(f"--against reruns the samples its file recorded; {', '.join(given)} do not apply to it")
+        try:
+            base = read_base(a.against)
+        except ValueError as exc:
+            p.error(f"--against {a.against}: {exc}")
+        compare_against(base, a.json)
         return
     if a.replay is not None:
         try:

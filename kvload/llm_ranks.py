@@ -44,9 +44,10 @@ FOLLOWED = ("generate", "chat", "embed", "score", "beam_search", "reset_prefix_c
 CHANNEL_ENV = "KVLOAD_LLM_CHANNEL"
 #: Seconds the ranks get to close their LLM and exit after rank 0 asks; then SIGTERM, then SIGKILL as long again.
 CLOSE_S = 10.0
-#: Seconds between SIGTERM and SIGKILL when the ranks are out of step (a call interrupted or failed on rank 0 alone):
-#: a rank waiting in a collective for the rank 0 that left runs no Python handler until it is killed, so the full
-#: ``CLOSE_S`` only made a Ctrl-C take 10 s more; a rank in Python ends by its handler well within this.
+#: Seconds between SIGTERM and SIGKILL when the ranks are not asked to close (out of step: a call interrupted or
+#: failed on rank 0 alone; a failed load; ``close()`` while loading or mid-call): a rank waiting in a collective for
+#: the rank 0 that left runs no Python handler until it is killed, so the full ``CLOSE_S`` only made a Ctrl-C take
+#: 10 s more; a rank in Python ends by its handler well within this.
 PARTED_TERM_S = 2.0
 #: How long rank 0, having failed a call, waits for each other rank's outcome: one that failed alike answers at once
 #: (the ranks run in step); one still in the call waits in a collective rank 0 left and would answer only at the
