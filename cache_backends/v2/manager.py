@@ -74,8 +74,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from itertools import chain, compress, repeat
-from operator import add, getitem, itemgetter, not_, sub
+from itertools import chain, compress, repeat, takewhile
+from operator import add, attrgetter, eq, floordiv, getitem, gt, itemgetter, mul, not_, sub, truth
 
 import attrs
 
@@ -117,6 +117,9 @@ def fit_spans(want: int, available: int, spans: list[tuple[int, int]]) -> int:
     return _most_fitting(hi, fits, lo if fits(lo) else 0)
 
 
+_WORST, _CAPACITY = attrgetter("worst"), attrgetter("capacity")  # a SequenceCache's (cycle_headroom's C passes)
+
+
 def _tokens(request: Request, start: int, end: int) -> list[int]:
     """``request.all_token_ids[start:end]`` without concatenating the whole sequence."""
     prompt = request.prompt_token_ids
@@ -128,14 +131,17 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + request.output_token_ids[: end - n]
 
 
+def _first_packed(request: Request) -> bytes:
+    """``pack_tokens(_tokens(request, 0, 1))`` (``b""`` for a request without tokens) in one call: every lookup of a
+    waiting request starts with it, every step it waits."""
+    return pack_tokens((request.prompt_token_ids or request.output_token_ids)[:1])
+
+
 def _common_prefix(a: bytes, b: bytes) -> int:
     """How many token ids two packed runs (8 bytes each) share at the start."""
-    n = 0
-    for x, y in zip(memoryview(a).cast("q"), memoryview(b).cast("q"), strict=False):  # equal bytes, equal ids
-        if x != y:
-            break
-        n += 1
-    return n
+    # equal bytes, equal ids; counted at C speed (the leading Trues of a pairwise comparison): a partial match compares
+    # up to T - 1 ids with every candidate run, each waiting turn of a conversation, every step it is looked up
+    return sum(takewhile(truth, map(eq, memoryview(a).cast("q"), memoryview(b).cast("q"))))
 
 
 @attrs.define(eq=False)
@@ -1031,7 +1037,7 @@ class KVCacheManagerV2:
         starts with its first token (:meth:`_admit`'s cheap miss)."""
         if not self._reuse or request.skip_prefix_read:
             return True
-        first = pack_tokens(_tokens(request, 0, 1))
+        first = _first_packed(request)
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
 
     def cached_prefix_tokens(self, request: Request) -> int:
@@ -1039,7 +1045,7 @@ class KVCacheManagerV2:
         pending prefix the lookup reaches is keyed, as admission's lookup would key it)."""
         if not self._reuse or request.skip_prefix_read:
             return 0
-        first = pack_tokens(_tokens(request, 0, 1))
+        first = _first_packed(request)
         prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
@@ -1066,7 +1072,7 @@ class KVCacheManagerV2:
         if not self._reuse or request.skip_prefix_read or request in self._caches:
             return None
         T, tree = self.T, self._tree
-        first = pack_tokens(_tokens(request, 0, 1))
+        first = _first_packed(request)
         prefix = tree.pending_prefix(request.salt, first)
         if prefix is not None:  # as the build's lookup does before anything else
             self._materialize(prefix)
@@ -1283,6 +1289,19 @@ class KVCacheManagerV2:
         """:meth:`cycle_growth` summed over active ``requests``, per life cycle (one pass, no per-request lists: it
         runs every step that admits)."""
         limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
+        if len(self._cycles) == 1 and self._cycles[0][0].max_blocks_per_sequence is None:
+            # the usual (one life cycle, no window), in C passes over the requests: this runs every step that admits,
+            # over every running request. A request at or past its worst case grows by 0 (its target is its capacity)
+            tpb = -self._cycles[0][0].tokens_per_block
+            got = list(map(caches.__getitem__, requests))
+            worst = list(map(_WORST, got))
+            if worst and min(worst) < 0:  # once per request: prompt + max_new_tokens within max_seq_len
+                for i in compress(range(len(got)), map(gt, repeat(0), worst)):
+                    worst[i] = got[i].worst = min(got[i].request.max_total_tokens, limit)
+            now = list(map(_CAPACITY, got))
+            grow = map(ceil, map(mul, repeat(ratio), map(max, map(sub, worst, now), repeat(0))))
+            # sum of ceil(target / T) - ceil(now / T), as -(-x // T) each
+            return [sum(map(floordiv, now, repeat(tpb))) - sum(map(floordiv, map(add, now, grow), repeat(tpb)))]
         spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
         for r in requests:
             cache = caches[r]
@@ -2203,7 +2222,7 @@ class KVCacheManagerV2:
             skip = request.skip_prefix_read
             if not skip:  # one that reads nothing asked the cache nothing
                 self.counters["reuse_query_tokens"] += request.num_tokens
-            first = pack_tokens(_tokens(request, 0, 1))
+            first = _first_packed(request)
             prefix = self._tree.pending_prefix(request.salt, first)
             if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup (and keying)
                 self._materialize(prefix)
@@ -2262,7 +2281,10 @@ class KVCacheManagerV2:
         neither a full block nor part of one can match (what :meth:`_match` and :meth:`_claim_partial` would find
         then, without packing and looking up a whole block twice: every request of a no-reuse workload takes this
         path)."""
-        return request.num_tokens < 2 or not self._starts_cached(request, first)
+        if len(request.prompt_token_ids) + len(request.output_token_ids) < 2:  # request.num_tokens, inlined
+            return True
+        root = self._tree.root(request.salt)  # _starts_cached, inlined: every lookup of a waiting request asks it
+        return root is None or not root.has_child_starting_with(first)
 
     def _starts_cached(self, request: Request, first: bytes) -> bool:
         """Whether a run hung under the request's salt starts with the token packed as ``first``."""
