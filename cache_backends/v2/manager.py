@@ -152,12 +152,16 @@ class HitProbe:
     the request, building it, or refuses it with :meth:`KVCacheManagerV2.refuse_hit`, before anything else changes).
     """
 
-    tokens: int  # the whole-block prefix the claim holds (a multiple of every group's block span; 0: none)
+    tokens: int  # the prefix the claim holds: whole blocks (a multiple of every group's block span; 0: none), then
+    # a copied partial block's tokens where ``partial`` is set
     last: RadixNode | None  # the run the claimed path ends at (already split there, as the claim splits it); None: 0
     claimed: list[tuple[list[int], list[int], int]]  # per group: its blocks on the path from ``lo``, their refs, lo
     taken: list[int]  # per pool set: cached blocks (nobody holds them) the claim takes out of the available ones
     taken_groups: list[int]  # the same per group (its use grows by them: the bound's ``used``)
     shared_taken: list[int]  # per pool set: how many of ``taken`` are queued as shared prefixes' (``held_back``)
+    # the finished history's partial last block (``last.tail``) the build would copy into a free block of every group
+    # (counted in ``taken``); None: no copy
+    partial: TailRun | None = None
 
     def less(self, extra: list[int] | None) -> list[int]:
         """``extra`` (per pool set, as :meth:`KVCacheManagerV2.short_of` takes it) less :attr:`taken`: the built
@@ -301,6 +305,10 @@ class KVCacheManagerV2:
         # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
         # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
         self._unit_spans = all(g.tokens_per_block == self.T for g in self.groups) and len(self.groups) >= 4
+        # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit):
+        # pools per group, each group's block one token block, no window (admission holds back no shared prefix)
+        self._tail_probes = (self._probes and self._partial and self._arena is None and self._slabs is None
+                             and not self._sliding and all(g.tokens_per_block == self.T for g in self.groups))
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
@@ -1090,8 +1098,17 @@ class KVCacheManagerV2:
         assert run is not None
         last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
         tree.leave(last)
-        if self._partial and self._prefix_check is None and self._partial_source(request, last, m)[0] is not None:
-            return None  # a copy follows (a limited prefix, DeepSeek V4's, copies none: _admit)
+        partial, k = None, 0
+        if self._partial and self._prefix_check is None:  # a copy follows (a limited prefix, DeepSeek V4's: none)
+            partial, k = self._partial_source(request, last, m)
+            # probed only where building and cancelling it leaves no more changed than refuse_hit redoes: the copy's
+            # source is the history's partial last block (the cancel's finish keeps it as it is: _keep_tail) and every
+            # group has a free block (the copy takes it, evicting nothing; the cancel puts it back). Why: a follow-up
+            # turn ends its history inside a block, so under pressure its refused head was built and cancelled every
+            # step (tiny-llama multi-turn at a quarter of the budget: a quarter of V2's work)
+            if partial is not None and (partial is not last.tail or not self._tail_probes
+                                        or self.kv_events is not None):
+                return None
         path = [last]  # the path's runs, root side last: walked once, not once per group (tree.path_blocks)
         while path[-1].parent is not None and path[-1].parent.parent is not None:
             path.append(path[-1].parent)  # type: ignore[arg-type]
@@ -1134,15 +1151,28 @@ class KVCacheManagerV2:
             taken = [sum(taken_groups)]
             shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
         else:  # a pool per group: pool set i is group i
+            if partial is not None:  # the copy's block, in use beside the claim's
+                for (name, _, pool), t in zip(self._group_pools, taken_groups, strict=True):
+                    # what the copy finds available once the claim and its source are out of the queue; none: the
+                    # build copies nothing (only building answers then)
+                    if pool.available - t - (not pool.ref[partial.blocks[name][0]]) < 1:
+                        return None
+                taken_groups = [t + 1 for t in taken_groups]
             taken = taken_groups
             shared_taken = [pool.evictable.count_shared(cached)
                             for (_, _, pool), cached in zip(self._group_pools, cached_of, strict=True)]
+        if partial is not None:
+            return HitProbe(m + k, last, claimed, taken, taken_groups, shared_taken, partial)
         return HitProbe(m, last, claimed, taken, taken_groups, shared_taken)
 
     def admit_hit(self, probe: HitProbe, request: Request) -> None:
         """:meth:`create` + :meth:`resume` for the request ``probe`` was made for, claiming what the probe found (the
         pools and tree are as it found them: :class:`HitProbe`), without looking it up again: the same cache, the
         same blocks taken out of the eviction queue, the same counters."""
+        if probe.partial is not None:  # a copy: built as create + resume would (they find what the probe found)
+            self.create(request)
+            self._admit(self._caches[request])
+            return
         cache = self.create(request)
         m, last = probe.tokens, probe.last
         self.counters["reuse_query_tokens"] += request.num_tokens
@@ -1175,12 +1205,28 @@ class KVCacheManagerV2:
         last = probe.last
         if last is None:  # an empty claim: building and cancelling it leaves nothing changed
             return
+        if probe.partial is not None:
+            self._refuse_copy(probe, priority)
+            return
+        leaves_of, shared_of = self._requeue_order(probe)
+        if self._arena is not None:
+            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
+            return
+        for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
+            pool.evictable.requeue(leaves, shared, priority)
+
+    def _requeue_order(self, probe: HitProbe) -> tuple[list[list[int]], list[list[int]]]:
+        """Per group, the claimed blocks of ``probe`` nobody else holds as the cancel's release queues them: (leaves,
+        shared prefixes' blocks), each tail first (:meth:`refuse_hit`)."""
+        last = probe.last
+        assert last is not None
         whole_shared = bool(last.children)  # the claimed path's last run has children: all of it is queued shared
         leaves_of: list[list[int]] = []
         shared_of: list[list[int]] = []
         T = self.T
         blocks_of = list(map(itemgetter(0), probe.claimed)) if self._unit_spans else []
-        if blocks_of and probe.taken_groups == list(map(len, blocks_of)):
+        # (a copy's block is counted in taken_groups: its probe takes the loop)
+        if blocks_of and probe.partial is None and probe.taken_groups == list(map(len, blocks_of)):
             # the usual (a block per position, the claim held by nobody): the loop below in C passes over the
             # groups, as probe_hit's; blocks[k:] lie in the last run, k = max(0, last.start - lo) with a step of 1
             ks = (list(map(len, blocks_of)) if whole_shared
@@ -1199,11 +1245,51 @@ class KVCacheManagerV2:
                     tail = list(compress(tail, map(not_, refs[k:])))
                 leaves_of.append(tail[::-1])
                 shared_of.append(head[::-1])
-        if self._arena is not None:
-            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
-            return
-        for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
-            pool.evictable.requeue(leaves, shared, priority)
+        return leaves_of, shared_of
+
+    def _refuse_copy(self, probe: HitProbe, priority: int) -> None:
+        """:meth:`refuse_hit` for a probe whose build copies its history's partial last block (``probe.partial``):
+        what the build and the cancel do to the pools and the tree, in their order, less the claim's per-block work.
+        The claim's cached blocks leave the queue and its path gains a user; the copy holds its source in every group,
+        takes a block of each (a free one, else evicting the oldest queued: the same blocks and evictions), lets go of
+        the sources (queued again as the youngest of their priority); the cancel puts each copy back on the free list,
+        queues the claim's blocks as its release does (split by the runs' shapes after those evictions) and lets go
+        of the path.
+
+        The usual case keeps the claim's blocks queued until they are requeued (at C speed, as a refused whole-block
+        hit's): no queued shared block (so no stale demotion while the sources go back sees them), and each copy takes
+        a free block or the one an eviction takes anyway with them queued (neither claimed nor a source)."""
+        groups, tree, detach = self._group_pools, self._tree, self._detach
+        last, source = probe.last, probe.partial
+        assert last is not None and source is not None
+        sources = [source.blocks[name][0] for name, _, _ in groups]
+        cached_of = [list(compress(blocks, map(not_, refs))) for blocks, refs, _ in probe.claimed]
+        quick = True
+        for (_, _, pool), src, cached in zip(groups, sources, cached_of, strict=True):
+            if pool.evictable.num_shared or (not pool._free and (
+                    (victim := pool.evictable.peek()) == src or victim in cached)):
+                quick = False
+                break
+        if not quick:
+            for (_, _, pool), cached in zip(groups, cached_of, strict=True):
+                pool.evictable.remove_many(cached)  # as the claim's incref_many
+        held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
+        for (_, _, pool), src in zip(groups, sources, strict=True):
+            pool.incref(src)
+        copies = [pool.allocate(detach) for _, _, pool in groups]
+        for (_, _, pool), src in zip(groups, sources, strict=True):
+            pool.decref(src, pool.priority[src], True, detach)
+        leaves_of, shared_of = self._requeue_order(probe)
+        for (_, _, pool), b, leaves, shared in zip(groups, copies, leaves_of, shared_of, strict=True):
+            pool.release((b,), priority, True, detach)  # the release's first block: the copy, to the free list
+            if quick:
+                pool.evictable.requeue(leaves, shared, priority)
+                continue
+            if leaves:
+                pool.evictable.add_many(leaves, priority)
+            if shared:
+                pool.evictable.add_many(shared, priority, True)
+        tree.leave(held)
 
     def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None, start: int = 0) -> int:
         """:meth:`fit_tokens` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
@@ -1224,7 +1310,8 @@ class KVCacheManagerV2:
         if arena is None:
             more = extra or [0] * len(self._group_pools)  # a pool per group: pool set i is group i
             most = min((pool.available + k) * tpb for (_, tpb, pool), k in zip(self._group_pools, more, strict=True))
-            return max(0, min(want, most))
+            # a probe's copied partial block (``start`` inside a block, counted in ``extra``) has room for the rest
+            return max(0, min(want, most - start % -self.T))
         return fit_spans(want, arena.available + (extra[0] if extra else 0), spans)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
