@@ -331,15 +331,6 @@ class EvictionQueue:
                 clock += 1
         self._clock = clock
 
-    def peek(self) -> int | None:
-        """The block :meth:`pop` would take next; None when the queue is empty."""
-        by_key = self._by_key
-        for key in sorted(by_key):
-            bucket = by_key[key]
-            if bucket:
-                return next(iter(bucket))
-        return None
-
     def pop(self) -> int:
         """The next block to evict; ``IndexError`` when empty."""
         return self.pop_many(1)[0]
