@@ -562,6 +562,48 @@ def test_a_follow_up_turn_refused_for_room_is_not_built():
     m.check_invariants()
 
 
+def _refused_turn_with_a_copy(other_len: int, build: bool) -> tuple[list, list, list, int]:
+    """A follow-up turn whose history ends inside a block (its partial last block kept cached for the copy), refused
+    for room beside a growing request of ``other_len`` prompt tokens, two prompts cached after the history (two
+    blocks each, taking the free list): (decisions, pool state, the requests whose caches were created, free blocks
+    when it was refused); ``build``: the turn built and cancelled (no probe)."""
+    m = make_manager(FULL, 11, enable_partial_reuse=True)
+    if build:
+        m.probe_hit = lambda request: None  # type: ignore[method-assign]
+    history = list(range(1, 19))  # four blocks and two tokens: the finish keeps the partial block for the next turn
+    prefill(m, h := Request("turn0", history, 0))
+    m.free(h)
+    other = Request("other", list(range(30, 30 + other_len)), 20)  # grows: the headroom refuses the turn beside it
+    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
+    assert s.step(deque([other]), []).admitted == [other]
+    m.commit(other, other_len)
+    for i in range(2):
+        prefill(m, late := Request(f"late{i}", [60 + i, 61, 62, 63, 64], 0))
+        m.free(late)
+    free = len(m._pool_sets[0][0]._free)
+    created: list[str] = []
+    create = m.create
+    m.create = lambda request: created.append(request.req_id) or create(request)  # type: ignore[method-assign]
+    turn = Request("turn1", [*history, 50, 51], 8, arrival=1)
+    out = s.step(deque([turn]), [other])
+    m.check_invariants()
+    decisions = [out.admitted, out.preempted, out.suspended, [(c.request.req_id, c.num_tokens) for c in out.scheduled]]
+    return decisions, _pool_state(m), created, free
+
+
+@pytest.mark.parametrize(("other_len", "free"), [(4, 1), (8, 0)])
+def test_a_refused_turn_that_would_copy_its_history_s_partial_block_is_not_built(other_len, free):
+    """A follow-up turn whose history ends inside a block is probed too (the copy of that partial block estimated, not
+    made): refused for room, its cache is not created, and the pools (queue order and clocks, free list, references,
+    generations, counters) are what building it, copying the block (from the free list, or evicting the oldest queued
+    block when none is free) and cancelling it leave."""
+    probed = _refused_turn_with_a_copy(other_len, build=False)
+    built = _refused_turn_with_a_copy(other_len, build=True)
+    assert probed[3] == built[3] == free
+    assert probed[0] == built[0] and probed[0][0] == []  # refused either way
+    assert probed[1] == built[1]
+    assert probed[2] == [] and built[2] == ["turn1"]
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), layout=st.sampled_from(["full", "shared", "split"]), reuse=st.booleans())
 def test_admission_per_life_cycle_decides_as_the_per_group_estimates_would(data, layout, reuse):

@@ -99,6 +99,14 @@ class EvictionQueue:
                 self._in_heap.add(key)
         return bucket
 
+    def _adopt(self, key: int, bucket: OrderedDict[int, None]) -> None:
+        """Make ``bucket`` (blocks stored into it as :meth:`add_many` stores them) the queue's bucket for ``key``,
+        which has none."""
+        self._by_key[key] = bucket
+        if key not in self._in_heap:
+            heapq.heappush(self._heap, key)
+            self._in_heap.add(key)
+
     def add(self, block: int, priority: int, shared: bool = False) -> None:
         """Queue ``block`` as the most recently released of its priority (and sharedness)."""
         self.add_many((block,), priority, shared)
@@ -475,6 +483,9 @@ class GroupPool:
         Blocks that reach zero are queued for eviction (attached, ``keep_cached``) in that order with
         ``priority``, or go to the free list in that order (attached ones are detached first).
         """
+        if keep_cached:
+            self._release_cached(blocks, priority)
+            return
         ref, owner, free = self.ref, self.node, self._free
         cached: list[int] = []
         dropped: list[int] = []
@@ -503,6 +514,57 @@ class GroupPool:
                 self.evictable.add_split(cached, owner, priority)
             if dropped:
                 detach(self.name, dropped)
+
+    def _release_cached(self, blocks: Iterable[int], priority: int) -> None:
+        """:meth:`release` with ``keep_cached``: the leaves (blocks of runs without children) queued in the release's
+        own loop, as :meth:`EvictionQueue.add_split` then :meth:`EvictionQueue.add_many` would queue them after it
+        (the same buckets, order, clocks and stale demotions; the shared ones queued after the leaves, as before).
+
+        Why: every finish and every cancelled admission lets go of a history this way; three Python passes over its
+        blocks (release, split, queue) are one (tiny-llama ``multi-turn`` at a quarter of the budget: a refused
+        turn's history claimed and let go again step after step)."""
+        ref, owner, free = self.ref, self.node, self._free
+        queue = self.evictable
+        key = priority + (1 << 63)  # _key_of(priority, False): the leaves' bucket
+        bucket = queue._by_key.get(key)
+        fresh = bucket is None
+        if fresh:  # made here, added to the queue below only if a leaf goes into it (as add_many's _bucket)
+            bucket = OrderedDict()
+        prio, keys, clock = queue._prio, queue._key, queue._clock  # add_many: one clock for the call's blocks
+        queued, freed = len(bucket), len(free)
+        shared: list[int] = []
+        try:
+            for b in blocks:  # this loop runs for every block a finish or a cancelled admission lets go: kept lean
+                if b < 0:
+                    continue
+                r = ref[b]
+                if r <= 0:
+                    raise RuntimeError(f"group {self.name}: block {b} released more often than held")
+                if r > 1:
+                    ref[b] = r - 1
+                    continue
+                ref[b] = 0
+                node = owner[b]
+                if node is None:
+                    free.append(b)
+                elif node.children:
+                    shared.append(b)
+                else:
+                    bucket[b] = clock
+                    prio[b] = priority
+                    keys[b] = key
+        finally:  # what was released before an error stays consistent
+            leaves = len(bucket) - queued
+            self.num_used -= leaves + len(shared) + len(free) - freed
+            if leaves:
+                if fresh:
+                    queue._adopt(key, bucket)
+                queue._clock = clock + leaves
+                queue._len += leaves
+                if queue.num_shared:
+                    queue._demote_stale()
+            if shared:
+                queue.add_many(shared, priority, True)
 
     def reset(self) -> None:
         """Drop every cached block to the free list (the manager empties the radix tree); none may be in use."""

@@ -74,8 +74,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from itertools import chain, compress, repeat
-from operator import add, getitem, itemgetter, not_, sub
+from itertools import chain, compress, repeat, takewhile
+from operator import add, eq, getitem, itemgetter, not_, sub, truth
 
 import attrs
 
@@ -128,14 +128,17 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + request.output_token_ids[: end - n]
 
 
+def _first_packed(request: Request) -> bytes:
+    """``pack_tokens(_tokens(request, 0, 1))`` (``b""`` for a request without tokens) in one call: every lookup of a
+    waiting request starts with it, every step it waits."""
+    return pack_tokens((request.prompt_token_ids or request.output_token_ids)[:1])
+
+
 def _common_prefix(a: bytes, b: bytes) -> int:
     """How many token ids two packed runs (8 bytes each) share at the start."""
-    n = 0
-    for x, y in zip(memoryview(a).cast("q"), memoryview(b).cast("q"), strict=False):  # equal bytes, equal ids
-        if x != y:
-            break
-        n += 1
-    return n
+    # equal bytes, equal ids; counted at C speed (the leading Trues of a pairwise comparison): a partial match compares
+    # up to T - 1 ids with every candidate run, each waiting turn of a conversation, every step it is looked up
+    return sum(takewhile(truth, map(eq, memoryview(a).cast("q"), memoryview(b).cast("q"))))
 
 
 @attrs.define(eq=False)
@@ -146,12 +149,16 @@ class HitProbe:
     the request, building it, or refuses it with :meth:`KVCacheManagerV2.refuse_hit`, before anything else changes).
     """
 
-    tokens: int  # the whole-block prefix the claim holds (a multiple of every group's block span; 0: none)
+    tokens: int  # the prefix the claim holds: whole blocks (a multiple of every group's block span; 0: none), then
+    # a copied partial block's tokens where ``partial`` is set
     last: RadixNode | None  # the run the claimed path ends at (already split there, as the claim splits it); None: 0
     claimed: list[tuple[list[int], list[int], int]]  # per group: its blocks on the path from ``lo``, their refs, lo
     taken: list[int]  # per pool set: cached blocks (nobody holds them) the claim takes out of the available ones
     taken_groups: list[int]  # the same per group (its use grows by them: the bound's ``used``)
     shared_taken: list[int]  # per pool set: how many of ``taken`` are queued as shared prefixes' (``held_back``)
+    # the finished history's partial last block (``last.tail``) the build would copy into a free block of every group
+    # (counted in ``taken``); None: no copy
+    partial: TailRun | None = None
 
     def less(self, extra: list[int] | None) -> list[int]:
         """``extra`` (per pool set, as :meth:`KVCacheManagerV2.short_of` takes it) less :attr:`taken`: the built
@@ -295,6 +302,10 @@ class KVCacheManagerV2:
         # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
         # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
         self._unit_spans = all(g.tokens_per_block == self.T for g in self.groups) and len(self.groups) >= 4
+        # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit):
+        # pools per group, each group's block one token block, no window (admission holds back no shared prefix)
+        self._tail_probes = (self._probes and self._partial and self._arena is None and self._slabs is None
+                             and not self._sliding and all(g.tokens_per_block == self.T for g in self.groups))
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
@@ -1031,7 +1042,7 @@ class KVCacheManagerV2:
         starts with its first token (:meth:`_admit`'s cheap miss)."""
         if not self._reuse or request.skip_prefix_read:
             return True
-        first = pack_tokens(_tokens(request, 0, 1))
+        first = _first_packed(request)
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
 
     def cached_prefix_tokens(self, request: Request) -> int:
@@ -1039,7 +1050,7 @@ class KVCacheManagerV2:
         pending prefix the lookup reaches is keyed, as admission's lookup would key it)."""
         if not self._reuse or request.skip_prefix_read:
             return 0
-        first = pack_tokens(_tokens(request, 0, 1))
+        first = _first_packed(request)
         prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
@@ -1066,7 +1077,7 @@ class KVCacheManagerV2:
         if not self._reuse or request.skip_prefix_read or request in self._caches:
             return None
         T, tree = self.T, self._tree
-        first = pack_tokens(_tokens(request, 0, 1))
+        first = _first_packed(request)
         prefix = tree.pending_prefix(request.salt, first)
         if prefix is not None:  # as the build's lookup does before anything else
             self._materialize(prefix)
@@ -1084,8 +1095,17 @@ class KVCacheManagerV2:
         assert run is not None
         last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
         tree.leave(last)
-        if self._partial and self._prefix_check is None and self._partial_source(request, last, m)[0] is not None:
-            return None  # a copy follows (a limited prefix, DeepSeek V4's, copies none: _admit)
+        partial, k = None, 0
+        if self._partial and self._prefix_check is None:  # a copy follows (a limited prefix, DeepSeek V4's: none)
+            partial, k = self._partial_source(request, last, m)
+            # probed only where building and cancelling it leaves no more changed than refuse_hit redoes: the copy's
+            # source is the history's partial last block (the cancel's finish keeps it as it is: _keep_tail) and every
+            # group has a free block (the copy takes it, evicting nothing; the cancel puts it back). Why: a follow-up
+            # turn ends its history inside a block, so under pressure its refused head was built and cancelled every
+            # step (tiny-llama multi-turn at a quarter of the budget: a quarter of V2's work)
+            if partial is not None and (partial is not last.tail or not self._tail_probes
+                                        or self.kv_events is not None):
+                return None
         path = [last]  # the path's runs, root side last: walked once, not once per group (tree.path_blocks)
         while path[-1].parent is not None and path[-1].parent.parent is not None:
             path.append(path[-1].parent)  # type: ignore[arg-type]
@@ -1128,15 +1148,28 @@ class KVCacheManagerV2:
             taken = [sum(taken_groups)]
             shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
         else:  # a pool per group: pool set i is group i
+            if partial is not None:  # the copy's block, in use beside the claim's
+                for (name, _, pool), t in zip(self._group_pools, taken_groups, strict=True):
+                    # what the copy finds available once the claim and its source are out of the queue; none: the
+                    # build copies nothing (only building answers then)
+                    if pool.available - t - (not pool.ref[partial.blocks[name][0]]) < 1:
+                        return None
+                taken_groups = [t + 1 for t in taken_groups]
             taken = taken_groups
             shared_taken = [pool.evictable.count_shared(cached)
                             for (_, _, pool), cached in zip(self._group_pools, cached_of, strict=True)]
+        if partial is not None:
+            return HitProbe(m + k, last, claimed, taken, taken_groups, shared_taken, partial)
         return HitProbe(m, last, claimed, taken, taken_groups, shared_taken)
 
     def admit_hit(self, probe: HitProbe, request: Request) -> None:
         """:meth:`create` + :meth:`resume` for the request ``probe`` was made for, claiming what the probe found (the
         pools and tree are as it found them: :class:`HitProbe`), without looking it up again: the same cache, the
         same blocks taken out of the eviction queue, the same counters."""
+        if probe.partial is not None:  # a copy: built as create + resume would (they find what the probe found)
+            self.create(request)
+            self._admit(self._caches[request])
+            return
         cache = self.create(request)
         m, last = probe.tokens, probe.last
         self.counters["reuse_query_tokens"] += request.num_tokens
@@ -1169,12 +1202,28 @@ class KVCacheManagerV2:
         last = probe.last
         if last is None:  # an empty claim: building and cancelling it leaves nothing changed
             return
+        if probe.partial is not None:
+            self._refuse_copy(probe, priority)
+            return
+        leaves_of, shared_of = self._requeue_order(probe)
+        if self._arena is not None:
+            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
+            return
+        for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
+            pool.evictable.requeue(leaves, shared, priority)
+
+    def _requeue_order(self, probe: HitProbe) -> tuple[list[list[int]], list[list[int]]]:
+        """Per group, the claimed blocks of ``probe`` nobody else holds as the cancel's release queues them: (leaves,
+        shared prefixes' blocks), each tail first (:meth:`refuse_hit`)."""
+        last = probe.last
+        assert last is not None
         whole_shared = bool(last.children)  # the claimed path's last run has children: all of it is queued shared
         leaves_of: list[list[int]] = []
         shared_of: list[list[int]] = []
         T = self.T
         blocks_of = list(map(itemgetter(0), probe.claimed)) if self._unit_spans else []
-        if blocks_of and probe.taken_groups == list(map(len, blocks_of)):
+        # (a copy's block is counted in taken_groups: its probe takes the loop)
+        if blocks_of and probe.partial is None and probe.taken_groups == list(map(len, blocks_of)):
             # the usual (a block per position, the claim held by nobody): the loop below in C passes over the
             # groups, as probe_hit's; blocks[k:] lie in the last run, k = max(0, last.start - lo) with a step of 1
             ks = (list(map(len, blocks_of)) if whole_shared
@@ -1193,11 +1242,38 @@ class KVCacheManagerV2:
                     tail = list(compress(tail, map(not_, refs[k:])))
                 leaves_of.append(tail[::-1])
                 shared_of.append(head[::-1])
-        if self._arena is not None:
-            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
-            return
-        for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
-            pool.evictable.requeue(leaves, shared, priority)
+        return leaves_of, shared_of
+
+    def _refuse_copy(self, probe: HitProbe, priority: int) -> None:
+        """:meth:`refuse_hit` for a probe whose build copies its history's partial last block (``probe.partial``):
+        what the build and the cancel do to the pools and the tree, in their order, less the claim's per-block work.
+        The claim's cached blocks leave the queue and its path gains a user; the copy holds its source in every group,
+        takes a block of each (a free one, else evicting the oldest queued: the same blocks and evictions), lets go of
+        the sources (queued again as the youngest of their priority); the cancel puts each copy back on the free list,
+        queues the claim's blocks as its release does (split by the runs' shapes after those evictions) and lets go
+        of the path. (The claim's blocks leave the queue and come back in Python loops, not in
+        ``EvictionQueue.requeue``'s C passes, which take twice the CPU for a history of 25 blocks: timeit, 12 against
+        5-7 µs; and only so may an eviction or a stale demotion meet the queue as the build leaves it.)"""
+        groups, tree, detach = self._group_pools, self._tree, self._detach
+        last, source = probe.last, probe.partial
+        assert last is not None and source is not None
+        sources = [source.blocks[name][0] for name, _, _ in groups]
+        for (_, _, pool), (blocks, refs, _) in zip(groups, probe.claimed, strict=True):
+            pool.evictable.remove_many(list(compress(blocks, map(not_, refs))))  # as the claim's incref_many
+        held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
+        for (_, _, pool), src in zip(groups, sources, strict=True):
+            pool.incref(src)
+        copies = [pool.allocate(detach) for _, _, pool in groups]
+        for (_, _, pool), src in zip(groups, sources, strict=True):
+            pool.decref(src, pool.priority[src], True, detach)
+        leaves_of, shared_of = self._requeue_order(probe)
+        for (_, _, pool), b, leaves, shared in zip(groups, copies, leaves_of, shared_of, strict=True):
+            pool.release((b,), priority, True, detach)  # the release's first block: the copy, to the free list
+            if leaves:
+                pool.evictable.add_many(leaves, priority)
+            if shared:
+                pool.evictable.add_many(shared, priority, True)
+        tree.leave(held)
 
     def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None, start: int = 0) -> int:
         """:meth:`fit_tokens` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
@@ -1218,7 +1294,8 @@ class KVCacheManagerV2:
         if arena is None:
             more = extra or [0] * len(self._group_pools)  # a pool per group: pool set i is group i
             most = min((pool.available + k) * tpb for (_, tpb, pool), k in zip(self._group_pools, more, strict=True))
-            return max(0, min(want, most))
+            # a probe's copied partial block (``start`` inside a block, counted in ``extra``) has room for the rest
+            return max(0, min(want, most - start % -self.T))
         return fit_spans(want, arena.available + (extra[0] if extra else 0), spans)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
@@ -1283,6 +1360,21 @@ class KVCacheManagerV2:
         """:meth:`cycle_growth` summed over active ``requests``, per life cycle (one pass, no per-request lists: it
         runs every step that admits)."""
         limit, caches, ceil = self.options.max_seq_len, self._caches, math.ceil
+        if len(self._cycles) == 1 and self._cycles[0][0].max_blocks_per_sequence is None:
+            # the usual (one life cycle, no window): summed in the same pass, no (now, target) pairs kept and read
+            # again by a generator; this runs every step that admits, over every running request. (Map passes over
+            # the requests count fewer opcodes but cost 2-3x the CPU: timeit, 22 requests, 6.6 µs against 16-22 µs)
+            tpb = self._cycles[0][0].tokens_per_block
+            total = 0
+            for r in requests:
+                cache = caches[r]
+                now = cache.capacity
+                worst = cache.worst
+                if worst < 0:  # once per request: prompt + max_new_tokens within max_seq_len (it never changes)
+                    worst = cache.worst = min(r.max_total_tokens, limit)
+                if worst > now:
+                    total += -(-(now + ceil(ratio * (worst - now))) // tpb) + now // -tpb
+            return [total]
         spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
         for r in requests:
             cache = caches[r]
@@ -2203,7 +2295,7 @@ class KVCacheManagerV2:
             skip = request.skip_prefix_read
             if not skip:  # one that reads nothing asked the cache nothing
                 self.counters["reuse_query_tokens"] += request.num_tokens
-            first = pack_tokens(_tokens(request, 0, 1))
+            first = _first_packed(request)
             prefix = self._tree.pending_prefix(request.salt, first)
             if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup (and keying)
                 self._materialize(prefix)
@@ -2262,7 +2354,10 @@ class KVCacheManagerV2:
         neither a full block nor part of one can match (what :meth:`_match` and :meth:`_claim_partial` would find
         then, without packing and looking up a whole block twice: every request of a no-reuse workload takes this
         path)."""
-        return request.num_tokens < 2 or not self._starts_cached(request, first)
+        if len(request.prompt_token_ids) + len(request.output_token_ids) < 2:  # request.num_tokens, inlined
+            return True
+        root = self._tree.root(request.salt)  # _starts_cached, inlined: every lookup of a waiting request asks it
+        return root is None or not root.has_child_starting_with(first)
 
     def _starts_cached(self, request: Request, first: bytes) -> bool:
         """Whether a run hung under the request's salt starts with the token packed as ``first``."""
