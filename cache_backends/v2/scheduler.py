@@ -35,6 +35,15 @@ One :meth:`~KVCacheV2Scheduler.step`:
    hits"). A stale hit still goes ahead of requests that never had one: a system prompt others share comes back cached
    with the first of them admitted (ranked among them, tiny-mistral ``mixed`` at a quarter of the budget took 893 steps
    instead of 857).
+   **A miss looked up again**: a request whose lookup found no cached prefix (of ``LPM_MIN_HIT`` tokens) is looked
+   up again every ``LPM_RELOOK`` steps, and one that finds a hit then is ranked, and looked up every step, as one that
+   found it on joining. Why: a system prompt may be evicted for a few steps (a preemption's pressure, or its window
+   blocks let go) and cached again by the next request on it admitted; a prompt on it that joined in those steps
+   waited as one without a hit, behind every later prompt on it, until the system prompt was gone again and its whole
+   prompt was recomputed (tiny-gemma3 ``mixed`` at the default budget, 54% of prompts on one 804-token system prompt:
+   three of them admitted at steps 138-176 where V1 admitted them at 66-68 with the hit, 1.295x V1's steps and 78.2%
+   of prompt tokens reused against V1's 86.9%; looked up again, 0.877x and 83.1%: BENCHMARKS.md, "A miss looked up
+   again").
    A conversation's wait counts across its turns: a request whose prompt extends the prompt of one admitted after
    waiting ``LPM_CARRY`` steps or more (its previous turn) joins the queue with that wait already on its clock, so a
    conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late
@@ -442,7 +451,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         queue beyond the window in arrival order).
 
         A request is looked up when it joins the queue; only one that found a hit then is looked up again, every step
-        (a few requests: a lookup of every waiting request per step would cost more than the scheduler's step)."""
+        (a few requests: a lookup of every waiting request per step would cost more than the scheduler's step), and
+        the others every ``LPM_RELOOK`` steps."""
         if len(waiting) < 2 or self.manager.reuse_off_reason is not None:
             return list(waiting)
         now, m = self._steps, self.manager
