@@ -984,9 +984,10 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running
         else:
             rank = 0
         ranked.append((rank, r))
-    if now % scheduler.LPM_RELOOK == 0:  # a miss looked up again: a hit found now counts as one found on joining
+    if now % scheduler.LPM_RELOOK == 0:  # a miss that waited looked up again: a hit now counts as one found joining
         for i, (rank, r) in enumerate(ranked):
-            if rank == 0 and (hit := m.cached_prefix_tokens(r)) >= scheduler.LPM_MIN_HIT:
+            if (rank == 0 and now - r.queued_at >= scheduler.LPM_RELOOK_WAIT
+                    and (hit := m.cached_prefix_tokens(r)) >= scheduler.LPM_MIN_HIT):
                 ranked[i] = (hit, r)
                 r.cached_hint = hit
     # the first turns waiting (the queue beyond the window counted among them) are few beside the running requests:
@@ -1044,7 +1045,8 @@ def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_windo
     fast_q, loop_q = deque(t[0] for t in twins), deque(t[1] for t in twins)
     fast_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
     loop_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
-    with mock.patch.multiple(scheduler, LPM_WINDOW=5, LPM_AGE=3, LPM_MIN_HIT=8, LPM_CARRY=2, LPM_RELOOK=3):
+    with mock.patch.multiple(scheduler, LPM_WINDOW=5, LPM_AGE=3, LPM_MIN_HIT=8, LPM_CARRY=2, LPM_RELOOK=3,
+                             LPM_RELOOK_WAIT=2):
         for step, evict in enumerate(evictions):
             fast_s._steps = loop_s._steps = step + 2
             fast = [r.req_id for r in fast_s._cache_aware(fast_q, running)]
@@ -1082,12 +1084,14 @@ def test_a_request_that_joined_while_its_system_prompt_was_evicted_goes_ahead_on
     nothing. Looked up only then, it waited as a prompt without a hit behind every later request that found the system
     prompt, until it was gone again and its whole prompt was recomputed (tiny-gemma3 ``mixed`` at the default budget:
     such prompts arriving at steps 29-38 were admitted at 138-176, V1 admits them at 66-68 with the hit; 1.295x V1's
-    steps, 78.2% of prompt tokens reused against V1's 86.9%). Looked up again every ``LPM_RELOOK`` steps, it goes
-    ahead once the next request on it has cached the system prompt again, and reuses it (0.877x, 83.1%)."""
+    steps, 78.2% of prompt tokens reused against V1's 86.9%). Looked up again every ``LPM_RELOOK`` steps once it has
+    waited ``LPM_RELOOK_WAIT``, it goes ahead once the next request on it has cached the system prompt again, and
+    reuses it (0.882x, 83.1%)."""
     import cache_backends.v2.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 8)  # the floor at this test's scale: two 4-token blocks
-    monkeypatch.setattr(scheduler, "LPM_RELOOK", 2, raising=False)  # looked up again at step 2
+    monkeypatch.setattr(scheduler, "LPM_RELOOK", 2, raising=False)  # looked up again at step 2, after a step's wait
+    monkeypatch.setattr(scheduler, "LPM_RELOOK_WAIT", 1, raising=False)
     m = make_manager(FULL, 8)
     system = list(range(1, 9))  # not cached yet
     blocker = Request("blocker", list(range(300, 312)), 1)  # 4 blocks, done after step 1

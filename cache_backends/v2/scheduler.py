@@ -36,14 +36,14 @@ One :meth:`~KVCacheV2Scheduler.step`:
    with the first of them admitted (ranked among them, tiny-mistral ``mixed`` at a quarter of the budget took 893 steps
    instead of 857).
    **A miss looked up again**: a request whose lookup found no cached prefix (of ``LPM_MIN_HIT`` tokens) is looked
-   up again every ``LPM_RELOOK`` steps, and one that finds a hit then is ranked, and looked up every step, as one that
-   found it on joining. Why: a system prompt may be evicted for a few steps (a preemption's pressure, or its window
-   blocks let go) and cached again by the next request on it admitted; a prompt on it that joined in those steps
-   waited as one without a hit, behind every later prompt on it, until the system prompt was gone again and its whole
-   prompt was recomputed (tiny-gemma3 ``mixed`` at the default budget, 54% of prompts on one 804-token system prompt:
-   three of them admitted at steps 138-176 where V1 admitted them at 66-68 with the hit, 1.295x V1's steps and 78.2%
-   of prompt tokens reused against V1's 86.9%; looked up again, 0.877x and 83.1%: BENCHMARKS.md, "A miss looked up
-   again").
+   up again every ``LPM_RELOOK`` steps once it has waited ``LPM_RELOOK_WAIT``, and one that finds a hit then is
+   ranked, and looked up every step, as one that found it on joining. Why: a system prompt may be evicted for a few
+   steps (a preemption's pressure, or its window blocks let go) and cached again by the next request on it admitted;
+   a prompt on it that joined in those steps waited as one without a hit, behind every later prompt on it, until the
+   system prompt was gone again and its whole prompt was recomputed (tiny-gemma3 ``mixed`` at the default budget, 54%
+   of prompts on one 804-token system prompt: three of them admitted at steps 138-176 where V1 admitted them at 66-68
+   with the hit, 1.295x V1's steps and 78.2% of prompt tokens reused against V1's 86.9%; looked up again, 0.882x and
+   83.1%: BENCHMARKS.md, "A miss looked up again").
    A conversation's wait counts across its turns: a request whose prompt extends the prompt of one admitted after
    waiting ``LPM_CARRY`` steps or more (its previous turn) joins the queue with that wait already on its clock, so a
    conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late
@@ -192,10 +192,14 @@ LPM_SHORT, LPM_OWN = 1.5, 2
 #: not, 32 read 16 two-turn conversations as long once their second turns joined (4,096 tokens of KV: 1.005x ->
 #: 1.163x; BENCHMARKS.md, "The short-conversation estimate follows the recent joins").
 LPM_RECENT = 64
-#: Every ``LPM_RELOOK`` steps the waiting requests whose lookup found no cached prefix are looked up again (module
-#: docstring, "A miss looked up again"): a system prompt evicted for a few steps when they joined is cached again by
-#: the next request on it admitted. 8 and 1 gave the same figures on the case that showed it, 32 half the gain.
-LPM_RELOOK = 8
+#: Every ``LPM_RELOOK`` steps the waiting requests whose lookup found no cached prefix and that have waited
+#: ``LPM_RELOOK_WAIT`` steps are looked up again (module docstring, "A miss looked up again"): a system prompt evicted
+#: for a few steps when they joined is cached again by the next request on it admitted. A period of 8 and 1 gave the
+#: same figures on the case that showed it, 32 half the gain. The wait: in a burst whose prefixes nobody has computed
+#: yet, every prompt misses on joining and its first admitted computes the prefix; looked up again within the burst,
+#: the others went ahead of an earlier prompt without a hit, which then ran alone at the end (tiny-llama ``mixed``,
+#: 39 prompts at once on 5 prefixes: 1.000x -> 1.136x V1's steps); 16 to 32 steps left it at 1.000x (BENCHMARKS.md).
+LPM_RELOOK, LPM_RELOOK_WAIT = 8, 24
 _DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
@@ -452,7 +456,7 @@ class KVCacheV2Scheduler(SchedulerBase):
 
         A request is looked up when it joins the queue; only one that found a hit then is looked up again, every step
         (a few requests: a lookup of every waiting request per step would cost more than the scheduler's step), and
-        the others every ``LPM_RELOOK`` steps."""
+        the others every ``LPM_RELOOK`` steps once they waited ``LPM_RELOOK_WAIT``."""
         if len(waiting) < 2 or self.manager.reuse_off_reason is not None:
             return list(waiting)
         now, m = self._steps, self.manager
@@ -490,7 +494,8 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
                 ranks[i] = hit if hit >= LPM_MIN_HIT else 1
         if not now % LPM_RELOOK:  # those whose lookup found none, again: the miss may have been momentary
-            for i in itertools.compress(range(n), map(not_, ranks)):
+            waited = map(le, queued, itertools.repeat(now - LPM_RELOOK_WAIT))
+            for i in itertools.compress(range(n), map(and_, map(not_, ranks), waited)):
                 hit = m.cached_prefix_tokens(window[i])
                 if hit >= LPM_MIN_HIT:  # from now on looked up every step, as a hit found on joining is
                     ranks[i] = window[i].cached_hint = hit
