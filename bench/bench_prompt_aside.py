@@ -1,15 +1,16 @@
 """One big text prompt of varied words on ``kvload serve``: how long a small request sent while it is tokenized waits,
 and how long the big one takes to be answered; the prompt sent as a completion's (refused by its token count, past
 ``max_seq_len``), as one chat message (its templated text refused alike), as a completion's cut by
-``truncate_prompt_tokens`` (its last 100 tokens kept: answered) or as a chat of many messages of 100 characters
-(``chat_many``: refused).
+``truncate_prompt_tokens`` (its last 100 tokens kept: answered), as a chat of many messages of 100 characters
+(``chat_many``: refused), or as a chat cut by ``truncate_prompt_tokens`` (one message, ``chat_truncated``, or many,
+``chat_many_truncated``: answered).
 
 Each checkout gets its own ``python -m kvload serve MODEL``, both up at once; each repeat, on one server then the
 other, posts for each case a prompt of ``--chars`` characters of words drawn at random from ``bench/text_prompts.txt``
 (seed 0) and, ``--gap`` seconds later, a one-token completion. Medians per checkout.
 
     python -m bench.bench_prompt_aside [--model smollm2-135m] [--chars 600000] [--repeats 5] [--gap 0.3]
-                                       [--cases completion,chat,truncated,chat_many] [--baseline DIR]
+                                       [--cases completion,chat,truncated,chat_many,...] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ CASES: dict[str, tuple[str, Any, int, str]] = {
     # templated text's characters
     "chat_many": ("/v1/chat/completions", lambda text: {"messages": _messages(text), "max_tokens": 1}, 400,
                   "many-message chat refused"),
+    # a chat cut by truncate_prompt_tokens (its last 100 tokens kept: answered), as one message or as chat_many's
+    "chat_truncated": ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}],
+                                                             "max_tokens": 1, "truncate_prompt_tokens": 100},
+                       200, "truncated chat answered"),
+    "chat_many_truncated": ("/v1/chat/completions", lambda text: {"messages": _messages(text), "max_tokens": 1,
+                                                                  "truncate_prompt_tokens": 100},
+                            200, "truncated many-message chat answered"),
 }
 
 

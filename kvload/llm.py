@@ -56,7 +56,15 @@ from models.classifier import ClassifierHead, head_logits, head_of, no_head, not
 from pipeline.audit import JsonlSink
 from pipeline.bus import Subscriber
 from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
-from pipeline.errors import ConfigError, GenerationError, KvBuildError, OutputError, retitled, unknown_argument
+from pipeline.errors import (
+    ConfigError,
+    GenerationError,
+    KvBuildError,
+    OutputError,
+    did_you_mean,
+    retitled,
+    unknown_argument,
+)
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, plain_scalar, short
 from pipeline.thread_end import EndingThread
@@ -143,17 +151,25 @@ def _tokenization_cut(call: str, tokenization_kwargs: Any) -> Any:
     for key in tokenization_kwargs:
         if key != "truncate_prompt_tokens":
             why = TOKENIZATION_KWARGS_NOT_TAKEN.get(key, "not a setting kvload's tokenization takes")
-            name = key if isinstance(key, str) and len(key) <= 80 else short(key)
+            # a plain name as written; anything else (a newline, a lone surrogate, not a str) as its repr, cut, so the
+            # message stays one printable line
+            name = key if isinstance(key, str) and key.isidentifier() and len(key) <= 80 else short(key)
+            typo = did_you_mean(key, ["truncate_prompt_tokens"]) if isinstance(key, str) else ""
             raise GenerationError(f"{call}: tokenization_kwargs.{name}: vLLM's, not kvload's: {why}; kvload "
-                                  "acts on tokenization_kwargs' truncate_prompt_tokens only")
+                                  f"acts on tokenization_kwargs' truncate_prompt_tokens only{typo}")
     return tokenization_kwargs.get("truncate_prompt_tokens")
 
 
 def _one_cut(call: str, given: Any, cut: Any, where: str) -> Any:
     """The prompt cut of a call that has it twice (``where``'s and ``tokenization_kwargs``'): one value, or one line
     when they differ."""
-    if cut is None or given is None or given == cut:
+    if cut is None or given is None:
         return given if cut is None else cut
+    for value in (given, cut):  # no cut at all (NaN, a str): its own check answers, where "they differ" misled
+        if not is_int(value):
+            return value
+    if given == cut:
+        return cut
     raise GenerationError(f"{call}: truncate_prompt_tokens: {short(given)} in {where} and {short(cut)} in "
                           "tokenization_kwargs differ; give it once")
 

@@ -11,24 +11,28 @@ threads, open file descriptors, child processes, files in ``$TMPDIR`` and ``$KVL
 loads the llama with each hostile ``LLM(hf_overrides=...)`` dict (a value taken must then generate); ``classify.*``,
 ``classify_pool.*``, ``classify_reward.*`` and ``ce_score.*`` call ``LLM.classify`` and ``LLM.reward`` on a tiny
 3-label classifier and ``LLM.score`` on a one-label cross-encoder (``tests/classify_support.py``), both checked to
-answer as before after each case.
+answer as before after each case. The front door's newer arguments (``tokenization_kwargs`` on every call that takes
+it: itself, its ``truncate_prompt_tokens``, keys kvload lacks, the cut given twice; ``output_kind``;
+``reset_prefix_cache``'s, ``get_world_size``'s and ``reset_mm_cache``'s arguments) are ``front_door_cases``.
 
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --summary   # the suspects of a results file
 
 A suspect: an exception that is neither ValueError nor TypeError (an IndexError, a RuntimeError from torch), a
-message of more than one line or that does not name the argument, a typo (``*.typo``) not answered with "did you
-mean", a hang, leftovers, an LLM that no longer gives the baseline's tokens, or a hostile value accepted (judge these:
-``None`` is often a real default).
+message of more than one line, that cannot be printed (a lone surrogate) or that does not name the argument, a typo
+(``*.typo``) not answered with "did you mean", a hang, leftovers, an LLM that no longer gives the baseline's tokens,
+or a hostile value accepted (judge these: ``None`` is often a real default).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -291,6 +295,106 @@ def call_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]
     yield "beam_search.params.sp", lambda: llm.beam_search([BASE_IDS], sp)
 
 
+#: ``tokenization_kwargs={"truncate_prompt_tokens": v}``'s values: the hostile ones and cuts near the edges.
+#: (A dict in the cut is one of them, named under truncate_prompt_tokens: its refusal rightly names that key, where
+#: the first list had it among TK_KEYS and charged it with not naming tokenization_kwargs.)
+CUT_VALUES: dict[str, Any] = {**HOSTILE, "neg2": -2, "big": 10 ** 6, "float_int": 2.0, "minus_one": -1,
+                              "dict_cut": {"truncate_prompt_tokens": 2}}
+#: ``tokenization_kwargs`` dicts with keys kvload does not take (vLLM's others, junk, non-str keys, a typo).
+TK_KEYS: dict[str, Any] = {
+    "add_special_tokens": {"add_special_tokens": False}, "truncation": {"truncation": True},
+    "max_length": {"max_length": 4}, "unknown": {"nosuch": 1}, "int_key": {5: 1}, "none_key": {None: 2},
+    "tuple_key": {("a",): 1}, "bytes_key": {b"truncate_prompt_tokens": 2}, "surrogate_key": {"\ud800": 1},
+    "newline_key": {"a\nb": 1}, "long_key": {"k" * 100_000: 1},
+    "cut_and_unknown": {"truncate_prompt_tokens": 2, "nosuch": 1},
+}
+
+
+def front_door_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """b5271df's front door: ``tokenization_kwargs`` on every call that takes it (itself hostile, its cut hostile, keys
+    kvload lacks, the cut given twice), ``SamplingParams(output_kind=...)``, ``reset_prefix_cache``'s arguments,
+    ``get_world_size(include_dp=...)`` and ``reset_mm_cache``; each followed by the baseline call."""
+    sp = kvload.SamplingParams(max_tokens=3)
+    msgs = [{"role": "user", "content": "w1 w2"}]
+    calls: dict[str, Callable[[Any], Any]] = {
+        "generate": lambda tk: llm.generate(BASE_IDS, sp, tokenization_kwargs=tk),
+        "gen_kw": lambda tk: llm.generate(BASE_IDS, max_tokens=3, tokenization_kwargs=tk),
+        "gen_list": lambda tk: llm.generate([BASE_IDS, [1, 2, 3]], [sp, sp], tokenization_kwargs=tk),
+        "chat": lambda tk: llm.chat(msgs, sp, tokenization_kwargs=tk),
+        "embed": lambda tk: llm.embed([BASE_IDS], tokenization_kwargs=tk),
+        "score": lambda tk: llm.score(PROMPT, "w1 w2", tokenization_kwargs=tk),
+        "encode": lambda tk: llm.encode([BASE_IDS], pooling_task="embed", tokenization_kwargs=tk),
+    }
+    for call, fn in calls.items():
+        for kind, value in HOSTILE.items():  # the argument itself
+            yield f"{call}.tokenization_kwargs.{kind}", lambda fn=fn, value=value: fn(value)
+        for kind, value in CUT_VALUES.items():  # its cut
+            yield f"{call}_tk.truncate_prompt_tokens.{kind}", lambda fn=fn, value=value: fn(
+                {"truncate_prompt_tokens": value})
+        for kind, value in TK_KEYS.items():
+            yield f"{call}.tokenization_kwargs.key_{kind}", lambda fn=fn, value=value: fn(value)
+        yield f"{call}.tokenization_kwargs.typo", lambda fn=fn: fn({"truncate_prompt_token": 2})
+    yield "stream.tokenization_kwargs.cut", lambda: llm.generate_stream(
+        BASE_IDS, sp, tokenization_kwargs={"truncate_prompt_tokens": 2})
+    # the cut given twice: the same value is one cut, different values one line naming both
+    two = kvload.SamplingParams(max_tokens=3, truncate_prompt_tokens=2)
+    twice: dict[str, Callable[[], Any]] = {
+        "generate.truncate_prompt_tokens.twice_differ": lambda: llm.generate(
+            BASE_IDS, two, tokenization_kwargs={"truncate_prompt_tokens": 3}),
+        "generate.truncate_prompt_tokens.twice_same": lambda: llm.generate(
+            BASE_IDS, two, tokenization_kwargs={"truncate_prompt_tokens": 2}),
+        "generate.truncate_prompt_tokens.twice_bool": lambda: llm.generate(
+            BASE_IDS, kvload.SamplingParams(max_tokens=3, truncate_prompt_tokens=1),
+            tokenization_kwargs={"truncate_prompt_tokens": True}),
+        "generate.truncate_prompt_tokens.twice_float": lambda: llm.generate(
+            BASE_IDS, two, tokenization_kwargs={"truncate_prompt_tokens": 2.0}),
+        "generate.truncate_prompt_tokens.twice_list_one": lambda: llm.generate(
+            [BASE_IDS, [1, 2, 3]], [sp, two], tokenization_kwargs={"truncate_prompt_tokens": 3}),
+        "gen_kw.truncate_prompt_tokens.twice_differ": lambda: llm.generate(
+            BASE_IDS, max_tokens=3, truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3}),
+        "gen_kw.truncate_prompt_tokens.twice_nan": lambda: llm.generate(
+            BASE_IDS, max_tokens=3, truncate_prompt_tokens=math.nan,
+            tokenization_kwargs={"truncate_prompt_tokens": math.nan}),
+        "chat.truncate_prompt_tokens.twice_differ": lambda: llm.chat(
+            msgs, two, tokenization_kwargs={"truncate_prompt_tokens": 3}),
+        "embed.truncate_prompt_tokens.twice_differ": lambda: llm.embed(
+            [BASE_IDS], truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3}),
+        "embed.truncate_prompt_tokens.twice_pool": lambda: llm.embed(
+            [BASE_IDS], pooling_params=kvload.PoolingParams(truncate_prompt_tokens=2),
+            tokenization_kwargs={"truncate_prompt_tokens": 3}),
+        "embed.truncate_prompt_tokens.twice_bool": lambda: llm.embed(
+            [BASE_IDS], truncate_prompt_tokens=1, tokenization_kwargs={"truncate_prompt_tokens": True}),
+        "score.truncate_prompt_tokens.twice_differ": lambda: llm.score(
+            PROMPT, "w1 w2", truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3}),
+        "encode.truncate_prompt_tokens.twice_differ": lambda: llm.encode(
+            [BASE_IDS], pooling_task="embed", truncate_prompt_tokens=2,
+            tokenization_kwargs={"truncate_prompt_tokens": 3}),
+    }
+    yield from twice.items()
+    kinds = {**HOSTILE, "delta": kvload.RequestOutputKind.DELTA, "int_two": 2, "name": "FINAL_ONLY",
+             "final_only": kvload.RequestOutputKind.FINAL_ONLY, "cumulative": kvload.RequestOutputKind.CUMULATIVE}
+    for kind, value in kinds.items():
+        yield f"sp.output_kind.{kind}", lambda value=value: llm.generate(
+            BASE_IDS, kvload.SamplingParams(max_tokens=3, output_kind=value))
+        yield f"gen_kw.output_kind.{kind}", lambda value=value: llm.generate(BASE_IDS, max_tokens=3, output_kind=value)
+        yield f"stream_sp.output_kind.{kind}", lambda value=value: llm.generate_stream(
+            BASE_IDS, kvload.SamplingParams(max_tokens=3, output_kind=value))
+    for arg in ("reset_running_requests", "reset_connector"):
+        for kind, value in HOSTILE.items():
+            yield f"reset_prefix_cache.{arg}.{kind}", lambda arg=arg, value=value: llm.reset_prefix_cache(
+                **{arg: value})
+    yield "reset_prefix_cache.positional.three", lambda: llm.reset_prefix_cache(True, True, True)
+    yield "reset_prefix_cache.typo", lambda: llm.reset_prefix_cache(reset_running_request=True)
+    for kind, value in HOSTILE.items():
+        yield f"get_world_size.include_dp.{kind}", lambda value=value: llm.get_world_size(include_dp=value)
+    yield "get_world_size.typo", lambda: llm.get_world_size(include_pd=True)
+    yield "get_world_size.positional.two", lambda: llm.get_world_size(True, True)
+    yield "reset_mm_cache.positional.one", lambda: llm.reset_mm_cache(True)
+    # reset_mm_cache takes no argument (as vLLM's), so a keyword is no typo of one: Python's TypeError names it (the
+    # first list called this ".typo" and charged it with no "did you mean")
+    yield "reset_mm_cache.reset.keyword", lambda: llm.reset_mm_cache(reset=True)
+
+
 LLM_KWARGS = ["seed", "max_seq_len", "max_model_len", "max_num_seqs", "max_num_tokens", "dtype", "device",
               "kv_cache_config", "tensor_parallel_size", "gpu_memory_utilization", "max_beam_width", "block_size",
               "enable_prefix_caching", "config_file", "audit_log", "log", "subscribers", "tokenizer", "revision",
@@ -390,12 +494,32 @@ def classify_cases(kvload: Any, cls: Any, ce: Any) -> Iterator[tuple[str, Callab
         for kind, value in HOSTILE.items():
             yield f"classify_pool.{field}.{kind}", lambda field=field, value=value: cls.classify(
                 [BASE_IDS], pooling_params=kvload.PoolingParams(**{field: value}))
+    pool_calls: dict[str, Callable[[Any], Any]] = {
+        "classify": lambda tk: cls.classify([BASE_IDS], tokenization_kwargs=tk),
+        "classify_reward": lambda tk: cls.reward([BASE_IDS], tokenization_kwargs=tk),
+        "classify_encode": lambda tk: cls.encode([BASE_IDS], pooling_task="classify", tokenization_kwargs=tk),
+        "ce_score": lambda tk: ce.score(PROMPT, "w1 w2", tokenization_kwargs=tk),
+    }
+    for call, fn in pool_calls.items():
+        for kind, value in HOSTILE.items():
+            yield f"{call}.tokenization_kwargs.{kind}", lambda fn=fn, value=value: fn(value)
+        for kind, value in CUT_VALUES.items():
+            yield f"{call}_tk.truncate_prompt_tokens.{kind}", lambda fn=fn, value=value: fn(
+                {"truncate_prompt_tokens": value})
+        for kind, value in TK_KEYS.items():
+            yield f"{call}.tokenization_kwargs.key_{kind}", lambda fn=fn, value=value: fn(value)
+        yield f"{call}.tokenization_kwargs.typo", lambda fn=fn: fn({"truncate_prompt_token": 2})
+    yield "classify.truncate_prompt_tokens.twice_differ", lambda: cls.classify(
+        [BASE_IDS], truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3})
+    yield "classify_reward.truncate_prompt_tokens.twice_differ", lambda: cls.reward(
+        [BASE_IDS], truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3})
     yield "classify.typo", lambda: cls.classify([BASE_IDS], pooling_param=kvload.PoolingParams())
     yield "classify.pool_list.short", lambda: cls.classify([BASE_IDS, [1, 2]], pooling_params=[kvload.PoolingParams()])
     yield "classify.pool_list.sp", lambda: cls.classify([BASE_IDS], pooling_params=kvload.SamplingParams())
     yield "classify.on_ce", lambda: ce.classify([BASE_IDS])
     yield "classify_reward.on_ce", lambda: ce.reward([BASE_IDS])
-    yield "classify_reward.pool.normalize", lambda: cls.reward([BASE_IDS], pooling_params=kvload.PoolingParams(
+    # named by the field the refusal names (PoolingParams' normalize, removed as in vLLM); "pool" was no argument
+    yield "classify_reward.normalize.removed", lambda: cls.reward([BASE_IDS], pooling_params=kvload.PoolingParams(
         normalize=True))
     yield "ce_score.mismatch", lambda: ce.score([PROMPT, PROMPT], [PROMPT, PROMPT, PROMPT])
     yield "ce_score.empty", lambda: ce.score([], [PROMPT])
@@ -416,6 +540,10 @@ def suspect(r: dict[str, Any]) -> list[str]:
     msg = r.get("message", "")
     if "\n" in msg.strip():
         why.append("multi-line message")
+    try:  # a lone surrogate of the user's echoed as it was: print(error) raises UnicodeEncodeError
+        msg.encode()
+    except UnicodeEncodeError:
+        why.append("unprintable message")
     if r.get("outcome") not in (None, "accepted"):
         arg = r["case"].split(".")[1] if r["case"].count(".") >= 2 else ""
         if arg and arg not in ("prompt", "prompt2", "messages", "sp_list", "pool_list", "kv", "model") \
@@ -461,6 +589,8 @@ def main() -> None:
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix="api_sweep-"))
+    # the checkpoints and whatever the cases wrote go with the run (every earlier run left its folder in /tmp)
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     os.environ["TMPDIR"] = str(work / "tmp")
     os.environ["KVLOAD_CACHE"] = str(work / "cache")
     (work / "tmp").mkdir()
@@ -497,7 +627,7 @@ def main() -> None:
 
         probe_baseline = probe()
     with a.out.open("w") as out:
-        groups = [param_cases(kvload, llm), call_cases(kvload, llm),
+        groups = [param_cases(kvload, llm), call_cases(kvload, llm), front_door_cases(kvload, llm),
                   llm_cases(kvload, ckpt, a.llm_kinds.split(",")), hf_cases(kvload, ckpt)]
         if probe is not None:
             groups.append(classify_cases(kvload, cls, ce))

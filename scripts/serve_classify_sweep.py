@@ -23,6 +23,7 @@ or a server that no longer answers.
 
     python scripts/serve_classify_sweep.py --out /tmp/serve_classify.jsonl                     # 4 to 9 minutes
     python scripts/serve_classify_sweep.py --out /tmp/pool.jsonl --routes pooling --only concurrency
+    python scripts/serve_classify_sweep.py --out /tmp/serve_classify.jsonl --summary          # the suspects of a run
 
 Record (2-core VM shared with other helpers; the whole sweep, this script run on both trees, 2026-12-05):
 
@@ -43,7 +44,9 @@ Record (2-core VM shared with other helpers; the whole sweep, this script run on
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -360,10 +363,16 @@ def main() -> None:
     ap.add_argument("--routes", choices=("all", "classify", "pooling"), default="all",
                     help="classify: /classify, /score, /rerank; pooling: /pooling and /invocations naming a task")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    ap.add_argument("--summary", action="store_true", help="print the suspects of --out and stop")
     a = ap.parse_args()
+    if a.summary:
+        summary([json.loads(line) for line in a.out.read_text().splitlines() if line.strip()])
+        return
     from tests.serve_support import serving
 
     work = Path(tempfile.mkdtemp(prefix="serve_classify_sweep-"))
+    # the checkpoints go with the run (every earlier run left its folder in /tmp)
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     routes = []
     if a.routes in ("all", "classify"):
         routes += [(ckpt, bodies, False) for ckpt, bodies in classify_routes(work)]
@@ -396,6 +405,10 @@ def main() -> None:
                             record(probe(served, path, f"{tag}.{name}", body, good))
                     if a.only in f"{tag}.concurrency":
                         record(concurrency(served, path, good, f"{tag}.concurrency"))
+    summary(rows)
+
+
+def summary(rows: list[dict[str, Any]]) -> None:
     bad = [(r, suspect(r)) for r in rows if suspect(r)]
     print(f"{len(rows)} cases, {len(bad)} suspects")
     for r, why in bad:

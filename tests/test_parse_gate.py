@@ -119,3 +119,44 @@ def test_a_big_body_of_token_ids_read_ahead_of_its_turn_holds_about_its_size_not
         tracemalloc.stop()
     assert loaded.error is None and loaded.value == json.loads(raw)
     assert held < 2 * len(raw), f"the value held {held / len(raw):.2f}x its JSON"
+
+
+def test_work_aside_hands_the_gil_on_often_and_the_interval_of_before_comes_back_however_it_ends():
+    """Work aside (a chat template's Jinja, mostly Python) shared the GIL at CPython's 5 ms switches with what it let
+    run meanwhile, so the engine's step, taking the GIL back after each torch call, waited for its end: a one-token
+    completion sent during a 20,000-message chat was answered only as the templating ended. Two asides at once,
+    one of them failing: each runs at 0.5 ms switches, and the interval of before is back once neither runs."""
+    import sys
+
+    import pytest
+
+    from kvload.serve.parse_gate import aside
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    both = threading.Barrier(2, timeout=TIMEOUT)
+
+    def work(fail: bool) -> str:
+        both.wait()  # the two asides at once
+        seen.append(sys.getswitchinterval())
+        both.wait()
+        if fail:
+            raise ValueError("refused")
+        return "done"
+
+    async def main() -> list[object]:
+        gate = ParseGate()
+
+        async def one(fail: bool) -> object:
+            async with gate.turn():
+                try:
+                    return await _on_daemon_thread(lambda: aside(lambda: work(fail)))
+                except ValueError as exc:
+                    return exc
+
+        return await asyncio.gather(one(False), one(True))
+
+    ok, failed = asyncio.run(main())
+    assert ok == ("done", True) and isinstance(failed, ValueError)
+    assert seen == [pytest.approx(0.0005)] * 2
+    assert sys.getswitchinterval() == pytest.approx(before)

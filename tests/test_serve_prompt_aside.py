@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -182,3 +183,70 @@ def test_a_long_conversation_of_many_messages_is_templated_off_the_gate_and_a_sm
         else:  # refused by the count of all its tokens
             field = "input" if path == "/v1/responses" else "messages"
             assert big.json()["error"]["message"].startswith(f"{field}: {len(ids)} tokens"), big.text
+
+
+# --- a long list of messages: checked and structured off the gate too ---------------------------------------------
+
+#: 2,000 short messages (past protocol.ASIDE_ITEMS), the last one's role unknown: refused, naming it
+LONG_LIST = [{"role": ("user", "assistant")[i % 2], "content": f"w{i % 500 + 1} w2"} for i in range(1999)] + [
+    {"role": "robot", "content": "w1"}]
+LIST_CASES = [  # (path, the big body, where its list is checked and structured, the refusal of before)
+    ("/v1/chat/completions", {"messages": LONG_LIST, "max_tokens": 1}, ("kvload.serve.protocol", "chat_messages"),
+     "messages[1999].role: expected system, user, assistant, developer or tool, got 'robot'"),
+    ("/v1/responses", {"input": LONG_LIST, "max_output_tokens": 1}, ("kvload.serve.responses_input", "_input"),
+     "input[1999].role: expected user, system, developer, assistant, got 'robot'"),
+    ("/v1/messages", {"messages": LONG_LIST, "max_tokens": 1}, ("kvload.serve.messages_input", "_messages"),
+     "messages[1999].role: expected \"user\" or \"assistant\", got 'robot'"),
+]
+
+
+@pytest.mark.parametrize("path, big_body, where, refusal", LIST_CASES, ids=[c[0] for c in LIST_CASES])
+def test_a_long_list_of_messages_is_structured_off_the_gate_and_a_small_request_is_answered_meanwhile(
+        tiny_checkpoints, tmp_path, monkeypatch, path, big_body, where, refusal):
+    """A body of thousands of messages (or Responses input items) was checked and made the template's messages in its
+    turn of the parse gate (20,000 took ~0.1-0.2 s), and a small request sent meanwhile waited for it. Now a list past
+    1,024 items goes aside: the small request is answered while it is checked, and the big one gets the refusal of
+    before, word for word."""
+    import importlib
+
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "gen", 512)
+    with serving(str(words), dtype="float32", max_seq_len=64, kv_cache_config={"max_tokens": 512}) as served:
+        gate = served.server.server.config.app.state.parse_gate
+        model = served.state.served_names[0]
+        module = importlib.import_module(where[0])
+        real = getattr(module, where[1])
+        entered = threading.Event()
+        order: list[str] = []
+
+        def held(value, *args, **kwargs):
+            if isinstance(value, list) and len(value) > 1024:
+                entered.set()
+                for _ in range(int(TIMEOUT / 0.01)):  # the small one answered, or (main) queued behind this turn
+                    if "small answered" in order or gate.waiting():
+                        break
+                    time.sleep(0.01)
+                order.append("big structured")
+            return real(value, *args, **kwargs)
+
+        monkeypatch.setattr(module, where[1], held)
+        answers: dict[str, httpx.Response] = {}
+
+        def send_big() -> None:
+            with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+                answers["big"] = http.post(path, json={**big_body, "model": model})
+
+        big = threading.Thread(target=send_big)
+        big.start()
+        try:
+            while big.is_alive() and not entered.wait(0.05):
+                pass
+            assert entered.is_set(), answers["big"].text[:300]
+            with httpx.Client(base_url=served.url, timeout=TIMEOUT) as http:
+                small = http.post("/v1/completions", json={"model": model, "prompt": "w1 w2", "max_tokens": 1})
+            order.append("small answered")
+        finally:
+            big.join(TIMEOUT)
+        assert small.status_code == 200, small.text
+        assert order == ["small answered", "big structured"]  # main: the small one waited for the whole list
+        assert answers["big"].status_code == 400
+        assert answers["big"].json()["error"]["message"] == refusal

@@ -213,8 +213,9 @@ MANY = [{"role": ("user", "assistant")[i % 2], "content": LONG[i * 350:(i + 1) *
 @pytest.mark.parametrize("path, body, hold", [
     ("/tokenize", {"messages": [{"role": "user", "content": LONG}]}, "__call__"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1}, "__call__"),
+    # cut: only the end of its templated text kept is tokenized (the test below), its templating held aside
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1,
-                              "truncate_prompt_tokens": 100, "return_token_ids": True}, "__call__"),
+                              "truncate_prompt_tokens": 100, "return_token_ids": True}, "apply_chat_template"),
     ("/tokenize", {"messages": MANY}, "apply_chat_template"),
     ("/v1/chat/completions", {"messages": MANY, "max_tokens": 1}, "apply_chat_template"),
     ("/v1/chat/completions", {"messages": MANY, "max_tokens": 1, "truncate_prompt_tokens": 100,
@@ -308,3 +309,61 @@ def test_the_end_of_a_long_text_is_what_is_tokenized_for_truncate_prompt_tokens(
     whole = smol.state.engine.tokenize(LONG)
     assert kept_text_tokens(smol.state.engine, LONG, 100, True, "left") == whole[-100:]
     assert kept_text_tokens(smol.state.engine, LONG, 100, True, "right") == whole[:100]
+
+
+# --- a chat cut by truncate_prompt_tokens: only the end of its templated text it keeps tokenized, the same ids ------
+
+#: 2.1 MB over 6,000 messages of ~350 characters (templated off the gate), and one message of 2.1 MB
+HUGE_CHATS = {"many": [{"role": ("user", "assistant")[i % 2], "content": HUGE[i * 350:(i + 1) * 350]}
+                       for i in range(6000)],
+              "one": [{"role": "user", "content": HUGE}]}
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("chat", ["many", "one"])
+def test_a_huge_chat_cut_by_truncate_prompt_tokens_is_tokenized_at_the_end_it_keeps_only(smol, monkeypatch, chat,
+                                                                                         side):
+    """A chat cut by truncate_prompt_tokens had its whole templated text tokenized however long (2 MB: ~2 s, on the
+    tokenizer's copy), then cut. Now only an end of that text long enough for the tokens kept is tokenized, as a
+    text prompt's: the ids of SmolLM2's own apply_chat_template, its last (truncation_side "right": first) 100."""
+    messages = HUGE_CHATS[chat]
+    tok = smol.state.engine.tokenizer
+    full = tok.apply_chat_template(messages, add_generation_prompt=True)
+    full = [int(t) for t in (full["input_ids"] if hasattr(full, "keys") else full)]
+    seen: list[int] = []
+    real = type(tok).__call__
+
+    def spy(self, text, *args, **kwargs):
+        if isinstance(text, str):
+            seen.append(len(text))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    r = smol.http.post("/v1/chat/completions", json={"model": "smollm2-135m", "messages": messages, "max_tokens": 1,
+                                                      "truncate_prompt_tokens": 100, "truncation_side": side,
+                                                      "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == (full[-100:] if side == "left" else full[:100])
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    assert seen and max(seen) < 10_000  # main: the whole 2.1 MB templated text tokenized
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(contents=st.lists(st.lists(st.sampled_from(_PIECES) | st.text(max_size=6), min_size=1, max_size=300),
+                         min_size=1, max_size=8),
+       glue=st.sampled_from(["", " ", "\n"]), keep=st.integers(1, 120), side=st.sampled_from(["left", "right"]),
+       special=st.booleans(), opened=st.booleans())
+def test_the_end_of_a_chat_tokenized_for_truncate_prompt_tokens_has_the_whole_texts_ids(smol, contents, glue, keep,
+                                                                                      side, special, opened):
+    """Whatever the conversation (special tokens' text in it too), k and side, the ids kept from the end of its
+    templated text tokenized alone equal SmolLM2's ids of the whole templated text, cut: its last k (first k for
+    truncation_side "right"), and it says it was cut exactly when the whole had more than k."""
+    from kvload.serve.request_input import kept_messages_tokens
+
+    engine = smol.state.engine
+    messages = [{"role": ("user", "assistant")[i % 2], "content": glue.join(c) * 3} for i, c in enumerate(contents)]
+    template = {"add_generation_prompt": opened}
+    whole = engine.encode_messages(messages, template, add_special_tokens=special, room=False)
+    got, cut = kept_messages_tokens(engine, messages, template, keep, side, add_special_tokens=special)
+    assert got == (whole[-keep:] if side == "left" else whole[:keep])
+    assert cut == (len(whole) > keep)

@@ -234,3 +234,25 @@ def test_the_python_api_refuses_a_size_the_heads_do_not_take_before_starting_any
     assert str(caught.value) == ("tensor_parallel_size=3: LlamaForCausalLM has 4 attention heads, which do not divide "
                                  "by 3 ranks; accepted: 1, 2, 4")
     assert not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+
+
+@pytest.mark.slow  # two ranks load tiny-llama and generate (~20 s on two busy cores)
+def test_a_stop_signal_to_one_rank_alone_names_that_rank(tmp_path):
+    # SIGTERM to rank 1 alone (`kill PID`, a process manager), not to the command: the rank ends by it and the others
+    # are stopped. Its own line, "error: terminated (SIGTERM)", was printed as it was, which reads as the command's
+    # having been stopped: the line names the rank that got the signal
+    proc = _kvload("generate", "tiny-llama", "--tp_size", "2", "--prompt-ids", "1,2,3", "--max_new_tokens", "3000",
+                   "--ignore_eos", "--max_tokens", "4096", cwd=tmp_path)
+    pids: dict[int, int] = {}
+    try:
+        assert proc.stdout.read(1)  # the reply streams as it is generated: both ranks are stepping
+        pids = _rank_pids(proc.pid)
+        os.kill(pids[1], signal.SIGTERM)
+        err = proc.communicate(timeout=EXIT_S)[1]
+    finally:
+        _cleanup(proc, pids)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert not any(_alive(p) for p in pids.values()) and _left_in(tmp_path) == []
+    assert "Traceback" not in err, err[-3000:]
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [
+        f"error: rank 1 of 2 (pid {pids[1]}) was sent SIGTERM, not through kvload; kvload stopped the other ranks"]

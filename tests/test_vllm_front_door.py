@@ -125,3 +125,51 @@ def test_request_output_kind_imports_and_final_only_is_what_generate_returns(llm
                                               r"LLM\.generate_stream yields a TokenDelta per token; accepted: "
                                               r"RequestOutputKind\.CUMULATIVE or RequestOutputKind\.FINAL_ONLY"):
         SamplingParams(output_kind=RequestOutputKind.DELTA)
+
+
+def test_tokenization_kwargs_key_that_is_no_plain_name_is_refused_in_one_printable_line(llm):
+    """A key with a newline or a lone surrogate was put in the message as it was: a two-line refusal, and one whose
+    ``print`` raised UnicodeEncodeError; it is named by its repr now (a plain name still as written)."""
+    sp = SamplingParams(max_tokens=2)
+    for key, shown in (("a\nb", "'a\\nb'"), ("\ud800", "'\\ud800'")):
+        with pytest.raises(GenerationError) as refused:
+            llm.generate([TEXT], sp, tokenization_kwargs={key: 1})
+        message = str(refused.value)
+        assert message.startswith(f"generate: tokenization_kwargs.{shown}: vLLM's, not kvload's")
+        assert "\n" not in message
+        message.encode()  # printable: no lone surrogate
+    with pytest.raises(GenerationError, match=r"^embed: tokenization_kwargs\.nosuch: "):
+        llm.embed([TEXT], tokenization_kwargs={"nosuch": 1})
+    assert llm.generate([TEXT], sp)[0].outputs[0].token_ids  # the same LLM answers after
+
+
+def test_a_mistyped_tokenization_kwargs_cut_is_answered_with_did_you_mean(llm):
+    """``{"truncate_prompt_token": 2}`` (one letter short) was refused as "not a setting kvload's tokenization takes",
+    as a key kvload lacks is, without the "did you mean" every other typo of the API gets."""
+    with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs\.truncate_prompt_token: .*; did you "
+                                              r"mean 'truncate_prompt_tokens'\?$"):
+        llm.generate([TEXT], SamplingParams(max_tokens=2), tokenization_kwargs={"truncate_prompt_token": 2})
+    with pytest.raises(GenerationError, match=r"^score: tokenization_kwargs\.truncate_prompts_tokens: .*did you mean"):
+        llm.score(TEXT, "w1 w2", tokenization_kwargs={"truncate_prompts_tokens": 2})
+    with pytest.raises(GenerationError) as far:  # a key far from it gets no guess
+        llm.generate([TEXT], SamplingParams(max_tokens=2), tokenization_kwargs={"add_special_tokens": False})
+    assert "did you mean" not in str(far.value)
+
+
+def test_a_cut_given_twice_that_is_no_cut_is_refused_for_its_value_not_as_two_values_that_differ(llm):
+    """NaN in both places (or a text beside a number) was "nan in the keywords and nan in tokenization_kwargs differ;
+    give it once": the user read that their two values disagree, where neither is a cut."""
+    nan = float("nan")
+    for keyword, cut in ((nan, float("nan")), ("abc", 2), (2, "abc")):
+        with pytest.raises(GenerationError) as refused:
+            llm.generate([TEXT], max_tokens=2, truncate_prompt_tokens=keyword,
+                         tokenization_kwargs={"truncate_prompt_tokens": cut})
+        assert str(refused.value).startswith("generate: truncate_prompt_tokens: expected an integer >= 1")
+        assert "differ" not in str(refused.value)
+    with pytest.raises(GenerationError, match=r"^embed: truncate_prompt_tokens: 2 in the call's argument and 3 in "):
+        llm.embed([TEXT], truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3})
+    with pytest.raises(GenerationError, match=r"truncate_prompt_tokens: expected a positive integer"):
+        llm.embed([TEXT], truncate_prompt_tokens=nan, tokenization_kwargs={"truncate_prompt_tokens": nan})
+    (out,) = llm.generate([TEXT], max_tokens=1, truncate_prompt_tokens=2,
+                          tokenization_kwargs={"truncate_prompt_tokens": 2})
+    assert out.prompt_token_ids == [42, 9]  # the same cut twice is one cut

@@ -48,6 +48,10 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: What a rank says when another one went away: the effect of a failure, not its cause.
 _CONSEQUENCES = (b"error: lost contact with another rank", b"error: terminated (SIGTERM)", b"error: interrupted",
                  b"error: hung up (SIGHUP)")
+#: A rank's own line when a stop signal ended it, and the signal: this process's, passed on, or one sent to that
+#: rank alone from outside, which the line (said of the whole command) does not tell apart.
+_SIGNALLED = {b"error: terminated (SIGTERM)": "SIGTERM", b"error: interrupted": "SIGINT",
+              b"error: hung up (SIGHUP)": "SIGHUP"}
 
 
 def ranks_to_launch(ns: argparse.Namespace) -> int:
@@ -152,6 +156,7 @@ class Launcher:
         self._signals: list[int] = []
         self._lock = threading.Lock()
         self._term_at: float | None = None  # when the supervisor stopped the ranks left after one failed
+        self._passed_on = False  # a stop signal this process got was passed on to the ranks
 
     def env(self, rank: int) -> dict[str, str]:
         """Rank ``rank``'s environment: this one's with torchrun's variables and kvload's launcher mark."""
@@ -249,6 +254,7 @@ class Launcher:
             now = time.monotonic()
             while self._signals:  # the user's (or a service manager's) stop: every rank gets it
                 signum = self._signals.pop(0)
+                self._passed_on = True
                 self._stop_all(signum)
                 kill_at = kill_at or now + KILL_AFTER_S
             for r in self._alive():
@@ -277,7 +283,16 @@ class Launcher:
         causes = [r for r in before if r.error is None or not r.error.startswith(_CONSEQUENCES)]
         # the same error on every rank (a bad flag each rank refuses): rank 0's words, as torchrun's user reads first
         cause = next((r for r in causes if r.rank == 0 and r.error is not None), causes[0] if causes else before[0])
-        if cause.error is not None:
+        signalled = next((name for head, name in _SIGNALLED.items() if cause.error is not None
+                          and cause.error.startswith(head)), None)
+        if signalled is not None and not self._passed_on and (term_at is None or cause.ended_at < term_at):
+            # a stop signal sent to this rank alone (not through this process): its own line would read as the
+            # command's ("error: terminated (SIGTERM)"); say which rank got it, and what its line added
+            error = cause.error or b""
+            rest = error.split(b";", 1)[1].strip().decode(errors="replace") if b";" in error else ""
+            line = (f"error: rank {cause.rank} of {self.world} (pid {cause.proc.pid}) was sent {signalled}, not "
+                    f"through kvload; kvload stopped the other ranks{'; ' + rest if rest else ''}\n").encode()
+        elif cause.error is not None:
             line = cause.error
         else:
             how = ended_how(cause.proc.returncode)

@@ -25,6 +25,7 @@ from kvload.serve.protocol import (
     AsSent,
     BadRequest,
     _check_unicode,
+    items_aside,
     need_schema,
     not_an_object,
     renamed_as,
@@ -126,7 +127,8 @@ def to_chat(body: Any, tool_parser: str | None = None, reasoning_parser: str | N
     # Anthropic's automatic caching, for the whole request: any value taken and reported, as a block's is (vLLM's
     # request model has no such field, so pydantic drops whatever is sent: a client's malformed one is no 400 there)
     _cache_control(body, "", ignored)
-    messages, sources = _messages(body.get("messages"), ignored)
+    given = body.get("messages")  # a long list of messages checked and converted off the parse gate
+    messages, sources = items_aside(given, lambda: _messages(given, ignored))
     system = _system(body.get("system"), ignored)
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})

@@ -6,6 +6,7 @@ import copy
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -129,11 +130,16 @@ def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[li
 
     if job.kind == "chat":
         try:
-            ids = messages_tokens(engine, job.prompts[0], job.template, add_special_tokens=job.add_special_tokens,
-                                  room=room and keep is None)  # cut first, then it fits
+            if keep is None:
+                return [messages_tokens(engine, job.prompts[0], job.template,
+                                        add_special_tokens=job.add_special_tokens, room=room)], [False]
+            # cut first, then it fits; of a long templated text only the end it keeps tokenized, where that gives the
+            # same ids
+            ids, was_cut = kept_messages_tokens(engine, job.prompts[0], job.template, keep, job.truncation_side,
+                                                add_special_tokens=job.add_special_tokens)
         except GenerationError as exc:
             raise _messages_error(exc, job.template) from None
-        return [kept(ids)], [keep is not None and len(ids) > keep]
+        return [ids], [was_cut]
     out, cut = [], []
     for i, prompt in enumerate(job.prompts):
         field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
@@ -256,16 +262,63 @@ def messages_tokens(engine: ServingEngine, messages: list[dict[str, Any]], templ
     counted, ``engine.prompts._bounded``). The same template on the same tokenizer's copy: the same text, the same
     ids, the same refusals. A shorter conversation is templated on the gate and its text, when long (a template that
     writes much), tokenized aside (:func:`text_tokens`)."""
+    return _messages_ids(engine, messages, template, add_special_tokens, room, instead,
+                         lambda engine, tokenizer: _whole_text(engine, None) if tokenizer is None else None)
+
+
+def kept_messages_tokens(engine: ServingEngine, messages: list[dict[str, Any]], template: dict[str, Any], keep: int,
+                         side: str = "left", *, add_special_tokens: bool) -> tuple[list[int], bool]:
+    """(the ids ``truncate_prompt_tokens`` keeps of a conversation's templated text: its last ``keep``, first for
+    ``side`` "right"; whether it had more), templated as :func:`messages_tokens` templates it, on the gate or off it,
+    and of its text only an end long enough for the ids kept tokenized, as a text prompt's
+    (:func:`kept_text_tokens`: a cut where the tokenizer splits whatever comes before or after, so the same ids as
+    the whole text's, cut); all of it where the tokenizer cannot be cut so (then as before: all tokenized, then
+    cut). Never refused for leaving no room: it is cut first."""
+    cut = [False]
+
+    def ends(_: ServingEngine, tokenizer: Any) -> Callable[[str, bool], list[int]]:
+        whole = _whole_text(engine, tokenizer)
+
+        def tokenize(text: str, add: bool) -> list[int]:
+            if keep >= 1 and _cuts(engine.tokenizer, tokenizer):
+                part = _kept_end(text, keep, side, lambda end: whole(end, add))
+                if part is not None:
+                    cut[0] = True
+                    return part
+            ids = whole(text, add)
+            cut[0] = len(ids) > keep
+            return ids[-keep:] if side == "left" else ids[:keep]
+
+        return tokenize
+
+    ids = _messages_ids(engine, messages, template, add_special_tokens, False, None, ends)
+    return ids, cut[0]
+
+
+def _whole_text(engine: ServingEngine, tokenizer: Any) -> Callable[[str, bool], list[int]]:
+    """``tokenize(text, add_special_tokens)`` of a conversation's templated text: on the gate (``tokenizer`` None)
+    :func:`text_tokens`, a long text aside; off it (in a conversation templated aside) on ``tokenizer``, the copy."""
+    if tokenizer is None:
+        return functools.partial(text_tokens, engine, where="messages")
+    return lambda text, add: engine.tokenize(text, add_special_tokens=add, where="messages", tokenizer=tokenizer)
+
+
+def _messages_ids(engine: ServingEngine, messages: list[dict[str, Any]], template: dict[str, Any],
+                  add_special_tokens: bool, room: bool, instead: str | None,
+                  tokenizing: Callable[[ServingEngine, Any], Callable[[str, bool], list[int]] | None]) -> list[int]:
+    """:func:`messages_tokens`, the templated text's ids from ``tokenizing(engine, tokenizer)`` (``tokenizer``: the
+    copy a conversation templated off the gate is tokenized on, None on the gate; its None: the tokenizer's own
+    call, as ``encode_messages`` makes it)."""
     more = {} if instead is None else {"instead": instead}
     if messages_chars(messages) <= ASIDE_CHARS or _copy(engine) is None:
         return engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=room,
-                                      tokenize=functools.partial(text_tokens, engine, where="messages"), **more)
+                                      tokenize=tokenizing(engine, None), **more)
 
     def render() -> list[int]:
         copied, lock = _COPIES[engine.tokenizer]
         with lock:
             return engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=room,
-                                          tokenizer=copied, **more)
+                                          tokenizer=copied, tokenize=tokenizing(engine, copied), **more)
 
     ids, held = aside(render)
     if not held:
@@ -293,26 +346,36 @@ def kept_text_tokens(engine: ServingEngine, text: str, keep: int, add_special_to
     are the whole text's. None where that cannot be told (another tokenizer, a text with no such place, or no more
     than ``keep`` tokens in all): the caller tokenizes all of it, as before."""
     from engine.prompts import check_text
+
+    if engine.tokenizer is None or keep < 1 or not _cuts(engine.tokenizer):
+        return None
+    check_text("prompt 0", text)  # refused in the words of the whole text (where its lone surrogate is)
+    return _kept_end(text, keep, side, lambda part: text_tokens(engine, part, add_special_tokens))
+
+
+def _cuts(tok: Any, read: Any = None) -> bool:
+    """Whether the engine's tokenizer ``tok`` may be cut (:func:`engine.token_bound.cut_points`), read once, from
+    ``read`` (its copy, off the gate) or ``tok`` itself."""
     from engine.token_bound import cut_points
 
-    tok = engine.tokenizer
-    if tok is None or keep < 1:
-        return None
     with _COPIES_LOCK:
         cuts = _CUTS.get(tok)
         if cuts is None:
-            cuts = _CUTS[tok] = cut_points(tok)
-    if not cuts:
-        return None
-    check_text("prompt 0", text)  # refused in the words of the whole text (where its lone surrogate is)
-    extra = len(engine.tokenize("", add_special_tokens=add_special_tokens)) + _CUT_MARGIN
+            cuts = _CUTS[tok] = cut_points(tok if read is None else read)
+    return cuts
+
+
+def _kept_end(text: str, keep: int, side: str, tokenize: Callable[[str], list[int]]) -> list[int] | None:
+    """:func:`kept_text_tokens` of a tokenizer that may be cut, ``tokenize(part)`` the ids of an end of ``text`` (the
+    special tokens the tokenizer adds included); None when no end short of the whole text tells them."""
+    extra = len(tokenize("")) + _CUT_MARGIN
     chars = keep * _FIRST_CHARS_PER_TOKEN + 1024
     while chars < len(text):
         at = _cut_at(text, len(text) - chars if side == "left" else chars)
         if at is None:
             return None
         part = text[at:] if side == "left" else text[:at]
-        ids = text_tokens(engine, part, add_special_tokens)
+        ids = tokenize(part)
         if len(ids) > keep + extra:  # past the margin: the whole text's ids there, and more of them than kept
             return ids[-keep:] if side == "left" else ids[:keep]
         chars *= 4

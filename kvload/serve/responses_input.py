@@ -25,6 +25,7 @@ from kvload.serve.protocol import (
     AsSent,
     BadRequest,
     _check_unicode,
+    items_aside,
     need_schema,
     not_an_object,
     openai_hints,
@@ -109,7 +110,9 @@ def to_chat(body: Any, tool_parser: str | None = None,
     _need(instructions is None or isinstance(instructions, str), "instructions", "a string", instructions)
     previous, keep = _kept(body, kept, ignored)
     earlier = kept.previous(previous) if kept is not None and previous is not None else None
-    messages, sources = _input(body.get("input"), ignored, earlier.context() if earlier is not None else [])
+    carried = earlier.context() if earlier is not None else []
+    given = body.get("input")  # a long list of items checked and made messages off the parse gate
+    messages, sources = items_aside(given, lambda: _input(given, ignored, carried))
     if instructions is not None:  # OpenAI's: a system (developer) message put first
         messages.insert(0, {"role": "system", "content": instructions})
         sources.insert(0, None)
@@ -142,7 +145,8 @@ def to_chat(body: Any, tool_parser: str | None = None,
                             parallel_tool_calls=True if parallel is None else parallel, text=text,
                             reasoning=body.get("reasoning"), user=body.get("user"), sources=tuple(sources),
                             ignored=tuple(ignored), previous_response_id=previous, store=keep,
-                            items=tuple(input_items(body["input"])) if keep else (), previous=earlier)
+                            items=items_aside(given, lambda: tuple(input_items(given))) if keep else (),
+                            previous=earlier)
     return chat, echo
 
 
