@@ -426,6 +426,101 @@ def test_a_finish_that_skips_the_released_window_ends_as_one_that_reads_it(spec)
     assert _pool_state(a) == _pool_state(b)
 
 
+def _queue_state(pool: SharedPool) -> tuple:
+    """What eviction will do next beyond the order: each page's priority, the queue's size, shared count and clock (a
+    stale shared page is demoted by the clock)."""
+    q = pool.evictable
+    return list(pool.priority), len(q), q.num_shared, q._clock
+
+
+#: finishes as a keyed turn leaves them (cached leaves, the last block perhaps not cached), with a few that are not
+_KEYED_FINISH = st.lists(st.tuples(st.sampled_from(("leaves", "leaves", "leaves", "shared", "any")), st.integers(0, 12),
+                                   st.integers(0, 12), st.integers(0, 4), st.booleans(), st.booleans()),
+                         min_size=1, max_size=6)
+
+
+def _usual(table: list[int], lo: int, pool: SharedPool) -> bool:
+    """Whether a finishing table is a keyed finish's usual one: 3 or more blocks from ``lo`` (where the finish is told
+    its released window ends), every one there and held by this table alone, all cached in runs without children but
+    perhaps the last."""
+    blocks = table[lo:]
+    if len(blocks) < 3 or min(blocks) < 0 or any(pool.ref[b] != 1 for b in blocks):
+        return False
+    cached = [pool.node[b] is not None for b in blocks]
+    return all(cached[:-1]) and not any(pool.node[b].children for b in blocks if pool.node[b] is not None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_KEYED_FINISH, st.booleans())
+def test_a_keyed_finish_let_go_as_it_is_queued_and_its_next_turn_s_claim_leave_every_page_as_page_by_page_calls(
+        spec, windows):
+    # a keyed turn's finish on a shared arena: each usual table (its blocks held by it alone, cached leaves but
+    # perhaps the last) is let go in the loop that queues it, any other table in the release loop; the arena must
+    # end as release / incref page by page leave it: every page's counters, owner, group and priority, the free list,
+    # the queue's order, size, shared count and clock. Then the next turn claims each group's cached pages (one
+    # release queued them: one bucket) in the same pass that takes them out of the queue.
+    a, tables_a = _finishing_arena(spec)
+    b, tables_b = _finishing_arena(spec)
+    released: list[list[int]] = []
+    add_released = b.evictable.add_released
+
+    def spy(blocks, priority, ref):
+        released.append(list(blocks))
+        return add_released(blocks, priority, ref)
+
+    b.evictable.add_released = spy  # type: ignore[method-assign]
+    starts = [min(window, n) for _, n, _, window, _, _ in spec] if windows else None
+    usual = [_usual(t, starts[g] if starts else 0, b) for g, t in enumerate(tables_b)]
+    _release_group_by_group(a, tables_a, 2)
+    b.release_tables(list(enumerate(tables_b)), 2, starts)
+    assert _pool_state(a) == _pool_state(b) and _queue_state(a) == _queue_state(b)
+    # the usual tables went through the queue's loop (their cached pages, position by position with the others')
+    assert bool(released) == any(u and any(b.node[x] is not None for x in t if x >= 0)
+                                 for u, t in zip(usual, tables_b, strict=True))
+    if not released:
+        return
+    pieces = [[x for x in a.evictable.blocks() if a.group_of[x] == g] for g in range(len(spec))]
+    claims: list[int] = []
+    claim_many = b.evictable.claim_many
+
+    def claim_spy(blocks, ref):
+        claims.append(len(blocks))
+        return claim_many(blocks, ref)
+
+    b.evictable.claim_many = claim_spy  # type: ignore[method-assign]
+    for g, piece in enumerate(pieces):
+        for x in piece:
+            a.incref(g, x)
+    b.incref_groups(list(range(len(spec))), pieces)
+    assert _pool_state(a) == _pool_state(b) and _queue_state(a) == _queue_state(b)
+    total = sum(map(len, pieces))
+    assert claims == ([total] if total > 1 else [])  # every group's pages in one claim
+
+
+def test_a_claim_of_a_page_not_queued_sets_every_reference_and_takes_out_the_ones_before_it():
+    # claim_many is a loop of reference stores then remove_many, in one pass: on a page that is not queued it raises
+    # KeyError as remove_many does, with every reference set and the pages before it out of the queue (a page taken
+    # out earlier: its stale key is the bucket's, the one-pass path; a page never queued: the other path)
+    for claim in ([1, 2, 3], [1, 7, 3]):
+        a, b = SharedPool(["g"], 12), SharedPool(["g"], 12)
+        for pool in (a, b):
+            pool.evictable.add_many([1, 2, 3, 4], 0)
+            pool.evictable.add_many([5], 0, True)
+            pool.evictable.remove(2)
+        for x in claim:
+            a.ref[x] = 1
+        with pytest.raises(KeyError):
+            a.evictable.remove_many(claim)
+        with pytest.raises(KeyError):
+            b.evictable.claim_many(claim, b.ref)
+        assert b.ref == a.ref and b.evictable.blocks() == a.evictable.blocks() == [3, 4, 5]
+        assert (len(b.evictable), b.evictable.num_shared) == (len(a.evictable), a.evictable.num_shared) == (3, 1)
+    q = SharedPool(["g"], 12)
+    q.evictable.add_many([1, 2, 3], 0)
+    q.evictable.claim_many([3, 1, 2], q.ref)
+    assert q.ref[1:4] == [1, 1, 1] and not len(q.evictable) and not q.evictable.blocks()
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2)), min_size=1, max_size=6), st.integers(0, 8),
        st.randoms(use_true_random=False))

@@ -122,6 +122,24 @@ class EvictionQueue:
         if self.num_shared:
             self._demote_stale()
 
+    def add_released(self, blocks: Sequence[int], priority: int, ref: list[int]) -> None:
+        """:meth:`add_many` of leaves' ``blocks``, each one's reference count ``ref[b]`` set to 0 in the same pass: a
+        keyed finish's blocks let go and queued in one loop (``SharedPool.release_tables``), not two."""
+        key = priority + (1 << 63)  # _key_of(priority, False), inlined
+        bucket = self._by_key.get(key)
+        if bucket is None:
+            bucket = self._bucket(key)
+        prio, keys, clock = self._prio, self._key, self._clock
+        for b in blocks:  # this loop runs for every block a keyed finish queues: kept lean
+            bucket[b] = clock
+            prio[b] = priority
+            keys[b] = key
+            ref[b] = 0
+        self._clock = clock + len(blocks)
+        self._len += len(blocks)
+        if self.num_shared:
+            self._demote_stale()
+
     def _demote_stale(self) -> None:
         """Move shared blocks queued ``_stale`` blocks ago or earlier to the front of their priority's leaves (each
         shared bucket is in queue order, so only its oldest blocks are looked at)."""
@@ -199,6 +217,39 @@ class EvictionQueue:
             raise KeyError(b) from None
         self._len -= len(blocks)
         self.num_shared -= shared
+
+    def claim_many(self, blocks: Sequence[int], ref: list[int]) -> None:
+        """Each of ``blocks`` (queued, held by nobody) gets ``ref[b] = 1`` and leaves the queue: the stores of a loop
+        over ``blocks`` then :meth:`remove_many`, in one pass when every block is in one bucket (a prefix hit on a
+        finished turn's history, queued by one release); ``KeyError`` as :meth:`remove_many` (every ``ref`` set)."""
+        n = len(blocks)
+        if n > 1:
+            keys = self._key
+            at = itemgetter(*blocks)(keys)
+            key = at[0]
+            bucket = self._by_key.get(key)
+            if bucket is not None and at.count(key) == n:
+                try:
+                    for b in blocks:  # this loop runs for every block a hit claims: kept lean
+                        del bucket[b]
+                        ref[b] = 1
+                except KeyError:  # as remove_many: the ones before it are out, and every reference is set
+                    for b in blocks:
+                        ref[b] = 1
+                    by_key = self._by_key
+                    if not bucket:
+                        del by_key[key]
+                    self._len = sum(map(len, by_key.values()))
+                    self.num_shared = sum(len(bk) for k, bk in by_key.items() if k >> _SHARED_BIT)
+                    raise
+                if not bucket:
+                    del self._by_key[key]
+                self._len -= n
+                self.num_shared -= (key >> _SHARED_BIT) * n
+                return
+        for b in blocks:
+            ref[b] = 1
+        self.remove_many(blocks)
 
     def count_shared(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` (queued) are queued as shared prefixes' blocks (:attr:`num_shared` counts them)."""
