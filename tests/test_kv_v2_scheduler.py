@@ -1119,6 +1119,35 @@ def test_a_request_that_joined_while_its_system_prompt_was_evicted_goes_ahead_on
     assert out.admitted == [late] and late.num_reused_tokens == 8
 
 
+def test_a_miss_is_looked_up_again_only_once_it_has_waited_lpm_relook_wait(monkeypatch):
+    """In a burst whose system prompts nobody has computed yet every prompt misses on joining, and the first admitted
+    on each prompt computes it. Looked up again within the burst, the later prompts on the now-cached prompts went
+    ahead of an earlier one on a prompt not computed yet, which then ran alone at the end (tiny-llama ``mixed``, 39
+    prompts at once on 5 system prompts: 1.000x -> 1.136x V1's steps). A miss is looked up again only once it has
+    waited ``LPM_RELOOK_WAIT`` steps: arrival order within the burst, the late hit first after that wait."""
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 8)  # the floor at this test's scale: two 4-token blocks
+    monkeypatch.setattr(scheduler, "LPM_RELOOK", 2)
+    monkeypatch.setattr(scheduler, "LPM_RELOOK_WAIT", 4)
+    m = make_manager(FULL, 8)
+    system = list(range(1, 9))  # not cached yet
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64)
+    early = Request("early", [*range(100, 108), 70], 4, arrival=0)  # on another system prompt, not computed yet
+    late = Request("late", [*system, 50], 4, arrival=1)  # on the system prompt
+    waiting = deque([early, late])
+    s._steps = 1
+    assert s._cache_aware(waiting) == [early, late]  # both join and are looked up: no hit
+    again = Request("again", [*system, 60], 0)  # the first request on the system prompt computes it
+    prefill(m, again)
+    m.free(again)
+    for step in (2, 4):  # a look-up step, but late has waited 1 and 3 steps: not looked up, arrival order
+        s._steps = step
+        assert s._cache_aware(waiting) == [early, late]
+    s._steps = 6  # waited 5: looked up again, the hit goes first
+    assert s._cache_aware(waiting) == [late, early] and late.cached_hint == 8
+
+
 def test_a_follow_up_whose_history_was_evicted_while_it_waited_does_not_go_ahead_of_one_whose_history_is_cached(
         monkeypatch):
     """Two conversations' next turns wait while the pool is full. The first turn's history is evicted by a running
