@@ -36,8 +36,9 @@ One :meth:`~KVCacheV2Scheduler.step`:
    with the first of them admitted (ranked among them, tiny-mistral ``mixed`` at a quarter of the budget took 893 steps
    instead of 857).
    **A miss looked up again**: a request whose lookup found no cached prefix (of ``LPM_MIN_HIT`` tokens) is looked
-   up again every ``LPM_RELOOK`` steps once it has waited ``LPM_RELOOK_WAIT``, and one that finds a hit then is
-   ranked, and looked up every step, as one that found it on joining. Why: a system prompt may be evicted for a few
+   up again every ``LPM_RELOOK`` steps once it has waited ``LPM_RELOOK_WAIT`` (if its prompt is longer than
+   ``LPM_MIN_HIT`` tokens: a shorter one finds no hit that ranks), and one that finds a hit then is ranked, and looked
+   up every step, as one that found it on joining. Why: a system prompt may be evicted for a few
    steps (a preemption's pressure, or its window blocks let go) and cached again by the next request on it admitted;
    a prompt on it that joined in those steps waited as one without a hit, behind every later prompt on it, until the
    system prompt was gone again and its whole prompt was recomputed (tiny-gemma3 ``mixed`` at the default budget, 54%
@@ -159,6 +160,7 @@ from cache_backends.v2.manager import KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
 _STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrgetter("cached_hint")
+_PROMPT = attrgetter("prompt_token_ids")
 
 #: Cache-aware admission under "fcfs" (module docstring): how many waiting requests at the queue's front are ranked
 #: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), after how
@@ -198,7 +200,10 @@ LPM_RECENT = 64
 #: same figures on the case that showed it, 32 half the gain. The wait: in a burst whose prefixes nobody has computed
 #: yet, every prompt misses on joining and its first admitted computes the prefix; looked up again within the burst,
 #: the others went ahead of an earlier prompt without a hit, which then ran alone at the end (tiny-llama ``mixed``,
-#: 39 prompts at once on 5 prefixes: 1.000x -> 1.136x V1's steps); 16 to 32 steps left it at 1.000x (BENCHMARKS.md).
+#: 39 prompts at once on 5 prefixes: 1.000x -> 1.136x V1's steps); 16 to 48 steps left it at 1.000x. Over 800
+#: searched samples (BENCHMARKS.md, "A miss looked up again"), a period of 16 kept most of the gain, 8 all of it; a
+#: look-up only after waits of 24, 48, 96, ... steps (a few per request) lost part of it: more steps on 6 of the 7
+#: samples the rule moves, fewer hits on the 7th (#50: 0.882x -> 0.959x V1's steps; seed 1 #302: 0.632x -> 0.720x).
 LPM_RELOOK, LPM_RELOOK_WAIT = 8, 24
 _DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
@@ -495,7 +500,10 @@ class KVCacheV2Scheduler(SchedulerBase):
                 ranks[i] = hit if hit >= LPM_MIN_HIT else 1
         if not now % LPM_RELOOK:  # those whose lookup found none, again: the miss may have been momentary
             waited = map(le, queued, itertools.repeat(now - LPM_RELOOK_WAIT))
-            for i in itertools.compress(range(n), map(and_, map(not_, ranks), waited)):
+            # a prompt of LPM_MIN_HIT tokens or fewer finds no hit that ranks: not looked up (on mixed traffic most
+            # misses are such prompts; their lookups were a tenth of V2's KV work under pressure, BENCHMARKS.md)
+            long = map(lt, itertools.repeat(LPM_MIN_HIT), map(len, map(_PROMPT, window)))
+            for i in itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)):
                 hit = m.cached_prefix_tokens(window[i])
                 if hit >= LPM_MIN_HIT:  # from now on looked up every step, as a hit found on joining is
                     ranks[i] = window[i].cached_hint = hit
