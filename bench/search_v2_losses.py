@@ -23,6 +23,8 @@ Sample ``i`` of ``--seed S`` depends on (S, i) alone, so a longer search extends
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import math
 import os
@@ -184,6 +186,67 @@ HEAD = ("| V2/V1 steps | steps V1 / V2 | hit V1 / V2 | V2 suspends / preemptions
         "|--:|--:|--:|--:|---|")
 
 
+def apply_patch(kv: str) -> None:
+    """``MODULE.ATTR=VALUE``: set an existing module constant (``VALUE`` a Python literal, or ``inf``)."""
+    key, sep, value = kv.partition("=")
+    mod, _, attr = key.rpartition(".")
+    if not sep or not mod:
+        raise ValueError("expected MODULE.ATTR=VALUE")
+    module = importlib.import_module(mod)
+    if not hasattr(module, attr):
+        raise AttributeError(f"{mod} has no {attr}")
+    setattr(module, attr, math.inf if value == "inf" else ast.literal_eval(value))
+
+
+def read_base(path: str) -> list[dict[str, Any]]:
+    """The samples a ``--json`` file recorded as run on both managers (``ValueError`` naming what is wrong)."""
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not a --json file of this search (line {exc.lineno}: {exc.msg})") from None
+    if not all(isinstance(r, dict) and "case" in r and "index" in r for r in rows):
+        raise ValueError("not a --json file of this search (each line a sample with its case and index)")
+    return [r for r in rows if "steps_ratio" in r]
+
+
+def compare_against(base: list[dict[str, Any]], out: str | None = None) -> None:
+    """Rerun every sample of ``base`` (read by :func:`read_base`); print the changed ones (before -> after) and the
+    counts over 1.02x V1's steps and with hits more than 0.5 points below V1's. ``out``: the rerun's rows, as
+    ``--json`` writes them (the next comparison's base)."""
+    now, better, worse, gone = [], 0, 0, 0
+    sink = open(out, "w") if out is not None else None  # noqa: SIM115 (closed below, after every sample)
+    for b in base:
+        x = run_case(b["case"])
+        if sink is not None:
+            sink.write(json.dumps({"index": b["index"], **x}) + "\n")
+            sink.flush()
+        if "steps_ratio" not in x:
+            gone += 1
+            print(f"#{b['index']} no longer runs on both: {x.get('error', 'stalled')} | {case_str(b['case'])}")
+            continue
+        now.append(x)
+        if (x["steps_ratio"], x["hit_deficit"]) == (b["steps_ratio"], b["hit_deficit"]):
+            continue
+        better += x["steps_ratio"] < b["steps_ratio"]
+        worse += x["steps_ratio"] > b["steps_ratio"]
+        print(f"#{b['index']} steps {b['steps_ratio']:.3f} -> {x['steps_ratio']:.3f}, V2 - V1 hit "
+              f"{-100 * b['hit_deficit']:+.1f} -> {-100 * x['hit_deficit']:+.1f} points | {case_str(b['case'])}",
+              flush=True)
+
+    def counts(rows: list[dict[str, Any]]) -> str:
+        return (f"{sum(r['steps_ratio'] > 1.02 for r in rows)} over 1.02x V1's steps, "
+                f"{sum(r['hit_deficit'] > 0.005 for r in rows)} with hits > 0.5 points below V1's")
+
+    if sink is not None:
+        sink.close()
+    left = f" ({gone} no longer run on both: left out of after)" if gone else ""
+    print(f"{len(base)} samples: steps better on {better}, worse on {worse}; before {counts(base)}; after "
+          f"{counts(now)}{left}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Search (or replay one case) and print the worst cases as markdown."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,8 +256,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--replay", default=None, help="one case, as printed (key=value,...)")
     p.add_argument("--json", default=None, help="write every sample's figures here (JSON lines)")
+    p.add_argument("--patch", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="set a module constant first (a literal: int, float, inf), e.g. "
+                        "cache_backends.v2.scheduler.SHARED_HOLD=0.25; repeatable; not kept")
+    p.add_argument("--against", default=None, metavar="BASE.jsonl",
+                   help="rerun the samples a --json file recorded (ran on both) and print those whose figures changed "
+                        "(with --json: the rerun's rows written there)")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for kv in a.patch:
+        try:
+            apply_patch(kv)
+        except (ValueError, SyntaxError, ImportError, AttributeError) as exc:
+            p.error(f"--patch {kv}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    if a.against is not None:
+        given = [f"--{k}" for k in ("samples", "seed", "start", "top", "replay") if getattr(a, k) != p.get_default(k)]
+        if given:
+            p.error(f"--against reruns the samples its file recorded; {', '.join(given)} do not apply to it")
+        try:
+            base = read_base(a.against)
+        except ValueError as exc:
+            p.error(f"--against {a.against}: {exc}")
+        compare_against(base, a.json)
+        return
     if a.replay is not None:
         try:
             case = parse_case(a.replay)

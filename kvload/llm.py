@@ -137,26 +137,50 @@ TOKENIZATION_KWARGS_NOT_TAKEN: dict[str, str] = {
     **dict.fromkeys(("truncation", "max_length"),
                     "kvload cuts a prompt to its last k tokens with tokenization_kwargs={'truncate_prompt_tokens': k}"),
 }
+#: ``chat``'s word for ``add_special_tokens`` (its messages have no text of the caller's to encode)
+_CHAT_SPECIAL_TOKENS = ("kvload's chat adds no special tokens to what the chat template writes (the template holds "
+                        "them: add_special_tokens=False, the default of vLLM's chat requests); put a BOS in the "
+                        "template (chat_template=...) if the model needs one more")
+#: ``tokenization_kwargs``' values that ask for nothing kvload does not do already, taken as given (as
+#: ``VLLM_FIELDS_AT_NO_OP`` takes SamplingParams' fields), so a script spelling vLLM's defaults out runs:
+#: ``add_special_tokens`` at each call's own (True for a text prompt, vLLM's default; False on ``chat``), no
+#: ``truncation``, no ``max_length``
+TOKENIZATION_KWARGS_AT_NO_OP: dict[str, tuple[Any, ...]] = {"truncation": (False, None), "max_length": (None,)}
+
+
+def _at_no_op(call: str, key: str, value: Any) -> bool:
+    """Whether ``tokenization_kwargs[key] = value`` asks for nothing on ``call`` (bools and None by identity: 1 or
+    0 is not taken as true or false)."""
+    if key == "add_special_tokens":
+        return value is (call != "chat")
+    return any(value is v for v in TOKENIZATION_KWARGS_AT_NO_OP.get(key, ()))
 
 
 def _tokenization_cut(call: str, tokenization_kwargs: Any) -> Any:
     """vLLM's ``tokenization_kwargs`` (where vLLM now takes the prompt cut, ``SamplingParams.truncate_prompt_tokens``
     and the pooling calls' argument being deprecated for it): its ``truncate_prompt_tokens`` (None when it has none);
-    None or ``{}`` asks for nothing; another key is refused naming it, with what to do instead."""
+    None or ``{}`` asks for nothing, and so do vLLM's other keys at values that ask for nothing
+    (:data:`TOKENIZATION_KWARGS_AT_NO_OP`); another key or value is refused naming it, with what to do instead."""
     if tokenization_kwargs is None:
         return None
     if not isinstance(tokenization_kwargs, Mapping):
         raise GenerationError(f"{call}: tokenization_kwargs: expected a dict (kvload acts on its "
                               f"truncate_prompt_tokens) or None, got {short(tokenization_kwargs)}")
-    for key in tokenization_kwargs:
-        if key != "truncate_prompt_tokens":
-            why = TOKENIZATION_KWARGS_NOT_TAKEN.get(key, "not a setting kvload's tokenization takes")
-            # a plain name as written; anything else (a newline, a lone surrogate, not a str) as its repr, cut, so the
-            # message stays one printable line
-            name = key if isinstance(key, str) and key.isidentifier() and len(key) <= 80 else short(key)
-            typo = did_you_mean(key, ["truncate_prompt_tokens"]) if isinstance(key, str) else ""
-            raise GenerationError(f"{call}: tokenization_kwargs.{name}: vLLM's, not kvload's: {why}; kvload "
-                                  f"acts on tokenization_kwargs' truncate_prompt_tokens only{typo}")
+    for key, value in tokenization_kwargs.items():
+        if key == "truncate_prompt_tokens" or (isinstance(key, str) and _at_no_op(call, key, value)):
+            continue
+        # a plain name as written; anything else (a newline, a lone surrogate, not a str) as its repr, cut, so the
+        # message stays one printable line
+        name = key if isinstance(key, str) and key.isidentifier() and len(key) <= 80 else short(key)
+        if key in TOKENIZATION_KWARGS_NOT_TAKEN:
+            why = _CHAT_SPECIAL_TOKENS if call == "chat" and key == "add_special_tokens" \
+                else TOKENIZATION_KWARGS_NOT_TAKEN[key]
+            raise GenerationError(f"{call}: tokenization_kwargs.{name}={short(value)}: vLLM's, not kvload's: {why}; "
+                                  "kvload acts on tokenization_kwargs' truncate_prompt_tokens only")
+        known = ["truncate_prompt_tokens", *TOKENIZATION_KWARGS_NOT_TAKEN]
+        typo = did_you_mean(key, known) if isinstance(key, str) else ""
+        raise GenerationError(f"{call}: tokenization_kwargs.{name}: not a setting kvload's tokenization takes; kvload "
+                              f"acts on tokenization_kwargs' truncate_prompt_tokens only{typo}")
     return tokenization_kwargs.get("truncate_prompt_tokens")
 
 
@@ -443,6 +467,7 @@ class LLM:
         self._closed = False
         self._said_no_tqdm = False  # use_tqdm=True is reported once per LLM, not once per call
         self._said_no_mm_cache = False  # reset_mm_cache() too: a benchmark calls it between every run
+        self._said_no_connector = False  # reset_prefix_cache(reset_connector=True): said once, as reset_mm_cache
         self._metrics = LlmMetrics(str(self.args.model), self.args.max_draft_len)
         if seed is not None:  # vLLM's engine seed: unseeded samples draw from one seeded sequence, so a run repeats
             executor = self.result.executor
@@ -1028,13 +1053,15 @@ class LLM:
 
         vLLM's arguments, in its order: ``reset_running_requests`` (vLLM preempts the running requests first; here a
         reset runs only between calls, when no request runs, so true and false reset alike) and ``reset_connector``
-        (vLLM's KV connector's cache too; kvload has no KV connector, so true is reported ``setting_ignored``).
+        (vLLM's KV connector's cache too; kvload has no KV connector, so true is reported ``setting_ignored``, once
+        per LLM).
         """
         for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
             if not isinstance(value, bool):
                 raise GenerationError(f"reset_prefix_cache: {name}: expected true or false, got {short(value)}")
         with self._exclusive("reset_prefix_cache"), self._running("reset_prefix_cache") as executor:
-            if reset_connector:
+            if reset_connector and not self._said_no_connector:  # said once: a benchmark resets between every run
+                self._said_no_connector = True
                 executor._event(SettingIgnored(
                     field="LLM.reset_prefix_cache.reset_connector", value=True,
                     reason="kvload has no KV connector (vLLM's kv_transfer_config) whose cache could be reset; the "

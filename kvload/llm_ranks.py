@@ -44,6 +44,11 @@ FOLLOWED = ("generate", "chat", "embed", "score", "beam_search", "reset_prefix_c
 CHANNEL_ENV = "KVLOAD_LLM_CHANNEL"
 #: Seconds the ranks get to close their LLM and exit after rank 0 asks; then SIGTERM, then SIGKILL as long again.
 CLOSE_S = 10.0
+#: Seconds between SIGTERM and SIGKILL when the ranks are not asked to close (out of step: a call interrupted or
+#: failed on rank 0 alone; a failed load; ``close()`` while loading or mid-call): a rank waiting in a collective for
+#: the rank 0 that left runs no Python handler until it is killed, so the full ``CLOSE_S`` only made a Ctrl-C take
+#: 10 s more; a rank in Python ends by its handler well within this.
+PARTED_TERM_S = 2.0
 #: How long rank 0, having failed a call, waits for each other rank's outcome: one that failed alike answers at once
 #: (the ranks run in step); one still in the call waits in a collective rank 0 left and would answer only at the
 #: collective timeout (600 s), so its silence past this is taken as the ranks having parted.
@@ -446,7 +451,7 @@ class SpawnedRanks:
                     if r.proc.poll() is None:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(r.proc.pid, signum)
-            deadline = time.monotonic() + CLOSE_S
+            deadline = time.monotonic() + (CLOSE_S if polite or signum is None else PARTED_TERM_S)
             while any(r.proc.poll() is None for r in self.ranks) and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
             if all(r.proc.poll() is not None for r in self.ranks):

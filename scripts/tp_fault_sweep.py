@@ -13,6 +13,7 @@ is a suspect, with why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -106,6 +107,7 @@ class Case:
         self.proc = subprocess.Popen(argv, cwd=tmp, env=env_for(tmp), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
                                      preexec_fn=_default_signals)
+        self.rank_sids: set[int] = set()
         self.out: list[str] = []
         self.err: list[str] = []
         threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True).start()
@@ -121,6 +123,29 @@ class Case:
                 into[-1] += chunk
             else:
                 into.append(chunk)
+
+    def __enter__(self) -> Case:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+    def rank_pids(self, want: int, deadline: float) -> dict[int, int]:
+        """The launcher's ranks (``rank_pids``), kept for ``kill``."""
+        found = rank_pids(self.proc.pid, want, deadline)
+        self.rank_sids.update(found.values())
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL whatever the case left: the launcher's session and each rank's (sessions of their own), however
+        the case's body ended (a harness error before ``finish`` included: the next case must not find them)."""
+        sids = {self.proc.pid, *self.rank_sids, *children(self.proc.pid)}
+        for pid in sorted({p for sid in sids for p in session_pids(sid)}):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
     def url(self) -> str:
         deadline = time.monotonic() + START_S
@@ -227,123 +252,123 @@ def stream_then(c: Case, url: str, act: Callable[[], None]) -> dict[str, Any]:
 
 
 def serve_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
-    c = Case(name, [*SERVE, "--audit-log", str(tmp / "audit.jsonl")], tmp)
-    rec: dict[str, Any] = {"case": name}
-    if fault.endswith("_loading"):  # while the ranks load: 2 s after both started
-        ranks = rank_pids(c.proc.pid, 2, time.monotonic() + 30)
-        time.sleep(2.0)
+    with Case(name, [*SERVE, "--audit-log", str(tmp / "audit.jsonl")], tmp) as c:
+        rec: dict[str, Any] = {"case": name}
+        if fault.endswith("_loading"):  # while the ranks load: 2 s after both started
+            ranks = c.rank_pids(2, time.monotonic() + 30)
+            time.sleep(2.0)
+            rec["ranks"] = ranks
+            if fault == "kill1_loading":
+                os.kill(ranks[1], signal.SIGKILL)
+                return c.finish(rec, 1, (137,))
+            c.proc.send_signal(signal.SIGTERM)
+            return c.finish(rec, None, (143,))
+        url = c.url()
+        port = int(url.rsplit(":", 1)[1])
+        ranks = c.rank_pids(2, time.monotonic() + 30)
         rec["ranks"] = ranks
-        if fault == "kill1_loading":
+        killed = None
+        expect: tuple[int, ...] = (0,)
+        if fault in ("sigterm", "sigint"):
+            c.proc.send_signal(signal.SIGTERM if fault == "sigterm" else signal.SIGINT)
+        elif fault == "sigint_group":  # a terminal's Ctrl-C: the command and its ranks at once
+            os.killpg(c.proc.pid, signal.SIGINT)
+        elif fault == "sigterm_streaming":
+            rec.update(stream_then(c, url, lambda: c.proc.send_signal(signal.SIGTERM)))
+        elif fault == "kill1_idle":
             os.kill(ranks[1], signal.SIGKILL)
-            return c.finish(rec, 1, (137,))
-        c.proc.send_signal(signal.SIGTERM)
-        return c.finish(rec, None, (143,))
-    url = c.url()
-    port = int(url.rsplit(":", 1)[1])
-    ranks = rank_pids(c.proc.pid, 2, time.monotonic() + 30)
-    rec["ranks"] = ranks
-    killed = None
-    expect: tuple[int, ...] = (0,)
-    if fault in ("sigterm", "sigint"):
-        c.proc.send_signal(signal.SIGTERM if fault == "sigterm" else signal.SIGINT)
-    elif fault == "sigint_group":  # a terminal's Ctrl-C: the command and its ranks at once
-        os.killpg(c.proc.pid, signal.SIGINT)
-    elif fault == "sigterm_streaming":
-        rec.update(stream_then(c, url, lambda: c.proc.send_signal(signal.SIGTERM)))
-    elif fault == "kill1_idle":
-        os.kill(ranks[1], signal.SIGKILL)
-        killed, expect = 1, (137,)
-    elif fault == "kill1_streaming":
-        rec.update(stream_then(c, url, lambda: os.kill(ranks[1], signal.SIGKILL)))
-        killed, expect = 1, (137,)
-        if "stream_end" in rec and not any("lost contact" in x or "rank 1" in x for x in rec["stream_end"]):
-            rec["client_why"] = "the stream did not end with an error naming the lost rank"
-    elif fault == "sigterm_rank1":  # rank 1 alone: it waits for rank 0's stop, then ends by the signal
-        os.kill(ranks[1], signal.SIGTERM)
-        killed, expect = 1, (143,)
-    elif fault == "kill_parent":  # the command itself SIGKILLed: its ranks get the parent-death signal
-        c.proc.kill()
-        expect = (-signal.SIGKILL,)
-    elif fault == "kill0_streaming":
-        rec.update(stream_then(c, url, lambda: os.kill(ranks[0], signal.SIGKILL)))
-        killed, expect = 0, (137,)
-    rec = c.finish(rec, killed, expect)
-    if rec.pop("client_why", None):
-        rec["why"].append("the stream did not end with an error naming the lost rank")
-    with socket.socket() as s:  # as a restarted server binds it (a closed connection's TIME_WAIT does not count)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            rec["why"].append(f"port {port} still held")
-    return rec
+            killed, expect = 1, (137,)
+        elif fault == "kill1_streaming":
+            rec.update(stream_then(c, url, lambda: os.kill(ranks[1], signal.SIGKILL)))
+            killed, expect = 1, (137,)
+            if "stream_end" in rec and not any("lost contact" in x or "rank 1" in x for x in rec["stream_end"]):
+                rec["client_why"] = "the stream did not end with an error naming the lost rank"
+        elif fault == "sigterm_rank1":  # rank 1 alone: it waits for rank 0's stop, then ends by the signal
+            os.kill(ranks[1], signal.SIGTERM)
+            killed, expect = 1, (143,)
+        elif fault == "kill_parent":  # the command itself SIGKILLed: its ranks get the parent-death signal
+            c.proc.kill()
+            expect = (-signal.SIGKILL,)
+        elif fault == "kill0_streaming":
+            rec.update(stream_then(c, url, lambda: os.kill(ranks[0], signal.SIGKILL)))
+            killed, expect = 0, (137,)
+        rec = c.finish(rec, killed, expect)
+        if rec.pop("client_why", None):
+            rec["why"].append("the stream did not end with an error naming the lost rank")
+        with socket.socket() as s:  # as a restarted server binds it (a closed connection's TIME_WAIT does not count)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                s.listen()
+            except OSError:
+                rec["why"].append(f"port {port} still held")
+        return rec
 
 
 def generate_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
-    c = Case(name, [*GENERATE, "--audit-log", str(tmp / "gen.jsonl")], tmp)
-    rec: dict[str, Any] = {"case": name}
-    deadline = time.monotonic() + START_S
-    while not c.out and c.proc.poll() is None and time.monotonic() < deadline:  # the reply's first token
-        time.sleep(0.02)
-    ranks = rank_pids(c.proc.pid, 2, time.monotonic() + 5)
-    rec["ranks"] = ranks
-    killed = None
-    if fault == "kill1":
-        os.kill(ranks[1], signal.SIGKILL)
-        killed, expect = 1, (137,)
-    elif fault == "kill_parent":
-        c.proc.kill()
-        expect = (-signal.SIGKILL,)
-    elif fault == "sigterm":
-        c.proc.send_signal(signal.SIGTERM)
-        expect = (143,)
-    elif fault == "sigint_group":
-        os.killpg(c.proc.pid, signal.SIGINT)
-        expect = (130,)
-    else:
-        c.proc.send_signal(signal.SIGINT)
-        expect = (130,)
-    return c.finish(rec, killed, expect)
+    with Case(name, [*GENERATE, "--audit-log", str(tmp / "gen.jsonl")], tmp) as c:
+        rec: dict[str, Any] = {"case": name}
+        deadline = time.monotonic() + START_S
+        while not c.out and c.proc.poll() is None and time.monotonic() < deadline:  # the reply's first token
+            time.sleep(0.02)
+        ranks = c.rank_pids(2, time.monotonic() + 5)
+        rec["ranks"] = ranks
+        killed = None
+        if fault == "kill1":
+            os.kill(ranks[1], signal.SIGKILL)
+            killed, expect = 1, (137,)
+        elif fault == "kill_parent":
+            c.proc.kill()
+            expect = (-signal.SIGKILL,)
+        elif fault == "sigterm":
+            c.proc.send_signal(signal.SIGTERM)
+            expect = (143,)
+        elif fault == "sigint_group":
+            os.killpg(c.proc.pid, signal.SIGINT)
+            expect = (130,)
+        else:
+            c.proc.send_signal(signal.SIGINT)
+            expect = (130,)
+        return c.finish(rec, killed, expect)
 
 
 def llm_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
     tmp.mkdir(parents=True, exist_ok=True)
     script = tmp / "script.py"
     script.write_text(LLM_SCRIPT)
-    c = Case(name, [sys.executable, str(script), *(["again"] if fault == "kill1_again" else [])], tmp)
-    rec: dict[str, Any] = {"case": name}
-    if fault == "kill1_loading":  # rank 1 killed 2 s after it started: the LLM(...) line raises, naming it
-        ranks = rank_pids(c.proc.pid, 1, time.monotonic() + 60)
-        time.sleep(2.0)
-        os.kill(ranks[1], signal.SIGKILL)
+    with Case(name, [sys.executable, str(script), *(["again"] if fault == "kill1_again" else [])], tmp) as c:
+        rec: dict[str, Any] = {"case": name}
+        if fault == "kill1_loading":  # rank 1 killed 2 s after it started: the LLM(...) line raises, naming it
+            ranks = c.rank_pids(1, time.monotonic() + 60)
+            time.sleep(2.0)
+            os.kill(ranks[1], signal.SIGKILL)
+            rec["ranks"] = ranks
+            rec = c.finish(rec, 1, (1,))
+            if any(x.startswith("ready") for x in c.out):
+                rec["why"].append("LLM(...) returned although rank 1 died while it loaded")
+            return rec
+        c.wait_stdout("ready")
+        ranks = c.rank_pids(1, time.monotonic() + 5)
         rec["ranks"] = ranks
-        rec = c.finish(rec, 1, (1,))
-        if any(x.startswith("ready") for x in c.out):
-            rec["why"].append("LLM(...) returned although rank 1 died while it loaded")
+        time.sleep(1.0)  # the generate is running (3,000 tokens: tens of seconds)
+        killed = None
+        if fault in ("kill1", "kill1_again"):
+            os.kill(ranks[1], signal.SIGKILL)
+            killed, expect = 1, (1,) if fault == "kill1" else (0,)
+        elif fault == "kill_parent":  # the script SIGKILLed: its ranks get the parent-death signal
+            c.proc.kill()
+            expect = (-signal.SIGKILL,)
+        elif fault == "sigterm":  # the script installs no handler: it dies by the signal, as any Python script does
+            c.proc.send_signal(signal.SIGTERM)
+            expect = (-signal.SIGTERM,)
+        else:  # its KeyboardInterrupt, uncaught, is the script's own traceback (and Python's exit by SIGINT)
+            (os.killpg if fault == "sigint_group" else os.kill)(c.proc.pid, signal.SIGINT)
+            expect = (-signal.SIGINT,)
+            c.script_traceback_ok = True
+        rec = c.finish(rec, killed, expect)
+        if fault == "kill1_again" and not any(x.startswith("again 4") for x in c.out):
+            rec["why"].append(f"no new LLM after the lost rank: {c.out[-2:]}")
         return rec
-    c.wait_stdout("ready")
-    ranks = rank_pids(c.proc.pid, 1, time.monotonic() + 5)
-    rec["ranks"] = ranks
-    time.sleep(1.0)  # the generate is running (3,000 tokens: tens of seconds)
-    killed = None
-    if fault in ("kill1", "kill1_again"):
-        os.kill(ranks[1], signal.SIGKILL)
-        killed, expect = 1, (1,) if fault == "kill1" else (0,)
-    elif fault == "kill_parent":  # the script SIGKILLed: its ranks get the parent-death signal
-        c.proc.kill()
-        expect = (-signal.SIGKILL,)
-    elif fault == "sigterm":  # the script installs no handler: it dies by the signal, as any Python script does
-        c.proc.send_signal(signal.SIGTERM)
-        expect = (-signal.SIGTERM,)
-    else:  # its KeyboardInterrupt, uncaught, is the script's own traceback (and Python's exit by SIGINT)
-        (os.killpg if fault == "sigint_group" else os.kill)(c.proc.pid, signal.SIGINT)
-        expect = (-signal.SIGINT,)
-        c.script_traceback_ok = True
-    rec = c.finish(rec, killed, expect)
-    if fault == "kill1_again" and not any(x.startswith("again 4") for x in c.out):
-        rec["why"].append(f"no new LLM after the lost rank: {c.out[-2:]}")
-    return rec
 
 
 CASES: dict[str, Callable[[Path], dict[str, Any]]] = {

@@ -503,3 +503,35 @@ def test_the_v2_loss_search_prints_its_worst_cases_with_their_replay_lines(capsy
     out = capsys.readouterr().out
     assert out.startswith("3 samples (seed 0, from 0)") and "Worst 2 by V2/V1 steps" in out
     assert re.search(r"\| [\d.]+ \| [\d,]+ / [\d,]+ \| .*`preset=.*,workload=", out)
+
+
+def test_the_v2_loss_search_patches_a_constant_and_reruns_a_recorded_search(tmp_path, capsys):
+    # --patch sets a module constant for the run (a rule tried without editing code); --against reruns the samples a
+    # --json file recorded and prints those whose figures changed, with the loss counts before and after.
+    from bench import search_v2_losses as s
+    from cache_backends.v2 import scheduler
+
+    base = tmp_path / "base.jsonl"
+    s.main(["--samples", "2", "--seed", "0", "--start", "28", "--top", "1", "--json", str(base)])
+    hold = scheduler.SHARED_HOLD
+    rerun = tmp_path / "rerun.jsonl"
+    capsys.readouterr()
+    try:
+        s.main(["--patch", "cache_backends.v2.scheduler.SHARED_HOLD=0.0", "--against", str(base), "--json", str(rerun)])
+        assert scheduler.SHARED_HOLD == 0.0
+    finally:
+        scheduler.SHARED_HOLD = hold
+    out = capsys.readouterr().out
+    # sample #28 (GPT-OSS shared-prefix, cause A): no hold, so it no longer waits on a finished group's prefix
+    assert re.search(r"^#28 steps 1\.562 -> 0\.900, ", out, re.M)
+    assert re.search(r"^2 samples: steps better on 1, worse on 0; before 1 over 1.02x V1's steps", out, re.M)
+    rows = [json.loads(line) for line in rerun.read_text().splitlines()]  # the next comparison's base
+    assert len(rows) == 2 and (rows[0]["index"], round(rows[0]["steps_ratio"], 3)) == (28, 0.9)
+    for bad, says in ((["--patch", "cache_backends.v2.scheduler.NO_SUCH=1"], "has no NO_SUCH"),
+                      (["--patch", "cache_backends.v2.scheduler.SHARED_HOLD=0.5 +"], "--patch"),
+                      (["--against", str(tmp_path / "missing.jsonl")], "No such file"),
+                      (["--against", str(base), "--seed", "3"], "--seed do not apply")):
+        with pytest.raises(SystemExit):
+            s.main(bad if bad[0] == "--against" else [*bad, "--against", str(base)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert says in err[-1] and not any("Traceback" in line for line in err)

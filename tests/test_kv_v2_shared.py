@@ -867,3 +867,19 @@ def test_a_hits_claim_interrupted_on_a_shared_arena_leaves_no_claim_behind():
     assert third.num_reused_tokens >= 16  # the cached prompt's whole blocks still hit
     m.free(third)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("tables", ["a block twice in one table", "one table given twice"])
+def test_a_keyed_finish_releasing_a_block_more_often_than_held_raises_naming_it(tables):
+    """The one-pass release checks references at C speed, which a repeated block passes (each copy sees 1): it queued
+    the block twice and left ``used`` below 0, to fail later as an IndexError far from the cause. The loop said which
+    block was released more often than held, and so does the one pass."""
+    pool = SharedPool(["g0"], 16)
+    taken = pool.take(0, 4, lambda g, b: None)
+    run = _Run("leaf")
+    for b in taken:
+        pool.node[b] = run
+    twice = tables == "a block twice in one table"
+    given = [(0, [*taken, taken[1]])] if twice else [(0, list(taken)), (0, list(taken))]
+    with pytest.raises(RuntimeError, match=r"^group g0: block \d+ released more often than held$"):
+        pool.release_tables(given, 1)

@@ -124,8 +124,9 @@ def test_a_big_body_of_token_ids_read_ahead_of_its_turn_holds_about_its_size_not
 def test_work_aside_hands_the_gil_on_often_and_the_interval_of_before_comes_back_however_it_ends():
     """Work aside (a chat template's Jinja, mostly Python) shared the GIL at CPython's 5 ms switches with what it let
     run meanwhile, so the engine's step, taking the GIL back after each torch call, waited for its end: a one-token
-    completion sent during a 20,000-message chat was answered only as the templating ended. Two asides at once,
-    one of them failing: each runs at 0.5 ms switches, and the interval of before is back once neither runs."""
+    completion sent during a 20,000-message chat was answered only as the templating ended. Two asides overlapping,
+    in this order: A starts, B starts, A ends (failing) while B still runs at 0.5 ms switches, B ends, and the
+    interval of before is back (each aside putting back the interval it found gave B 5 ms, then left 0.5 ms)."""
     import sys
 
     import pytest
@@ -133,30 +134,42 @@ def test_work_aside_hands_the_gil_on_often_and_the_interval_of_before_comes_back
     from kvload.serve.parse_gate import aside
 
     before = sys.getswitchinterval()
-    seen: list[float] = []
-    both = threading.Barrier(2, timeout=TIMEOUT)
+    assert before > 0.0005
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, float] = {}
 
-    def work(fail: bool) -> str:
-        both.wait()  # the two asides at once
-        seen.append(sys.getswitchinterval())
-        both.wait()
-        if fail:
-            raise ValueError("refused")
+    def work_a() -> str:
+        a_in.set()
+        assert b_in.wait(TIMEOUT)
+        seen["A"] = sys.getswitchinterval()
+        raise ValueError("refused")
+
+    def work_b() -> str:
+        b_in.set()
+        assert a_out.wait(TIMEOUT)  # A's aside over
+        seen["B after A ended"] = sys.getswitchinterval()
         return "done"
 
     async def main() -> list[object]:
         gate = ParseGate()
 
-        async def one(fail: bool) -> object:
+        async def a() -> object:
             async with gate.turn():
                 try:
-                    return await _on_daemon_thread(lambda: aside(lambda: work(fail)))
+                    return await _on_daemon_thread(lambda: aside(work_a))
                 except ValueError as exc:
                     return exc
+                finally:
+                    a_out.set()
 
-        return await asyncio.gather(one(False), one(True))
+        async def b() -> object:
+            await asyncio.to_thread(a_in.wait, TIMEOUT)  # B's aside begins once A's runs
+            async with gate.turn():
+                return await _on_daemon_thread(lambda: aside(work_b))
 
-    ok, failed = asyncio.run(main())
+        return await asyncio.gather(a(), b())
+
+    failed, ok = asyncio.run(main())
     assert ok == ("done", True) and isinstance(failed, ValueError)
-    assert seen == [pytest.approx(0.0005)] * 2
+    assert seen == {"A": pytest.approx(0.0005), "B after A ended": pytest.approx(0.0005)}
     assert sys.getswitchinterval() == pytest.approx(before)

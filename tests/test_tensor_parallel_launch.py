@@ -256,3 +256,20 @@ def test_a_stop_signal_to_one_rank_alone_names_that_rank(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     assert [x for x in err.splitlines() if x.startswith("error:")] == [
         f"error: rank 1 of 2 (pid {pids[1]}) was sent SIGTERM, not through kvload; kvload stopped the other ranks"]
+
+
+def test_a_rank_signalled_alone_is_named_when_the_others_end_in_the_same_poll(capsys):
+    # rank 1 was SIGTERMed alone; rank 0 lost contact ~0.1 s later, but a loaded supervisor saw both end in one poll:
+    # rank 0's "lost contact" line (first by rank number) was printed and rank 1 never named
+    from types import SimpleNamespace
+
+    from kvload.cli import launch
+
+    launcher = launch.Launcher(["generate", "tiny-llama"], 2)
+    lost = SimpleNamespace(pid=4100, returncode=1)
+    signalled = SimpleNamespace(pid=4101, returncode=128 + signal.SIGTERM)
+    launcher.ranks = [launch._Rank(0, lost, b"error: lost contact with another rank (rank 1)\n", 7.0, 1),
+                      launch._Rank(1, signalled, b"error: terminated (SIGTERM)\n", 7.0, 128 + signal.SIGTERM)]
+    assert launcher._report() == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ("error: rank 1 of 2 (pid 4101) was sent SIGTERM, not through kvload; kvload "
+                                       "stopped the other ranks\n")

@@ -56,6 +56,24 @@ def test_tokenization_kwargs_truncate_prompt_tokens_keeps_each_prompts_last_k_to
     assert llm.generate([TEXT], sp, tokenization_kwargs={})[0].prompt_token_ids == [5, 17, 300, 42, 9]
 
 
+def test_tokenization_kwargs_at_values_that_ask_for_nothing_are_taken(llm):
+    """A script spelling vLLM's defaults out (``add_special_tokens=True`` on a text prompt, False on ``chat``; no
+    ``truncation``, no ``max_length``) was refused as if it asked for something kvload does not do."""
+    sp = SamplingParams(max_tokens=2)
+    noop = {"add_special_tokens": True, "truncation": False, "max_length": None}
+    plain = llm.generate([TEXT], sp)[0]
+    (out,) = llm.generate([TEXT], sp, tokenization_kwargs=noop)
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == (plain.prompt_token_ids, plain.outputs[0].token_ids)
+    (cut,) = llm.generate([TEXT], sp, tokenization_kwargs={**noop, "truncation": None, "truncate_prompt_tokens": 2})
+    assert cut.prompt_token_ids == [42, 9]
+    conv = [{"role": "user", "content": TEXT}]
+    (chat,) = llm.chat(conv, sp, chat_template=TEMPLATE,
+                       tokenization_kwargs={"add_special_tokens": False, "truncation": False, "max_length": None})
+    assert chat.prompt_token_ids == llm.chat(conv, sp, chat_template=TEMPLATE)[0].prompt_token_ids
+    (emb,) = llm.embed([TEXT], tokenization_kwargs=noop)
+    assert emb.prompt_token_ids == plain.prompt_token_ids
+
+
 def test_tokenization_kwargs_a_cut_given_twice_or_a_key_kvload_lacks_is_one_line(llm):
     sp = SamplingParams(max_tokens=2)
     with pytest.raises(GenerationError, match=r"^generate: truncate_prompt_tokens: 2 in sampling_params and 3 in "
@@ -64,10 +82,23 @@ def test_tokenization_kwargs_a_cut_given_twice_or_a_key_kvload_lacks_is_one_line
                      tokenization_kwargs={"truncate_prompt_tokens": 3})
     with pytest.raises(GenerationError, match=r"^embed: truncate_prompt_tokens: 2 in the call's argument and 1 in "):
         llm.embed([TEXT], truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 1})
-    with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs\.add_special_tokens: vLLM's, not "
+    with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs\.add_special_tokens=false: vLLM's, not "
                                               r"kvload's: .*add_special_tokens=False"):
         llm.generate([TEXT], sp, tokenization_kwargs={"add_special_tokens": False})
-    with pytest.raises(GenerationError, match=r"^chat: tokenization_kwargs\.truncation: .*'truncate_prompt_tokens'"):
+    with pytest.raises(GenerationError) as chat_special:  # a conversation has no text of the caller's to encode
+        llm.chat([{"role": "user", "content": TEXT}], sp, chat_template=TEMPLATE,
+                 tokenization_kwargs={"add_special_tokens": True})
+    assert str(chat_special.value).startswith("chat: tokenization_kwargs.add_special_tokens=true: vLLM's, not kvload's")
+    assert "encode" not in str(chat_special.value)
+    with pytest.raises(GenerationError, match=r"^embed: tokenization_kwargs\.nosuch: not a setting kvload's "
+                                              r"tokenization takes; kvload acts on tokenization_kwargs' "
+                                              r"truncate_prompt_tokens only$"):
+        llm.embed([TEXT], tokenization_kwargs={"nosuch": 1})
+    with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs\.add_special_token: not a "
+                                              r".*did you mean 'add_special_tokens'\?$"):
+        llm.generate([TEXT], sp, tokenization_kwargs={"add_special_token": True})
+    with pytest.raises(GenerationError,
+                       match=r"^chat: tokenization_kwargs\.truncation=true: .*'truncate_prompt_tokens'"):
         llm.chat([{"role": "user", "content": TEXT}], sp, chat_template=TEMPLATE,
                  tokenization_kwargs={"truncation": True, "max_length": 4})
     with pytest.raises(GenerationError, match=r"^generate: tokenization_kwargs: expected a dict"):
@@ -89,7 +120,10 @@ def test_reset_prefix_cache_takes_vllms_arguments(words):
         assert "LLM.reset_prefix_cache.reset_connector" not in ignored(llm)
         assert llm.reset_prefix_cache(reset_connector=True) is True
         assert "no KV connector" in ignored(llm)["LLM.reset_prefix_cache.reset_connector"]
-        assert len(llm.audit.of("prefix_cache_reset")) == 3
+        assert llm.reset_prefix_cache(reset_connector=True) is True  # a benchmark's reset between runs: said once
+        fields = [e["field"] for e in llm.audit.of("setting_ignored")]
+        assert fields.count("LLM.reset_prefix_cache.reset_connector") == 1
+        assert len(llm.audit.of("prefix_cache_reset")) == 4
         with pytest.raises(GenerationError, match=r"^reset_prefix_cache: reset_running_requests: expected true or "
                                                   r"false, got 'yes'$"):
             llm.reset_prefix_cache("yes")
@@ -135,7 +169,7 @@ def test_tokenization_kwargs_key_that_is_no_plain_name_is_refused_in_one_printab
         with pytest.raises(GenerationError) as refused:
             llm.generate([TEXT], sp, tokenization_kwargs={key: 1})
         message = str(refused.value)
-        assert message.startswith(f"generate: tokenization_kwargs.{shown}: vLLM's, not kvload's")
+        assert message.startswith(f"generate: tokenization_kwargs.{shown}: not a setting kvload's tokenization takes")
         assert "\n" not in message
         message.encode()  # printable: no lone surrogate
     with pytest.raises(GenerationError, match=r"^embed: tokenization_kwargs\.nosuch: "):

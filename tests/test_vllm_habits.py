@@ -243,7 +243,7 @@ def test_chat_takes_vllms_arguments_by_position_in_vllms_order(llm):
 
 
 def test_a_vllm_call_argument_kvload_lacks_is_named_not_mistaken_for_a_sampling_setting(llm):
-    with pytest.raises(GenerationError, match="^generate: tokenization_kwargs.truncation: vLLM's, not kvload's"):
+    with pytest.raises(GenerationError, match="^generate: tokenization_kwargs.truncation=true: vLLM's, not kvload's"):
         llm.generate(IDS, SamplingParams(max_tokens=2), tokenization_kwargs={"truncation": True})
     with pytest.raises(GenerationError, match="^generate: unknown argument 'top_q'; sampling fields are"):
         llm.generate(IDS, SamplingParams(max_tokens=2), top_q=0.5)

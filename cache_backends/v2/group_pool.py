@@ -122,23 +122,26 @@ class EvictionQueue:
         if self.num_shared:
             self._demote_stale()
 
-    def add_released(self, blocks: Sequence[int], priority: int, ref: list[int]) -> None:
+    def add_released(self, blocks: Sequence[int], priority: int, ref: list[int]) -> int:
         """:meth:`add_many` of leaves' ``blocks``, each one's reference count ``ref[b]`` set to 0 in the same pass: a
-        keyed finish's blocks let go and queued in one loop (``SharedPool.release_tables``), not two."""
+        keyed finish's blocks let go and queued in one loop (``SharedPool.release_tables``), not two. How many were
+        queued anew: fewer than ``len(blocks)`` when one was listed twice or was queued already (the caller's error)."""
         key = priority + (1 << 63)  # _key_of(priority, False), inlined
         bucket = self._by_key.get(key)
         if bucket is None:
             bucket = self._bucket(key)
-        prio, keys, clock = self._prio, self._key, self._clock
+        prio, keys, clock, before = self._prio, self._key, self._clock, len(bucket)
         for b in blocks:  # this loop runs for every block a keyed finish queues: kept lean
             bucket[b] = clock
             prio[b] = priority
             keys[b] = key
             ref[b] = 0
         self._clock = clock + len(blocks)
-        self._len += len(blocks)
+        added = len(bucket) - before  # a repeated block overwrote its entry: counted once, as it is queued
+        self._len += added
         if self.num_shared:
             self._demote_stale()
+        return added
 
     def _demote_stale(self) -> None:
         """Move shared blocks queued ``_stale`` blocks ago or earlier to the front of their priority's leaves (each

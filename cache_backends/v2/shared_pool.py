@@ -31,6 +31,7 @@ step by step); only the per-block work remains per group.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter
@@ -518,7 +519,13 @@ class SharedPool:
             raise
         leaves = interleave([lv for lv, _ in by_group])
         if lean and leaves:  # (a loop table's leaves are at 0 already)
-            self.evictable.add_released(leaves, priority, ref)
+            if self.evictable.add_released(leaves, priority, ref) != len(leaves):
+                # the checks at C speed count references, not repeats: a block listed twice (or queued already) is
+                # caught here, as the loop's reference check caught it, not later as a free list gone wrong
+                b = next((b for b, k in Counter(leaves).items() if k > 1), None)
+                if b is None:
+                    raise RuntimeError("a released block was queued already: released more often than held")
+                raise RuntimeError(f"group {self.names[group_of[b]]}: block {b} released more often than held")
             self._queue([], interleave([sh for _, sh in by_group]), priority)
             return
         self._queue(leaves, interleave([sh for _, sh in by_group]), priority)

@@ -107,6 +107,11 @@ class _Rank:
     reader: threading.Thread | None = None
 
 
+def _lost_contact(r: _Rank) -> bool:
+    """Whether rank ``r``'s line says another rank went away (the effect of a failure, never its cause)."""
+    return r.error is not None and r.error.startswith(_CONSEQUENCES[0])
+
+
 def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
@@ -275,7 +280,11 @@ class Launcher:
     def _report(self) -> int:
         """Print the one line of the failure that ended the ranks (the first rank's to fail, its cause preferred to
         the consequences it had on the others) and return its exit status; 0 when every rank ended with 0."""
-        failed = sorted((r for r in self.ranks if r.code not in (0, None)), key=lambda r: (r.ended_at, r.rank))
+        # ranks seen ending in one poll: by rank, but a "lost contact" line after the others when no stop signal came
+        # through here (a rank sent SIGTERM alone ends first; the others lose contact ~0.1 s later, in the same poll
+        # on a loaded machine: its line, not theirs, says what happened)
+        failed = sorted((r for r in self.ranks if r.code not in (0, None)),
+                        key=lambda r: (r.ended_at, not self._passed_on and _lost_contact(r), r.rank))
         if not failed:
             return 0
         term_at = self._term_at

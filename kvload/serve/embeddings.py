@@ -45,9 +45,10 @@ from kvload.serve.protocol import (
     _object,
     _prompts,
     _token_ids,
+    shutting_down,
 )
 from kvload.serve.protocol import request_id as checked_request_id
-from kvload.serve.request_body import CLIENT_CLOSED, _load, _shutting_down, on_disconnect
+from kvload.serve.request_body import CLIENT_CLOSED, _load, on_disconnect
 from kvload.serve.request_input import _check_model, _header_request_id, text_tokens
 from kvload.serve.state import ServeState
 from kvload.serve.worker import _on_daemon_thread, _on_worker, _read
@@ -142,7 +143,7 @@ def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: Sa
     prompts = []
     for i, (item, where) in enumerate(zip(items, wheres, strict=True)):
         if i and not pass_turn():  # the requests waiting to be parsed go first, as in _encode; gone: the server stops
-            raise _shutting_down()
+            raise shutting_down()
         try:
             if isinstance(item, str) and params.truncate_prompt_tokens is None:  # past max_seq_len by its characters
                 engine.check_embedding_chars(where, item, what)  # alone: refused untokenized
@@ -206,7 +207,7 @@ async def pooling_route(state: ServeState, request: Request, gate: ParseGate, st
         raw = await _read(request, state, gate, stopping, departure)
         async with gate.turn(departure) as turn:
             if state.engine.stopping:
-                raise _shutting_down()
+                raise shutting_down()
             job = await _on_worker(stopping, lambda: None, parse, state, raw, gone=departure, held=turn)
         if departure.left:
             raise ClientDisconnect()
@@ -241,7 +242,7 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
                 req_ids.append(engine.submit(ids, job.params, sink, pool=True, priority=job.priority,
                                              every_token=every_token))
             except EngineStopped:
-                raise _shutting_down() from None
+                raise shutting_down() from None
         # a client that leaves has its requests aborted at once (the finally below), as a completion's are: the
         # inputs not yet prefilled were computed for no one, holding its slot and delaying everyone else's steps
         async with on_disconnect(request, lambda: ended.put_nowait(None)):
@@ -253,7 +254,7 @@ async def pooling_run(state: ServeState, request: Request, job: PoolJob,
         failed = next((ev for ev in events.values() if ev.finish_reason in ("abort", "error")), None)
         if failed is not None:
             if failed.finish_reason == "abort" or engine.stopping:
-                raise _shutting_down()
+                raise shutting_down()
             raise BadRequest(f"the engine failed while embedding: {failed.error}", status=500, kind="server_error",
                              code="engine_error")
         taken = [engine.executor.pooled.take(r) for r in req_ids]

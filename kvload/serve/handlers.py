@@ -13,7 +13,8 @@ from kvload.serve.embeddings import pooling_run
 from kvload.serve.invocations import Pooled, prepare_invocation
 from kvload.serve.messages_output import message_document, message_events
 from kvload.serve.parse_gate import Departure, ParseGate
-from kvload.serve.request_body import CLIENT_CLOSED, Body, _shutting_down
+from kvload.serve.protocol import shutting_down
+from kvload.serve.request_body import CLIENT_CLOSED, Body
 from kvload.serve.request_run import _Run
 from kvload.serve.responses_output import response_document, response_events
 from kvload.serve.state import ServeState
@@ -49,7 +50,7 @@ async def _answer(state: ServeState, request: Request, kind: str, gate: ParseGat
     # (pass_turn) and queues nothing (run.cancel): seconds of tokenizing for no one, ahead of every request behind it.
     async with gate.turn(departure) as turn:
         if state.engine.stopping:  # queued here when a stop was asked for: refused at once, not parsed first
-            raise _shutting_down()
+            raise shutting_down()
         if departure.left:
             raise ClientDisconnect()
         departure.on_leave(run.cancel)

@@ -1231,11 +1231,22 @@ def items_aside(items: Any, work: Callable[[], Any]) -> Any:
     when it gave up on this request meanwhile."""
     if not isinstance(items, list) or len(items) <= ASIDE_ITEMS:
         return work()
+    return held_aside(work)
+
+
+def shutting_down() -> BadRequest:
+    """The 503 ``server_shutting_down`` of a request the server stopped taking."""
+    # Connection: close, as uvicorn closes every connection once a stop is asked for
+    return BadRequest("the server is shutting down and takes no new requests; retry on another server", status=503,
+                      kind="server_error", code="server_shutting_down", headers={"Connection": "close"})
+
+
+def held_aside(work: Callable[[], Any]) -> Any:
+    """``work()`` off the parse gate (``parse_gate.aside``); :func:`shutting_down`'s 503 when the server gave up on
+    this request meanwhile."""
     result, held = aside(work)
     if not held:
-        from kvload.serve.request_body import _shutting_down  # request_body imports this module
-
-        raise _shutting_down()
+        raise shutting_down()
     return result
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from kvload.serve.protocol import BadRequest
+from kvload.serve.protocol import BadRequest, shutting_down
 from pipeline.json_ints import Abandoned, LongInts, SharedInts, too_long_int, too_long_message
 from pipeline.limits import MAX_DEPTH, json_depth, unique_keys
 
@@ -95,7 +95,7 @@ async def _read_body(request: Request, limit: int, timeout: float, stopping: asy
         stop.cancel()
         reader.cancel()
     if not reader.done() or reader.cancelled():
-        raise _shutting_down()
+        raise shutting_down()
     reader.result()  # a 413, or ClientDisconnect (the client hung up mid-upload)
     return body
 
@@ -104,12 +104,6 @@ def _is_json(media: str) -> bool:
     """Whether a Content-Type names JSON (``application/json``, ``application/*+json``, any parameters), or is blank."""
     kind = media.split(";", 1)[0].strip().lower()
     return kind in ("", "application/json") or (kind.startswith("application/") and kind.endswith("+json"))
-
-
-def _shutting_down() -> BadRequest:
-    # Connection: close, as uvicorn closes every connection once a stop is asked for
-    return BadRequest("the server is shutting down and takes no new requests; retry on another server", status=503,
-                      kind="server_error", code="server_shutting_down", headers={"Connection": "close"})
 
 
 def _too_large(limit: int, got: str) -> BadRequest:

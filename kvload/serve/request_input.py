@@ -12,9 +12,9 @@ from typing import Any
 from fastapi import Request
 
 from engine.serving import ServingEngine
-from kvload.serve.parse_gate import aside, pass_turn
-from kvload.serve.protocol import MAX_REQUEST_ID_CHARS, BadRequest, Job, parse, request_id
-from kvload.serve.request_body import _load, _shutting_down
+from kvload.serve.parse_gate import pass_turn
+from kvload.serve.protocol import MAX_REQUEST_ID_CHARS, BadRequest, Job, held_aside, parse, request_id, shutting_down
+from kvload.serve.request_body import _load
 from kvload.serve.state import ServeState
 from pipeline.errors import GenerationError
 from pipeline.events import SettingIgnored
@@ -146,7 +146,7 @@ def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[li
         # a stop asked for mid-request ends it now, not after encoding up to 1,024 prompts; between two prompts the
         # requests waiting to be parsed go first (a small one is not parsed after a thousand prompts of this one)
         if engine.stopping or (i and not pass_turn()):
-            raise _shutting_down()
+            raise shutting_down()
         try:
             if keep is not None:  # vLLM's: the token ids are cut (a BOS too), then checked as any prompt's
                 part = None
@@ -166,7 +166,7 @@ def _encode(engine: ServingEngine, job: Job, room: bool = True) -> tuple[list[li
                 engine.check_prompt_chars(prompt)  # as encode: one too long by its characters is refused untokenized
                 prompt = text_tokens(engine, prompt, job.add_special_tokens)
             if engine.stopping:
-                raise _shutting_down()
+                raise shutting_down()
             out.append(engine.encode(prompt, add_special_tokens=job.add_special_tokens))
         except GenerationError as exc:
             detail = str(exc).removeprefix("generate: ").removeprefix("prompt 0: ").removeprefix("prompt 0 ")
@@ -223,10 +223,7 @@ def text_tokens(engine: ServingEngine, text: str, add_special_tokens: bool, wher
     meanwhile."""
     if not can_aside(engine, text):
         return engine.tokenize(text, add_special_tokens=add_special_tokens, where=where)
-    ids, held = aside(functools.partial(_tokenize_aside, engine, text, add_special_tokens, where))
-    if not held:
-        raise _shutting_down()
-    return ids
+    return held_aside(functools.partial(_tokenize_aside, engine, text, add_special_tokens, where))
 
 
 def _tokenize_aside(engine: ServingEngine, text: str, add_special_tokens: bool, where: str = "prompt 0") -> list[int]:
@@ -320,10 +317,7 @@ def _messages_ids(engine: ServingEngine, messages: list[dict[str, Any]], templat
             return engine.encode_messages(messages, template, add_special_tokens=add_special_tokens, room=room,
                                           tokenizer=copied, tokenize=tokenizing(engine, copied), **more)
 
-    ids, held = aside(render)
-    if not held:
-        raise _shutting_down()
-    return ids
+    return held_aside(render)
 
 
 #: whether each engine tokenizer may be cut (:func:`engine.token_bound.cut_points`: read once, from its whole JSON)

@@ -30,8 +30,8 @@ from kvload.serve.messages_input import renamed as messages_renamed
 from kvload.serve.messages_input import renamed_error as messages_error
 from kvload.serve.messages_input import to_chat as messages_to_chat
 from kvload.serve.openai_output import _OpenAIDocuments
-from kvload.serve.protocol import EFFORT_UNREAD, BadRequest, Job
-from kvload.serve.request_body import _load, _shutting_down, on_disconnect
+from kvload.serve.protocol import EFFORT_UNREAD, BadRequest, Job, shutting_down
+from kvload.serve.request_body import _load, on_disconnect
 from kvload.serve.request_input import _encode, _header_request_id, _parse, _parse_body, cut_short
 from kvload.serve.responses_input import ResponsesRequest, renamed, renamed_error, to_chat
 from kvload.serve.responses_output import in_progress
@@ -184,7 +184,7 @@ class _Run(_OpenAIDocuments):
         plan = []
         for i, ids in enumerate(self.prompts):
             if self.engine.stopping:  # as in _encode: up to 1,024 checks would only end in EngineStopped
-                raise _shutting_down()
+                raise shutting_down()
             if self.cancelled:  # given up on (its client left: Departure.on_leave): the other checks are for no one
                 raise ClientDisconnect()
             params = job.params
@@ -249,7 +249,7 @@ class _Run(_OpenAIDocuments):
                                                             priority=job.priority)
                     except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
                         if self.engine.loop_error is None:
-                            raise _shutting_down() from None
+                            raise shutting_down() from None
                         # the loop died (a bug, /health says "down"): this server will answer nothing more
                         raise BadRequest(str(exc), status=500, kind="server_error") from None
                     for index, rid in zip(indices, rids, strict=True):

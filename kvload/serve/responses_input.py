@@ -111,8 +111,13 @@ def to_chat(body: Any, tool_parser: str | None = None,
     previous, keep = _kept(body, kept, ignored)
     earlier = kept.previous(previous) if kept is not None and previous is not None else None
     carried = earlier.context() if earlier is not None else []
-    given = body.get("input")  # a long list of items checked and made messages off the parse gate
-    messages, sources = items_aside(given, lambda: _input(given, ignored, carried))
+    given = body.get("input")  # a long list of items checked, made messages and (kept) stored in one turn aside
+
+    def read() -> tuple[list[dict[str, Any]], list[int | str | None], tuple[Any, ...]]:
+        messages, sources = _input(given, ignored, carried)
+        return messages, sources, tuple(input_items(given)) if keep else ()
+
+    messages, sources, items = items_aside(given, read)
     if instructions is not None:  # OpenAI's: a system (developer) message put first
         messages.insert(0, {"role": "system", "content": instructions})
         sources.insert(0, None)
@@ -145,7 +150,7 @@ def to_chat(body: Any, tool_parser: str | None = None,
                             parallel_tool_calls=True if parallel is None else parallel, text=text,
                             reasoning=body.get("reasoning"), user=body.get("user"), sources=tuple(sources),
                             ignored=tuple(ignored), previous_response_id=previous, store=keep,
-                            items=items_aside(given, lambda: tuple(input_items(given))) if keep else (),
+                            items=items,
                             previous=earlier)
     return chat, echo
 

@@ -42,8 +42,7 @@ from kvload.serve.command import (
     serve_max_tokens,
 )
 from kvload.serve.metrics import ServeMetrics
-from kvload.serve.protocol import BadRequest, default_max_request_bytes
-from kvload.serve.request_body import _shutting_down
+from kvload.serve.protocol import BadRequest, default_max_request_bytes, shutting_down
 from kvload.serve.responses_store import ResponseStore, kept_request_bytes
 from kvload.serve.state import CorsPolicy, ServeState
 from kvload.serve.stats_log import StatsLogger
@@ -499,7 +498,7 @@ class _Deadlines(H11Protocol):
         (``server_shutting_down``), not uvicorn's bare close, which left its client guessing why."""
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE or not self.conn.trailing_data[0]:
             return
-        self.transport.write(_raw_error(_shutting_down()))
+        self.transport.write(_raw_error(shutting_down()))
         if self.metrics is not None:
             self.metrics.on_refused(503, "server_shutting_down")
         self.transport.close()

@@ -13,7 +13,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 
 from kvload.serve.parse_gate import Departure, ParseGate
-from kvload.serve.request_body import Body, LoadedBody, _read_body, _shutting_down
+from kvload.serve.protocol import shutting_down
+from kvload.serve.request_body import Body, LoadedBody, _read_body
 from kvload.serve.state import ServeState
 
 #: Bodies of at most this many bytes are read as JSON in their turn at the parse gate (a millisecond or so); a bigger
@@ -40,7 +41,7 @@ async def _read(request: Any, state: ServeState, gate: ParseGate, stopping: asyn
     lane = _Lane()
     try:
         if stopping.is_set():  # queued here when the stop came: no JSON read for a request that is refused
-            raise _shutting_down()
+            raise shutting_down()
         loaded = await _on_worker(stopping, lambda: None, LoadedBody, raw, departure, gone=departure, held=lane)
     finally:
         if lane.until is not None and not lane.until.done():  # its client left: the lane is the thread's until it
@@ -89,7 +90,7 @@ async def _on_worker(stopping: asyncio.Event, on_stop: Callable[[], Any], work: 
     if not worker.done():
         on_stop()
         worker.add_done_callback(lambda f: f.cancelled() or f.exception())  # its refusal: no one left to tell
-        raise _shutting_down()
+        raise shutting_down()
     return worker.result()
 
 
