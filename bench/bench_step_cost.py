@@ -1,5 +1,6 @@
-"""Issue 10 item 4 in one place: V2/V1 step time (tiny-llama shared-prefix, multi-turn) and V2's reuse overhead on
-no-reuse, in thread CPU time, with interleaved pairs; optionally against another source tree, process by process.
+"""Issue 10 item 4 in one place: V2/V1 step time (tiny-llama shared-prefix, multi-turn, mixed) and V2's reuse
+overhead on no-reuse, in thread CPU time, with interleaved pairs; optionally against another source tree, process
+by process.
 
 Run from the repository root (nothing here runs torch kernels)::
 
@@ -40,6 +41,8 @@ FIGURES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "no-reuse V2 reuse on/off": ("no-reuse", {"use_kv_cache_manager_v2": True, "enable_block_reuse": False},
                                  {"use_kv_cache_manager_v2": True, "enable_block_reuse": True}),
     "no-reuse V2/V1": ("no-reuse", {"use_kv_cache_manager_v2": False}, {"use_kv_cache_manager_v2": True}),
+    # system prompts among unrelated prompts: cache-aware admission's lookups of waiting requests (with --budget)
+    "mixed V2/V1": ("mixed", {"use_kv_cache_manager_v2": False}, {"use_kv_cache_manager_v2": True}),
 }
 
 

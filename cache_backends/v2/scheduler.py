@@ -35,6 +35,16 @@ One :meth:`~KVCacheV2Scheduler.step`:
    hits"). A stale hit still goes ahead of requests that never had one: a system prompt others share comes back cached
    with the first of them admitted (ranked among them, tiny-mistral ``mixed`` at a quarter of the budget took 893 steps
    instead of 857).
+   **A miss looked up again**: a request whose lookup found no cached prefix (of ``LPM_MIN_HIT`` tokens) is looked
+   up again every ``LPM_RELOOK`` steps once it has waited ``LPM_RELOOK_WAIT`` (if its prompt is longer than
+   ``LPM_MIN_HIT`` tokens: a shorter one finds no hit that ranks), and one that finds a hit then is ranked, and looked
+   up every step, as one that found it on joining. Why: a system prompt may be evicted for a few
+   steps (a preemption's pressure, or its window blocks let go) and cached again by the next request on it admitted;
+   a prompt on it that joined in those steps waited as one without a hit, behind every later prompt on it, until the
+   system prompt was gone again and its whole prompt was recomputed (tiny-gemma3 ``mixed`` at the default budget, 54%
+   of prompts on one 804-token system prompt: three of them admitted at steps 138-176 where V1 admitted them at 66-68
+   with the hit, 1.295x V1's steps and 78.2% of prompt tokens reused against V1's 86.9%; looked up again, 0.882x and
+   83.1%: BENCHMARKS.md, "A miss looked up again").
    A conversation's wait counts across its turns: a request whose prompt extends the prompt of one admitted after
    waiting ``LPM_CARRY`` steps or more (its previous turn) joins the queue with that wait already on its clock, so a
    conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late
@@ -150,6 +160,7 @@ from cache_backends.v2.manager import KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
 _STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrgetter("cached_hint")
+_PROMPT = attrgetter("prompt_token_ids")
 
 #: Cache-aware admission under "fcfs" (module docstring): how many waiting requests at the queue's front are ranked
 #: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), after how
@@ -183,6 +194,17 @@ LPM_SHORT, LPM_OWN = 1.5, 2
 #: not, 32 read 16 two-turn conversations as long once their second turns joined (4,096 tokens of KV: 1.005x ->
 #: 1.163x; BENCHMARKS.md, "The short-conversation estimate follows the recent joins").
 LPM_RECENT = 64
+#: Every ``LPM_RELOOK`` steps the waiting requests whose lookup found no cached prefix and that have waited
+#: ``LPM_RELOOK_WAIT`` steps are looked up again (module docstring, "A miss looked up again"): a system prompt evicted
+#: for a few steps when they joined is cached again by the next request on it admitted. A period of 8 and 1 gave the
+#: same figures on the case that showed it, 32 half the gain. The wait: in a burst whose prefixes nobody has computed
+#: yet, every prompt misses on joining and its first admitted computes the prefix; looked up again within the burst,
+#: the others went ahead of an earlier prompt without a hit, which then ran alone at the end (tiny-llama ``mixed``,
+#: 39 prompts at once on 5 prefixes: 1.000x -> 1.136x V1's steps); 16 to 48 steps left it at 1.000x. Over 800
+#: searched samples (BENCHMARKS.md, "A miss looked up again"), a period of 16 kept most of the gain, 8 all of it; a
+#: look-up only after waits of 24, 48, 96, ... steps (a few per request) lost part of it: more steps on 6 of the 7
+#: samples the rule moves, fewer hits on the 7th (#50: 0.882x -> 0.959x V1's steps; seed 1 #302: 0.632x -> 0.720x).
+LPM_RELOOK, LPM_RELOOK_WAIT = 8, 24
 _DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
@@ -438,7 +460,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         queue beyond the window in arrival order).
 
         A request is looked up when it joins the queue; only one that found a hit then is looked up again, every step
-        (a few requests: a lookup of every waiting request per step would cost more than the scheduler's step)."""
+        (a few requests: a lookup of every waiting request per step would cost more than the scheduler's step), and
+        the others every ``LPM_RELOOK`` steps once they waited ``LPM_RELOOK_WAIT``."""
         if len(waiting) < 2 or self.manager.reuse_off_reason is not None:
             return list(waiting)
         now, m = self._steps, self.manager
@@ -475,6 +498,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # the running requests' growth may have evicted it while the request waited (module docstring, "a
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
                 ranks[i] = hit if hit >= LPM_MIN_HIT else 1
+        if not now % LPM_RELOOK:  # those whose lookup found none, again: the miss may have been momentary
+            waited = map(le, queued, itertools.repeat(now - LPM_RELOOK_WAIT))
+            # a prompt of LPM_MIN_HIT tokens or fewer finds no hit that ranks: not looked up (on mixed traffic most
+            # misses are such prompts; their lookups were a tenth of V2's KV work under pressure, BENCHMARKS.md)
+            long = map(lt, itertools.repeat(LPM_MIN_HIT), map(len, map(_PROMPT, window)))
+            for i in itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)):
+                hit = m.cached_prefix_tokens(window[i])
+                if hit >= LPM_MIN_HIT:  # from now on looked up every step, as a hit found on joining is
+                    ranks[i] = window[i].cached_hint = hit
         aged: list[Request] = []
         old = now - LPM_AGE
         # the last first turns, few beside the running requests, go in among the aged once they waited LPM_CARRY
