@@ -390,7 +390,7 @@ class RadixTree:
                 start, by_group, held = run.start, run.blocks, run.held  # type: ignore[union-attr]
             i = pos[b] - start
             by_group[names[g]][i] = -1
-            held[i] -= 1
+            held[i] = held[i] - 1
         self._trim_detached(runs)
 
     def _trim_detached(self, runs: list[RadixNode]) -> None:
