@@ -75,7 +75,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 from itertools import chain, compress, repeat, takewhile
-from operator import add, eq, getitem, itemgetter, not_, sub, truth
+from operator import add, attrgetter, eq, getitem, itemgetter, not_, sub, truth
 
 import attrs
 
@@ -126,6 +126,10 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
     if start >= n:
         return request.output_token_ids[start - n : end - n]
     return prompt[start:] + request.output_token_ids[: end - n]
+
+
+_SALT = attrgetter("salt")
+_FIRST_TOKEN = itemgetter(slice(0, 8))  # a run's first block's packed bytes -> its first token's
 
 
 def _first_packed(request: Request) -> bytes:
@@ -1057,6 +1061,33 @@ class KVCacheManagerV2:
         elif self._cheap_miss(request, first):  # claims_nothing's answer, its first token packed once
             return 0
         return self._match(request)[0]
+
+    def may_find_prefix(self, requests: list[Request]) -> list[bool]:
+        """Per request, False where :meth:`cached_prefix_tokens` would answer 0 from its first token alone: no run
+        hung under its salt, and no pending prefix of it, starts with that token (the lookup's cheap miss); True
+        where only a lookup answers. Claims nothing and changes nothing.
+
+        Why: a cache-aware pass looks up many waiting requests whose prompts share nothing cached (a miss looked up
+        again: unrelated long prompts); each lookup's own calls to reach its cheap miss cost more than the check,
+        which this does for them all with one set of first tokens per salt (BENCHMARKS.md, "relook44")."""
+        if not self._reuse:
+            return [False] * len(requests)
+        firsts = list(map(_first_packed, requests))
+        salts = set(map(_SALT, requests))
+        if len(salts) == 1:
+            starts = self._lookup_starts(salts.pop())
+            return list(map(starts.__contains__, firsts))
+        by_salt = {salt: self._lookup_starts(salt) for salt in salts}
+        return [first in by_salt[r.salt] for first, r in zip(firsts, requests, strict=True)]
+
+    def _lookup_starts(self, salt: str | None) -> set[bytes]:
+        """The packed first tokens a lookup under ``salt`` can find anything from: its root's runs' and its pending
+        prefixes' (a superset of them for the rest of a pass: hanging a pending prefix adds a run it names)."""
+        root, pending = self._tree.root(salt), self._tree.pending.get(salt)
+        starts = set(map(_FIRST_TOKEN, root.children)) if root is not None else set()
+        if pending:
+            starts.update(pending)
+        return starts
 
     def probe_hit(self, request: Request) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
