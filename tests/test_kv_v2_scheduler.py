@@ -1213,7 +1213,7 @@ def test_a_waiting_prompt_too_short_to_rank_is_not_looked_up_again(monkeypatch):
     s._cache_aware(waiting)  # both join and are looked up once: no hit
     looked: list[str] = []
     lookup = m.cached_prefix_tokens
-    monkeypatch.setattr(m, "cached_prefix_tokens", lambda r: looked.append(r.req_id) or lookup(r))
+    monkeypatch.setattr(m, "cached_prefix_tokens", lambda r, *memo: looked.append(r.req_id) or lookup(r, *memo))
     s._steps = 2
     assert s._cache_aware(waiting) == [short, long]
     assert looked == ["long"]

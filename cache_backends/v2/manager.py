@@ -76,6 +76,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from itertools import chain, compress, repeat, takewhile
 from operator import add, attrgetter, eq, getitem, itemgetter, not_, sub, truth
+from typing import Any
 
 import attrs
 
@@ -170,6 +171,45 @@ class HitProbe:
         if extra is None:
             return [-k for k in self.taken]
         return [e - k for e, k in zip(extra, self.taken, strict=True)]
+
+
+@attrs.define(eq=False)
+class _Walk:
+    """What :meth:`KVCacheManagerV2._match` found for one request, and what of the request decided it: its first
+    ``n`` blocks (``head``, their tokens) matched, then the walk stopped at block ``n`` because ``stop`` has no child
+    keyed by it (``off`` -1) or ``stop``'s position ``off`` holds another block; or, ``stop`` None, the request
+    had ``n`` blocks. Another request with the same ``head`` and a block ``n`` that stops it alike (or exactly ``n``
+    blocks) walks the same path to the same run and count, so its answer is ``hit`` (while the tree is unchanged)."""
+
+    n: int
+    head: list[int]
+    stop: RadixNode | None
+    off: int
+    hit: int
+
+    @classmethod
+    def of(cls, root: RadixNode | None, run: RadixNode | None, i: int, request: Request, blocks: int, T: int,
+           hit: int) -> _Walk:
+        """The walk that ended at position ``i`` of ``run`` (None: no child of ``root`` matched the first block)."""
+        if run is None:
+            n, stop, off = 0, root, -1
+        else:
+            n = run.start + i + 1
+            stop, off = (None, -1) if n == blocks else (run, -1) if i + 1 == len(run.held) else (run, i + 1)
+        return cls(n, _tokens(request, 0, n * T), stop, off, hit)
+
+    def decides(self, request: Request, blocks: int, T: int) -> bool:
+        """Whether ``request`` (of ``blocks`` whole blocks to look up) walks as this walk did."""
+        n, stop = self.n, self.stop
+        if (blocks != n if stop is None else blocks <= n) or _tokens(request, 0, n * T) != self.head:
+            return False
+        if stop is None:
+            return True
+        block = pack_tokens(_tokens(request, n * T, (n + 1) * T))
+        if self.off < 0:
+            return block not in stop.children
+        w = stop.width
+        return stop.tokens[self.off * w:(self.off + 1) * w] != block
 
 
 class KVCacheManagerV2:
@@ -1049,18 +1089,36 @@ class KVCacheManagerV2:
         first = _first_packed(request)
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
 
-    def cached_prefix_tokens(self, request: Request) -> int:
+    def cached_prefix_tokens(self, request: Request, memo: dict[Any, list[_Walk]] | None = None) -> int:
         """The whole-block prefix of ``request`` a hit would claim if it were admitted now, claiming nothing (a
-        pending prefix the lookup reaches is keyed, as admission's lookup would key it)."""
+        pending prefix the lookup reaches is keyed, as admission's lookup would key it).
+
+        ``memo``: a dict kept across the lookups of one pass in which nothing but these lookups changes the tree (the
+        scheduler's cache-aware pass): a request whose blocks the walk of an earlier one in it decides (:class:`_Walk`)
+        gets that walk's answer without a walk of its own. Why: the waiting prompts on a system prompt are looked up
+        every step, each walking the same path (tiny-llama ``mixed`` at a quarter of the budget: 11,512 lookups on
+        2,583 first blocks; BENCHMARKS.md, "relook44")."""
         if not self._reuse or request.skip_prefix_read:
             return 0
+        T = self.T
+        blocks = (request.num_tokens - 1) // T
+        key = None
+        if memo is not None and blocks >= 1 and self._prefix_check is None:
+            # a walk under this key got past the pending prefix and the cheap miss: neither applies now either
+            key = (request.salt, tuple(_tokens(request, 0, T)))
+            for walk in memo.get(key, ()):
+                if walk.decides(request, blocks, T):
+                    return walk.hit
         first = _first_packed(request)
         prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
         elif self._cheap_miss(request, first):  # claims_nothing's answer, its first token packed once
             return 0
-        return self._match(request)[0]
+        hit, run, i = self._match(request)
+        if key is not None:
+            memo.setdefault(key, []).append(_Walk.of(self._tree.root(request.salt), run, i, request, blocks, T, hit))
+        return hit
 
     def may_find_prefix(self, requests: list[Request]) -> list[bool]:
         """Per request, False where :meth:`cached_prefix_tokens` would answer 0 from its first token alone: no run

@@ -482,12 +482,14 @@ class KVCacheV2Scheduler(SchedulerBase):
             for i in itertools.compress(range(n), map(lt, queued, itertools.repeat(0))):
                 window[i].queued_at = queued[i] = now - (self._carry_of(window[i]) if self._carried else 0)
         ranks = [0] * n  # 0: never had a hit (or its first lookup found none)
+        # the pass's lookups share their walks: the prompts on a system prompt walk the same path (manager docstring)
+        memo: dict = {}
         hinted = list(itertools.compress(range(n), list(map(_HINT, window))))  # a hint to look up, in window order
         # 0 without a lookup where no cached run starts with the request's first token (manager.may_find_prefix: the
         # lookup's own cheap miss, for all of them at once)
         for i, may in zip(hinted, m.may_find_prefix([window[i] for i in hinted]) if hinted else (), strict=True):
             r = window[i]
-            hit = m.cached_prefix_tokens(r) if may else 0
+            hit = m.cached_prefix_tokens(r, memo) if may else 0
             if r.cached_hint < 0:  # joined the queue: looked up once
                 ranks[i] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
                 if r.first_reused_tokens is None:  # a first join (a preempted request's hit is its own blocks)
@@ -509,7 +511,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             again = list(itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)))
             # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
             for i in itertools.compress(again, m.may_find_prefix([window[i] for i in again]) if again else ()):
-                hit = m.cached_prefix_tokens(window[i])
+                hit = m.cached_prefix_tokens(window[i], memo)
                 if hit >= LPM_MIN_HIT:  # from now on looked up every step, as a hit found on joining is
                     ranks[i] = window[i].cached_hint = hit
         aged: list[Request] = []
