@@ -1342,3 +1342,35 @@ def test_the_cache_aware_order_is_the_one_every_lookup_would_give(monkeypatch):
         runs.append(orders)
     assert runs[0] == runs[1]
     assert ("other", 8) in runs[0][-1]  # looked up again once a run starts as it does
+
+
+def _walk_scene(cached: list[list[int]], running: list[int] | None) -> KVCacheManagerV2:
+    m = make_manager(FULL, 96)
+    for j, tokens in enumerate(cached):
+        r = Request(f"c{j}", tokens, 1)
+        prefill(m, r)
+        m.free(r)
+    if running:  # its prefix pending until a lookup reaches it
+        prefill(m, Request("running", running, 4))
+    return m
+
+
+_TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=22)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cached=st.lists(_TOKENS, min_size=1, max_size=4), running=st.none() | _TOKENS,
+       waiting=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 22), _TOKENS), min_size=1, max_size=10))
+def test_a_pass_that_shares_its_walks_finds_every_hit_a_lookup_of_its_own_finds(cached, running, waiting):
+    """The cache-aware pass's lookups share their walks (``cached_prefix_tokens``'s memo): prompts that share
+    blocks with each other and with cached runs (diverging inside a run, at a run's end, into another child, or
+    ending there) each get the hit a lookup of their own finds, so every admission stays as it was."""
+    sources = [*cached, running or []]
+    requests = [Request(f"w{j}", sources[s % len(sources)][:cut] + tail, 1)
+                for j, (s, cut, tail) in enumerate(waiting)]
+    plain, shared = _walk_scene(cached, running), _walk_scene(cached, running)
+    memo: dict = {}
+    alone = [plain.cached_prefix_tokens(r) for r in requests]
+    assert [shared.cached_prefix_tokens(r, memo) for r in requests] == alone
+    # and again on the walks now memoized: each request's own walk, and the others'
+    assert [shared.cached_prefix_tokens(r, memo) for r in reversed(requests)] == alone[::-1]
