@@ -1315,6 +1315,14 @@ def test_may_find_prefix_rules_out_only_requests_whose_lookup_finds_nothing():
     hits = [m.cached_prefix_tokens(r) for r in waiting]
     assert hits == [8, 8, 8, 0, 8, 0, 0]
     assert all(h == 0 for h, k in zip(hits, may, strict=True) if not k)
+    for first in range(700, 709):  # enough runs for the root's first-token index, which is then read instead
+        cached = Request(f"c{first}", [first, 1, 2, 3, 4], 1)
+        prefill(m, cached)
+        m.free(cached)
+        assert m.cached_prefix_tokens(Request(f"on{first}", [first, 1, 2, 3, 4, 5], 1)) == 4  # hung in the tree
+    assert m.cached_prefix_tokens(Request("probe", [800, 1, 2, 3, 4], 1)) == 0  # its cheap miss builds the index
+    assert m._tree.root(None).by_first is not None
+    assert m.may_find_prefix([*waiting, Request("on705", [705, 1, 2, 3, 4, 5], 4)]) == [*may, True]
 
 
 def test_the_cache_aware_order_is_the_one_every_lookup_would_give(monkeypatch):

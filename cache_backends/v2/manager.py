@@ -73,9 +73,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from itertools import chain, compress, repeat, takewhile
-from operator import add, attrgetter, eq, getitem, itemgetter, not_, sub, truth
+from operator import add, attrgetter, eq, getitem, itemgetter, not_, or_, sub, truth
 from typing import Any
 
 import attrs
@@ -1127,25 +1127,27 @@ class KVCacheManagerV2:
 
         Why: a cache-aware pass looks up many waiting requests whose prompts share nothing cached (a miss looked up
         again: unrelated long prompts); each lookup's own calls to reach its cheap miss cost more than the check,
-        which this does for them all with one set of first tokens per salt (BENCHMARKS.md, "relook44")."""
+        which this does for them all against the first tokens of the salt's runs (BENCHMARKS.md, "relook44")."""
         if not self._reuse:
             return [False] * len(requests)
         firsts = list(map(_first_packed, requests))
         salts = set(map(_SALT, requests))
         if len(salts) == 1:
-            starts = self._lookup_starts(salts.pop())
-            return list(map(starts.__contains__, firsts))
-        by_salt = {salt: self._lookup_starts(salt) for salt in salts}
-        return [first in by_salt[r.salt] for first, r in zip(firsts, requests, strict=True)]
+            return self._may_start(salts.pop(), firsts)
+        return [self._may_start(r.salt, [first])[0] for first, r in zip(firsts, requests, strict=True)]
 
-    def _lookup_starts(self, salt: str | None) -> set[bytes]:
-        """The packed first tokens a lookup under ``salt`` can find anything from: its root's runs' and its pending
-        prefixes' (a superset of them for the rest of a pass: hanging a pending prefix adds a run it names)."""
+    def _may_start(self, salt: str | None, firsts: list[bytes]) -> list[bool]:
+        """Per packed first token in ``firsts``, whether a run hung under ``salt``'s root or a pending prefix of it
+        starts with it (for the rest of a pass too: hanging a pending prefix adds a run it names)."""
         root, pending = self._tree.root(salt), self._tree.pending.get(salt)
-        starts = set(map(_FIRST_TOKEN, root.children)) if root is not None else set()
-        if pending:
-            starts.update(pending)
-        return starts
+        if root is None:
+            runs: Container[bytes] = ()
+        elif root.by_first is not None:  # the root's index (many runs): probed, not copied, every step
+            runs = root.by_first
+        else:
+            runs = set(map(_FIRST_TOKEN, root.children))
+        may = map(runs.__contains__, firsts)
+        return list(map(or_, may, map(pending.__contains__, firsts)) if pending else may)
 
     def probe_hit(self, request: Request) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
