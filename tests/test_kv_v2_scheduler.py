@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from cache_backends import LayerKV
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request, RequestState
-from cache_backends.v2 import KVCacheV2Scheduler
+from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
 from tests.kv_v2_support import (
     admit,
     compute,
@@ -1200,6 +1200,11 @@ def test_a_waiting_prompt_too_short_to_rank_is_not_looked_up_again(monkeypatch):
     monkeypatch.setattr(scheduler, "LPM_RELOOK", 2)
     monkeypatch.setattr(scheduler, "LPM_RELOOK_WAIT", 1)
     m = make_manager(FULL, 8)
+    for first in (100, 200):  # cached runs that start as both prompts do (and share no block with them): only a
+        # lookup tells either miss, so the length alone keeps the short one from being looked up
+        cached = Request(f"c{first}", [first, 1, 2, 3, 4], 1)
+        prefill(m, cached)
+        m.free(cached)
     s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64)
     short = Request("short", list(range(100, 108)), 4, arrival=0)  # 8 tokens: a hit of 4 at most
     long = Request("long", list(range(200, 209)), 4, arrival=1)  # 9 tokens: a hit of 8 possible
@@ -1208,7 +1213,7 @@ def test_a_waiting_prompt_too_short_to_rank_is_not_looked_up_again(monkeypatch):
     s._cache_aware(waiting)  # both join and are looked up once: no hit
     looked: list[str] = []
     lookup = m.cached_prefix_tokens
-    monkeypatch.setattr(m, "cached_prefix_tokens", lambda r: looked.append(r.req_id) or lookup(r))
+    monkeypatch.setattr(m, "cached_prefix_tokens", lambda r, *memo: looked.append(r.req_id) or lookup(r, *memo))
     s._steps = 2
     assert s._cache_aware(waiting) == [short, long]
     assert looked == ["long"]
@@ -1278,3 +1283,102 @@ def test_a_probe_and_refusal_in_c_passes_match_the_per_group_loop(seed):
     slow.refuse_hit(probe_slow, r_slow)
     assert _pool_state(fast) == _pool_state(slow)
     fast.check_invariants()
+
+
+def _lookup_scene() -> tuple[KVCacheManagerV2, list[Request]]:
+    """A manager holding two cached system prompts (freed), a running request's pending prefix and a salted
+    cached run, and waiting prompts on each of them and on nothing cached."""
+    m = make_manager(FULL, 32)
+    for tokens, salt in (([*range(1, 10)], None), ([*range(20, 29)], None), ([*range(1, 10)], "x")):
+        cached = Request(f"c{tokens[0]}{salt}", tokens, 1, salt=salt)
+        prefill(m, cached)
+        m.free(cached)
+    running = Request("running", [*range(40, 53)], 4)  # its prefix stays pending (keyed when a lookup reaches it)
+    prefill(m, running)
+    waiting = [Request("sys1", [*range(1, 10), 70, 71, 72], 4),  # the cached prompt's two blocks
+               Request("sys2", [*range(20, 28), 80, 81, 82], 4),
+               Request("pend", [*range(40, 50), 90], 4),  # the running request's pending prefix: 8 tokens
+               Request("other", [*range(600, 615)], 4),  # no cached run starts with 600
+               Request("salted", [*range(1, 10), 73], 4, salt="x"),
+               Request("unsalted-scope", [*range(20, 30)], 4, salt="x"),  # 20.. is cached only without a salt
+               Request("near", [1, 2, 3, 99, 98, 97, 96, 95, 94], 4)]  # starts as sys1's run, shares no block
+    return m, waiting
+
+
+def test_may_find_prefix_rules_out_only_requests_whose_lookup_finds_nothing():
+    """The cache-aware pass looks up only the waiting requests :meth:`may_find_prefix` keeps (a miss looked up
+    again: mostly unrelated long prompts); it must never rule out one whose lookup finds a prefix: not one on a
+    running request's pending prefix (hung in the tree by the lookup itself), nor on a run of its own salt."""
+    m, waiting = _lookup_scene()
+    may = m.may_find_prefix(waiting)
+    assert may == [True, True, True, False, True, False, True]
+    hits = [m.cached_prefix_tokens(r) for r in waiting]
+    assert hits == [8, 8, 8, 0, 8, 0, 0]
+    assert all(h == 0 for h, k in zip(hits, may, strict=True) if not k)
+    for first in range(700, 709):  # enough runs for the root's first-token index, which is then read instead
+        cached = Request(f"c{first}", [first, 1, 2, 3, 4], 1)
+        prefill(m, cached)
+        m.free(cached)
+        assert m.cached_prefix_tokens(Request(f"on{first}", [first, 1, 2, 3, 4, 5], 1)) == 4  # hung in the tree
+    assert m.cached_prefix_tokens(Request("probe", [800, 1, 2, 3, 4], 1)) == 0  # its cheap miss builds the index
+    assert m._tree.root(None).by_first is not None
+    assert m.may_find_prefix([*waiting, Request("on705", [705, 1, 2, 3, 4, 5], 4)]) == [*may, True]
+
+
+def test_the_cache_aware_order_is_the_one_every_lookup_would_give(monkeypatch):
+    """The first-token check before the lookups (``may_find_prefix``) changes no admission order: step by step,
+    with misses looked up again, the order and every hint are those of a pass that looks every request up."""
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 8)
+    monkeypatch.setattr(scheduler, "LPM_RELOOK", 2)
+    monkeypatch.setattr(scheduler, "LPM_RELOOK_WAIT", 1)
+    runs = []
+    for plain in (False, True):
+        m, waiting = _lookup_scene()
+        if plain:
+            monkeypatch.setattr(m, "may_find_prefix", lambda rs: [True] * len(rs))
+        s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64)
+        queue, orders = deque(waiting), []
+        for step in range(1, 6):
+            s._steps = step
+            if step == 3:  # a run starting as "other" is cached: looked up again, it finds it
+                cached = Request("later", [*range(600, 609)], 1)
+                prefill(m, cached)
+                m.free(cached)
+            orders.append([(r.req_id, r.cached_hint) for r in s._cache_aware(queue)])
+        runs.append(orders)
+    assert runs[0] == runs[1]
+    assert ("other", 8) in runs[0][-1]  # looked up again once a run starts as it does
+
+
+def _walk_scene(cached: list[list[int]], running: list[int] | None) -> KVCacheManagerV2:
+    m = make_manager(FULL, 96)
+    for j, tokens in enumerate(cached):
+        r = Request(f"c{j}", tokens, 1)
+        prefill(m, r)
+        m.free(r)
+    if running:  # its prefix pending until a lookup reaches it
+        prefill(m, Request("running", running, 4))
+    return m
+
+
+_TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=22)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cached=st.lists(_TOKENS, min_size=1, max_size=4), running=st.none() | _TOKENS,
+       waiting=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 22), _TOKENS), min_size=1, max_size=10))
+def test_a_pass_that_shares_its_walks_finds_every_hit_a_lookup_of_its_own_finds(cached, running, waiting):
+    """The cache-aware pass's lookups share their walks (``cached_prefix_tokens``'s memo): prompts that share
+    blocks with each other and with cached runs (diverging inside a run, at a run's end, into another child, or
+    ending there) each get the hit a lookup of their own finds, so every admission stays as it was."""
+    sources = [*cached, running or []]
+    requests = [Request(f"w{j}", sources[s % len(sources)][:cut] + tail, 1)
+                for j, (s, cut, tail) in enumerate(waiting)]
+    plain, shared = _walk_scene(cached, running), _walk_scene(cached, running)
+    memo: dict = {}
+    alone = [plain.cached_prefix_tokens(r) for r in requests]
+    assert [shared.cached_prefix_tokens(r, memo) for r in requests] == alone
+    # and again on the walks now memoized: each request's own walk, and the others'
+    assert [shared.cached_prefix_tokens(r, memo) for r in reversed(requests)] == alone[::-1]

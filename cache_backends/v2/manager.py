@@ -73,9 +73,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from itertools import chain, compress, repeat, takewhile
-from operator import add, eq, getitem, itemgetter, not_, sub, truth
+from operator import add, attrgetter, eq, getitem, itemgetter, not_, or_, sub, truth
+from typing import Any
 
 import attrs
 
@@ -128,6 +129,10 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + request.output_token_ids[: end - n]
 
 
+_SALT = attrgetter("salt")
+_FIRST_TOKEN = itemgetter(slice(0, 8))  # a run's first block's packed bytes -> its first token's
+
+
 def _first_packed(request: Request) -> bytes:
     """``pack_tokens(_tokens(request, 0, 1))`` (``b""`` for a request without tokens) in one call: every lookup of a
     waiting request starts with it, every step it waits."""
@@ -166,6 +171,45 @@ class HitProbe:
         if extra is None:
             return [-k for k in self.taken]
         return [e - k for e, k in zip(extra, self.taken, strict=True)]
+
+
+@attrs.define(eq=False)
+class _Walk:
+    """What :meth:`KVCacheManagerV2._match` found for one request, and what of the request decided it: its first
+    ``n`` blocks (``head``, their tokens) matched, then the walk stopped at block ``n`` because ``stop`` has no child
+    keyed by it (``off`` -1) or ``stop``'s position ``off`` holds another block; or, ``stop`` None, the request
+    had ``n`` blocks. Another request with the same ``head`` and a block ``n`` that stops it alike (or exactly ``n``
+    blocks) walks the same path to the same run and count, so its answer is ``hit`` (while the tree is unchanged)."""
+
+    n: int
+    head: list[int]
+    stop: RadixNode | None
+    off: int
+    hit: int
+
+    @classmethod
+    def of(cls, root: RadixNode | None, run: RadixNode | None, i: int, request: Request, blocks: int, T: int,
+           hit: int) -> _Walk:
+        """The walk that ended at position ``i`` of ``run`` (None: no child of ``root`` matched the first block)."""
+        if run is None:
+            n, stop, off = 0, root, -1
+        else:
+            n = run.start + i + 1
+            stop, off = (None, -1) if n == blocks else (run, -1) if i + 1 == len(run.held) else (run, i + 1)
+        return cls(n, _tokens(request, 0, n * T), stop, off, hit)
+
+    def decides(self, request: Request, blocks: int, T: int) -> bool:
+        """Whether ``request`` (of ``blocks`` whole blocks to look up) walks as this walk did."""
+        n, stop = self.n, self.stop
+        if (blocks != n if stop is None else blocks <= n) or _tokens(request, 0, n * T) != self.head:
+            return False
+        if stop is None:
+            return True
+        block = pack_tokens(_tokens(request, n * T, (n + 1) * T))
+        if self.off < 0:
+            return block not in stop.children
+        w = stop.width
+        return stop.tokens[self.off * w:(self.off + 1) * w] != block
 
 
 class KVCacheManagerV2:
@@ -1045,18 +1089,65 @@ class KVCacheManagerV2:
         first = _first_packed(request)
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
 
-    def cached_prefix_tokens(self, request: Request) -> int:
+    def cached_prefix_tokens(self, request: Request, memo: dict[Any, list[_Walk]] | None = None) -> int:
         """The whole-block prefix of ``request`` a hit would claim if it were admitted now, claiming nothing (a
-        pending prefix the lookup reaches is keyed, as admission's lookup would key it)."""
+        pending prefix the lookup reaches is keyed, as admission's lookup would key it).
+
+        ``memo``: a dict kept across the lookups of one pass in which nothing but these lookups changes the tree (the
+        scheduler's cache-aware pass): a request whose blocks the walk of an earlier one in it decides (:class:`_Walk`)
+        gets that walk's answer without a walk of its own. Why: the waiting prompts on a system prompt are looked up
+        every step, each walking the same path (tiny-llama ``mixed`` at a quarter of the budget: 11,512 lookups on
+        2,583 first blocks; BENCHMARKS.md, "relook44")."""
         if not self._reuse or request.skip_prefix_read:
             return 0
+        T = self.T
+        blocks = (request.num_tokens - 1) // T
+        key = None
+        if memo is not None and blocks >= 1 and self._prefix_check is None:
+            # a walk under this key got past the pending prefix and the cheap miss: neither applies now either
+            key = (request.salt, tuple(_tokens(request, 0, T)))
+            for walk in memo.get(key, ()):
+                if walk.decides(request, blocks, T):
+                    return walk.hit
         first = _first_packed(request)
         prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
         elif self._cheap_miss(request, first):  # claims_nothing's answer, its first token packed once
             return 0
-        return self._match(request)[0]
+        hit, run, i = self._match(request)
+        if key is not None:
+            memo.setdefault(key, []).append(_Walk.of(self._tree.root(request.salt), run, i, request, blocks, T, hit))
+        return hit
+
+    def may_find_prefix(self, requests: list[Request]) -> list[bool]:
+        """Per request, False where :meth:`cached_prefix_tokens` would answer 0 from its first token alone: no run
+        hung under its salt, and no pending prefix of it, starts with that token (the lookup's cheap miss); True
+        where only a lookup answers. Claims nothing and changes nothing.
+
+        Why: a cache-aware pass looks up many waiting requests whose prompts share nothing cached (a miss looked up
+        again: unrelated long prompts); each lookup's own calls to reach its cheap miss cost more than the check,
+        which this does for them all against the first tokens of the salt's runs (BENCHMARKS.md, "relook44")."""
+        if not self._reuse:
+            return [False] * len(requests)
+        firsts = list(map(_first_packed, requests))
+        salts = set(map(_SALT, requests))
+        if len(salts) == 1:
+            return self._may_start(salts.pop(), firsts)
+        return [self._may_start(r.salt, [first])[0] for first, r in zip(firsts, requests, strict=True)]
+
+    def _may_start(self, salt: str | None, firsts: list[bytes]) -> list[bool]:
+        """Per packed first token in ``firsts``, whether a run hung under ``salt``'s root or a pending prefix of it
+        starts with it (for the rest of a pass too: hanging a pending prefix adds a run it names)."""
+        root, pending = self._tree.root(salt), self._tree.pending.get(salt)
+        if root is None:
+            runs: Container[bytes] = ()
+        elif root.by_first is not None:  # the root's index (many runs): probed, not copied, every step
+            runs = root.by_first
+        else:
+            runs = set(map(_FIRST_TOKEN, root.children))
+        may = map(runs.__contains__, firsts)
+        return list(map(or_, may, map(pending.__contains__, firsts)) if pending else may)
 
     def probe_hit(self, request: Request) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found

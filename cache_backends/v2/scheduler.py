@@ -482,9 +482,17 @@ class KVCacheV2Scheduler(SchedulerBase):
             for i in itertools.compress(range(n), map(lt, queued, itertools.repeat(0))):
                 window[i].queued_at = queued[i] = now - (self._carry_of(window[i]) if self._carried else 0)
         ranks = [0] * n  # 0: never had a hit (or its first lookup found none)
-        for i in itertools.compress(range(n), list(map(_HINT, window))):  # a hint to look up, in window order
+        hinted = list(itertools.compress(range(n), list(map(_HINT, window))))  # a hint to look up, in window order
+        # the pass's lookups share their walks: the prompts on a system prompt walk the same path (manager docstring);
+        # and 0 without a lookup where no cached run starts with the request's first token (manager.may_find_prefix:
+        # the lookup's own cheap miss, for all of them at once). Only for several lookups: for one, both cost more
+        # than they save (the median step, BENCHMARKS.md "relook44")
+        relook = not now % LPM_RELOOK
+        memo: dict | None = {} if relook or len(hinted) > 1 else None
+        for i, may in zip(hinted, m.may_find_prefix([window[i] for i in hinted]) if len(hinted) > 1
+                          else itertools.repeat(True, len(hinted)), strict=True):
             r = window[i]
-            hit = m.cached_prefix_tokens(r)
+            hit = m.cached_prefix_tokens(r, memo) if may else 0
             if r.cached_hint < 0:  # joined the queue: looked up once
                 ranks[i] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
                 if r.first_reused_tokens is None:  # a first join (a preempted request's hit is its own blocks)
@@ -498,13 +506,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # the running requests' growth may have evicted it while the request waited (module docstring, "a
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
                 ranks[i] = hit if hit >= LPM_MIN_HIT else 1
-        if not now % LPM_RELOOK:  # those whose lookup found none, again: the miss may have been momentary
+        if relook:  # those whose lookup found none, again: the miss may have been momentary
             waited = map(le, queued, itertools.repeat(now - LPM_RELOOK_WAIT))
             # a prompt of LPM_MIN_HIT tokens or fewer finds no hit that ranks: not looked up (on mixed traffic most
             # misses are such prompts; their lookups were a tenth of V2's KV work under pressure, BENCHMARKS.md)
             long = map(lt, itertools.repeat(LPM_MIN_HIT), map(len, map(_PROMPT, window)))
-            for i in itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)):
-                hit = m.cached_prefix_tokens(window[i])
+            again = list(itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)))
+            # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
+            for i in itertools.compress(again, m.may_find_prefix([window[i] for i in again]) if again else ()):
+                hit = m.cached_prefix_tokens(window[i], memo)
                 if hit >= LPM_MIN_HIT:  # from now on looked up every step, as a hit found on joining is
                     ranks[i] = window[i].cached_hint = hit
         aged: list[Request] = []
