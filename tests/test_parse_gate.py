@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 from kvload.serve.parse_gate import ParseGate, pass_turn
+from kvload.serve.protocol import ASIDE_ITEMS, BadRequest, items_aside
 from kvload.serve.worker import _on_daemon_thread
 
 TIMEOUT = 30.0
@@ -93,6 +94,46 @@ def test_a_parse_whose_handler_let_go_while_it_waited_for_its_turn_back_is_told_
             assert gate.waiting() == 0
 
     asyncio.run(main())
+
+
+def test_a_long_list_checked_aside_for_a_request_the_server_gave_up_on_ends_in_its_503_not_its_result():
+    """A request's long list (a chat's messages) is checked off the gate; the server stopping ends its handler
+    meanwhile: the parse ends with 503 ``server_shutting_down`` (Connection: close) rather than going on with the
+    checked list as if it held the turn, and the gate is left free."""
+
+    async def main() -> None:
+        gate = ParseGate()
+        in_work, release = threading.Event(), threading.Event()
+        ended: list[object] = []
+        items = list(range(ASIDE_ITEMS + 1))
+
+        def check() -> str:
+            in_work.set()
+            assert release.wait(TIMEOUT)
+            return "checked"
+
+        def parse() -> None:
+            try:
+                ended.append(items_aside(items, check))
+            except BadRequest as exc:
+                ended.append((exc.status, exc.code, exc.headers))
+
+        async def handler() -> None:
+            async with gate.turn():
+                await _on_daemon_thread(parse)
+
+        task = asyncio.ensure_future(handler())
+        await _until(in_work.is_set)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        await _until(lambda: bool(ended))
+        assert ended == [(503, "server_shutting_down", {"Connection": "close"})]
+        async with asyncio.timeout(TIMEOUT), gate.turn():
+            assert gate.waiting() == 0
+
+    asyncio.run(main())
+    assert items_aside(list(range(ASIDE_ITEMS + 1)), lambda: "checked") == "checked"  # no gate held: in place
 
 
 def test_outside_a_served_request_passing_the_turn_does_nothing():
