@@ -140,3 +140,20 @@ def track_pools(monkeypatch):
 
     monkeypatch.setattr(BlockPools, "__init__", init)
     return built
+
+
+@pytest.fixture
+def encoded(monkeypatch) -> list[int]:
+    """The length of every text a fast tokenizer (any of its subclasses) is asked to encode meanwhile."""
+    from transformers import PreTrainedTokenizerFast
+
+    lengths: list[int] = []
+    call = PreTrainedTokenizerFast.__call__
+
+    def spy(self, text=None, *args, **kwargs):
+        if isinstance(text, str):
+            lengths.append(len(text))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "__call__", spy)
+    return lengths

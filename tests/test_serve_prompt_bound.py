@@ -149,21 +149,6 @@ def served(tiny_checkpoints, tmp_path_factory):
         yield running
 
 
-@pytest.fixture
-def encoded(monkeypatch):
-    """The length of every text the tokenizer is asked to encode meanwhile."""
-    lengths: list[int] = []
-    call = PreTrainedTokenizerFast.__call__
-
-    def spy(self, text=None, *args, **kwargs):
-        if isinstance(text, str):
-            lengths.append(len(text))
-        return call(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(PreTrainedTokenizerFast, "__call__", spy)
-    return lengths
-
-
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", lambda big: {"prompt": big, "max_tokens": 1}, "prompt"),
     ("/v1/completions", lambda big: {"prompt": [[1, 2], big], "max_tokens": 1}, "prompt[1]"),

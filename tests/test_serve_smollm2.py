@@ -256,29 +256,21 @@ HUGE = LONG * 30  # 2.1 MB
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_a_huge_prompt_cut_by_truncate_prompt_tokens_is_tokenized_at_the_end_it_keeps_only(smol, monkeypatch, side):
+def test_a_huge_prompt_cut_by_truncate_prompt_tokens_is_tokenized_at_the_end_it_keeps_only(smol, encoded, side):
     """A prompt cut by truncate_prompt_tokens was tokenized whole however long (no character bound holds it: it is
     cut, not refused), 2 MB in ~2 s of one parse turn. Now only an end of it long enough to hold the tokens kept is
     tokenized (a few thousand characters here), cut where SmolLM2's tokenizer splits whatever comes before: the same
     ids as the whole text's, its last (truncation_side "right": first) 100."""
     tok = smol.state.engine.tokenizer
     full = [int(t) for t in tok(HUGE)["input_ids"]]
-    seen: list[int] = []
-    real = type(tok).__call__
-
-    def spy(self, text, *args, **kwargs):
-        if isinstance(text, str):
-            seen.append(len(text))
-        return real(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(type(tok), "__call__", spy)
+    encoded.clear()  # the texts encoded from here on: the request's
     r = smol.http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": HUGE, "max_tokens": 1,
                                                  "truncate_prompt_tokens": 100, "truncation_side": side,
                                                  "return_token_ids": True})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["prompt_token_ids"] == (full[-100:] if side == "left" else full[:100])
     assert r.json()["usage"]["prompt_tokens"] == 100
-    assert max(seen) < 10_000  # main: the whole 2.1 MB tokenized
+    assert max(encoded) < 10_000  # main: the whole 2.1 MB tokenized
 
 
 _PIECES = (*_WORDS, "a", "b", "é", "ab cd", " ", "  ", "\t", "\n\n", "'s", "'ll", "12345", "x" * 300, "aaaa" * 50, "«»")
@@ -321,8 +313,7 @@ HUGE_CHATS = {"many": [{"role": ("user", "assistant")[i % 2], "content": HUGE[i 
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("chat", ["many", "one"])
-def test_a_huge_chat_cut_by_truncate_prompt_tokens_is_tokenized_at_the_end_it_keeps_only(smol, monkeypatch, chat,
-                                                                                         side):
+def test_a_huge_chat_cut_by_truncate_prompt_tokens_is_tokenized_at_the_end_it_keeps_only(smol, encoded, chat, side):
     """A chat cut by truncate_prompt_tokens had its whole templated text tokenized however long (2 MB: ~2 s, on the
     tokenizer's copy), then cut. Now only an end of that text long enough for the tokens kept is tokenized, as a
     text prompt's: the ids of SmolLM2's own apply_chat_template, its last (truncation_side "right": first) 100."""
@@ -330,22 +321,14 @@ def test_a_huge_chat_cut_by_truncate_prompt_tokens_is_tokenized_at_the_end_it_ke
     tok = smol.state.engine.tokenizer
     full = tok.apply_chat_template(messages, add_generation_prompt=True)
     full = [int(t) for t in (full["input_ids"] if hasattr(full, "keys") else full)]
-    seen: list[int] = []
-    real = type(tok).__call__
-
-    def spy(self, text, *args, **kwargs):
-        if isinstance(text, str):
-            seen.append(len(text))
-        return real(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(type(tok), "__call__", spy)
+    encoded.clear()  # the texts encoded from here on: the request's
     r = smol.http.post("/v1/chat/completions", json={"model": "smollm2-135m", "messages": messages, "max_tokens": 1,
                                                       "truncate_prompt_tokens": 100, "truncation_side": side,
                                                       "return_token_ids": True})
     assert r.status_code == 200, r.text
     assert r.json()["prompt_token_ids"] == (full[-100:] if side == "left" else full[:100])
     assert r.json()["usage"]["prompt_tokens"] == 100
-    assert seen and max(seen) < 10_000  # main: the whole 2.1 MB templated text tokenized
+    assert encoded and max(encoded) < 10_000  # main: the whole 2.1 MB templated text tokenized
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

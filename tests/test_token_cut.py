@@ -82,21 +82,6 @@ GPT2_NFC = _gpt2_nfc()
 TOKENIZERS = {"llama3": LLAMA3, "qwen2": QWEN2, "gpt2_nfc": GPT2_NFC}
 
 
-@pytest.fixture
-def encoded(monkeypatch):
-    """The length of every text the tokenizer is asked to encode meanwhile."""
-    lengths: list[int] = []
-    call = PreTrainedTokenizerFast.__call__
-
-    def spy(self, text=None, *args, **kwargs):
-        if isinstance(text, str):
-            lengths.append(len(text))
-        return call(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(PreTrainedTokenizerFast, "__call__", spy)
-    return lengths
-
-
 class _Engine:
     """What :func:`kept_text_tokens` reads of a serving engine: its tokenizer and ``tokenize``."""
 
