@@ -310,6 +310,20 @@ TK_KEYS: dict[str, Any] = {
 }
 
 
+def tokenization_kwargs_cases(calls: dict[str, Callable[[Any], Any]]) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """Each call's ``tokenization_kwargs`` cases: the argument itself hostile, its cut hostile, keys kvload lacks, the
+    cut's name one letter short."""
+    for call, fn in calls.items():
+        for kind, value in HOSTILE.items():  # the argument itself
+            yield f"{call}.tokenization_kwargs.{kind}", lambda fn=fn, value=value: fn(value)
+        for kind, value in CUT_VALUES.items():  # its cut
+            yield f"{call}_tk.truncate_prompt_tokens.{kind}", lambda fn=fn, value=value: fn(
+                {"truncate_prompt_tokens": value})
+        for kind, value in TK_KEYS.items():
+            yield f"{call}.tokenization_kwargs.key_{kind}", lambda fn=fn, value=value: fn(value)
+        yield f"{call}.tokenization_kwargs.typo", lambda fn=fn: fn({"truncate_prompt_token": 2})
+
+
 def front_door_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
     """b5271df's front door: ``tokenization_kwargs`` on every call that takes it (itself hostile, its cut hostile, keys
     kvload lacks, the cut given twice), ``SamplingParams(output_kind=...)``, ``reset_prefix_cache``'s arguments,
@@ -325,15 +339,7 @@ def front_door_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], 
         "score": lambda tk: llm.score(PROMPT, "w1 w2", tokenization_kwargs=tk),
         "encode": lambda tk: llm.encode([BASE_IDS], pooling_task="embed", tokenization_kwargs=tk),
     }
-    for call, fn in calls.items():
-        for kind, value in HOSTILE.items():  # the argument itself
-            yield f"{call}.tokenization_kwargs.{kind}", lambda fn=fn, value=value: fn(value)
-        for kind, value in CUT_VALUES.items():  # its cut
-            yield f"{call}_tk.truncate_prompt_tokens.{kind}", lambda fn=fn, value=value: fn(
-                {"truncate_prompt_tokens": value})
-        for kind, value in TK_KEYS.items():
-            yield f"{call}.tokenization_kwargs.key_{kind}", lambda fn=fn, value=value: fn(value)
-        yield f"{call}.tokenization_kwargs.typo", lambda fn=fn: fn({"truncate_prompt_token": 2})
+    yield from tokenization_kwargs_cases(calls)
     yield "stream.tokenization_kwargs.cut", lambda: llm.generate_stream(
         BASE_IDS, sp, tokenization_kwargs={"truncate_prompt_tokens": 2})
     # the cut given twice: the same value is one cut, different values one line naming both
@@ -500,15 +506,7 @@ def classify_cases(kvload: Any, cls: Any, ce: Any) -> Iterator[tuple[str, Callab
         "classify_encode": lambda tk: cls.encode([BASE_IDS], pooling_task="classify", tokenization_kwargs=tk),
         "ce_score": lambda tk: ce.score(PROMPT, "w1 w2", tokenization_kwargs=tk),
     }
-    for call, fn in pool_calls.items():
-        for kind, value in HOSTILE.items():
-            yield f"{call}.tokenization_kwargs.{kind}", lambda fn=fn, value=value: fn(value)
-        for kind, value in CUT_VALUES.items():
-            yield f"{call}_tk.truncate_prompt_tokens.{kind}", lambda fn=fn, value=value: fn(
-                {"truncate_prompt_tokens": value})
-        for kind, value in TK_KEYS.items():
-            yield f"{call}.tokenization_kwargs.key_{kind}", lambda fn=fn, value=value: fn(value)
-        yield f"{call}.tokenization_kwargs.typo", lambda fn=fn: fn({"truncate_prompt_token": 2})
+    yield from tokenization_kwargs_cases(pool_calls)
     yield "classify.truncate_prompt_tokens.twice_differ", lambda: cls.classify(
         [BASE_IDS], truncate_prompt_tokens=2, tokenization_kwargs={"truncate_prompt_tokens": 3})
     yield "classify_reward.truncate_prompt_tokens.twice_differ", lambda: cls.reward(
