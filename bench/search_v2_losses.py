@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import json
 import math
@@ -217,31 +218,29 @@ def compare_against(base: list[dict[str, Any]], out: str | None = None) -> None:
     counts over 1.02x V1's steps and with hits more than 0.5 points below V1's. ``out``: the rerun's rows, as
     ``--json`` writes them (the next comparison's base)."""
     now, better, worse, gone = [], 0, 0, 0
-    sink = open(out, "w") if out is not None else None  # noqa: SIM115 (closed below, after every sample)
-    for b in base:
-        x = run_case(b["case"])
-        if sink is not None:
-            sink.write(json.dumps({"index": b["index"], **x}) + "\n")
-            sink.flush()
-        if "steps_ratio" not in x:
-            gone += 1
-            print(f"#{b['index']} no longer runs on both: {x.get('error', 'stalled')} | {case_str(b['case'])}")
-            continue
-        now.append(x)
-        if (x["steps_ratio"], x["hit_deficit"]) == (b["steps_ratio"], b["hit_deficit"]):
-            continue
-        better += x["steps_ratio"] < b["steps_ratio"]
-        worse += x["steps_ratio"] > b["steps_ratio"]
-        print(f"#{b['index']} steps {b['steps_ratio']:.3f} -> {x['steps_ratio']:.3f}, V2 - V1 hit "
-              f"{-100 * b['hit_deficit']:+.1f} -> {-100 * x['hit_deficit']:+.1f} points | {case_str(b['case'])}",
-              flush=True)
+    with open(out, "w") if out is not None else contextlib.nullcontext() as sink:  # closed however it ends
+        for b in base:
+            x = run_case(b["case"])
+            if sink is not None:
+                sink.write(json.dumps({"index": b["index"], **x}) + "\n")
+                sink.flush()
+            if "steps_ratio" not in x:
+                gone += 1
+                print(f"#{b['index']} no longer runs on both: {x.get('error', 'stalled')} | {case_str(b['case'])}")
+                continue
+            now.append(x)
+            if (x["steps_ratio"], x["hit_deficit"]) == (b["steps_ratio"], b["hit_deficit"]):
+                continue
+            better += x["steps_ratio"] < b["steps_ratio"]
+            worse += x["steps_ratio"] > b["steps_ratio"]
+            print(f"#{b['index']} steps {b['steps_ratio']:.3f} -> {x['steps_ratio']:.3f}, V2 - V1 hit "
+                  f"{-100 * b['hit_deficit']:+.1f} -> {-100 * x['hit_deficit']:+.1f} points | {case_str(b['case'])}",
+                  flush=True)
 
     def counts(rows: list[dict[str, Any]]) -> str:
         return (f"{sum(r['steps_ratio'] > 1.02 for r in rows)} over 1.02x V1's steps, "
                 f"{sum(r['hit_deficit'] > 0.005 for r in rows)} with hits > 0.5 points below V1's")
 
-    if sink is not None:
-        sink.close()
     left = f" ({gone} no longer run on both: left out of after)" if gone else ""
     print(f"{len(base)} samples: steps better on {better}, worse on {worse}; before {counts(base)}; after "
           f"{counts(now)}{left}")
