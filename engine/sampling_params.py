@@ -312,6 +312,9 @@ class SamplingParams:
     #: what the list and dict fields held when last checked (:meth:`recheck` checks again only what changed since: a
     #: server's request of 262,144 allowed ids took 0.3 s to check, and a comparison takes milliseconds)
     _checked: tuple[Any, ...] | None = attrs.field(default=None, init=False, eq=False, repr=False, hash=False)
+    #: vLLM's fields kvload lacks, given at values that ask for nothing (:data:`VLLM_FIELDS_AT_NO_OP`): kept so a script
+    #: reads back what it set (``params.output_kind``), as vLLM's params would hold it; not settings, so not compared
+    _vllm_fields: dict[str, Any] = attrs.field(factory=dict, init=False, eq=False, repr=False, hash=False)
 
     def __init__(self, *, max_tokens: int | None = _NOT_GIVEN, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -326,8 +329,9 @@ class SamplingParams:
                  truncate_prompt_tokens: int | None = None, **unknown: Any) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``; ``max_tokens``
         None (vLLM's): no cap but the context, as many tokens as ``max_seq_len`` leaves after the prompt."""
-        for name in [k for k, v in unknown.items() if _asks_nothing(k, v, n)]:  # vLLM's "not set": taken, as vLLM's
-            del unknown[name]  # defaults they are (SamplingParams(best_of=None), a config's logits_processors: [])
+        taken = {k: v for k, v in unknown.items() if _asks_nothing(k, v, n)}  # vLLM's "not set": taken, as vLLM's
+        for name in taken:  # defaults they are (SamplingParams(best_of=None), a config's logits_processors: [])
+            del unknown[name]
         if unknown:
             raise GenerationError(unknown_field(next(iter(unknown))))
         length_name = "max_tokens"
@@ -359,6 +363,19 @@ class SamplingParams:
                             skip_special_tokens, prompt_logprobs, spaces_between_special_tokens,
                             _allowed(allowed_token_ids), _words(bad_words), structured_outputs, detokenize,
                             truncate_prompt_tokens)
+        self._vllm_fields.update(taken)
+
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's fields kvload lacks read back as given (:attr:`_vllm_fields`), else as vLLM's default: a script that
+        reads ``params.output_kind`` or ``params.best_of`` gets what vLLM's params would say."""
+        defaults = VLLM_FIELDS_AT_NO_OP.get(name)
+        if defaults is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            given = object.__getattribute__(self, "_vllm_fields")
+        except AttributeError:  # not yet initialised (copy/pickle restore the slots one by one)
+            given = {}
+        return given.get(name, defaults[0])
 
     def __attrs_post_init__(self) -> None:
         check(is_finite(self.temperature) and self.temperature >= 0,
@@ -501,7 +518,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain form (copies of the lists, JSON's string keys for ``logit_bias``), e.g. for JSON."""
         data = attrs.asdict(self)
-        del data["_bad_words_token_ids"], data["_checked"]  # derived, not settings
+        del data["_bad_words_token_ids"], data["_checked"], data["_vllm_fields"]  # derived or no-ops, not settings
         data["stop"], data["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
         data["bad_words"] = list(self.bad_words)
         data["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
@@ -632,11 +649,13 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     name = "max_tokens" if name == "max_new_tokens" else name
     if name not in _known_keywords():
         if _asks_nothing(name, value, self.n):  # vLLM's "not set", which the error below says is accepted
+            self._vllm_fields[name] = value  # read back as set (__getattr__)
             return
         raise GenerationError(unknown_field(name))
     checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a list) and checks
     for field in attrs.fields(SamplingParams):  # _bad_words_token_ids too: the executor derives it again each call
-        object.__setattr__(self, field.name, getattr(checked, field.name))
+        if field.name != "_vllm_fields":  # not a setting the constructor rebuilds: kept as the caller set them
+            object.__setattr__(self, field.name, getattr(checked, field.name))
 
 
 SamplingParams.__setattr__ = _set_field  # type: ignore[method-assign,assignment]

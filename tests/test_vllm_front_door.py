@@ -161,6 +161,32 @@ def test_request_output_kind_imports_and_final_only_is_what_generate_returns(llm
         SamplingParams(output_kind=RequestOutputKind.DELTA)
 
 
+def test_vllms_no_op_fields_read_back_as_given_or_as_vllms_defaults():
+    """``params.output_kind`` after ``SamplingParams(output_kind=FINAL_ONLY)`` raised AttributeError: the value was
+    taken and dropped. vLLM's fields at values that ask for nothing now read back as given (constructor, attribute
+    set, copies and pickles too) and as vLLM's defaults when not given; they stay out of comparison and ``to_dict``,
+    and a name that is no field still raises AttributeError."""
+    import pickle
+
+    from kvload.sampling_params import RequestOutputKind
+
+    given = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY, n=2, best_of=2, logits_processors=[])
+    assert (given.output_kind, given.best_of, given.logits_processors) == (RequestOutputKind.FINAL_ONLY, 2, [])
+    plain = SamplingParams(max_tokens=3, n=2)
+    assert (plain.output_kind, plain.best_of, plain.skip_clone, plain.routed_experts_prompt_start) == (
+        RequestOutputKind.CUMULATIVE, None, False, 0)
+    assert given == plain and "output_kind" not in given.to_dict() and "output_kind" not in repr(given)
+    plain.output_kind = RequestOutputKind.FINAL_ONLY  # as vLLM's LLM.generate sets it
+    plain.max_tokens = 5  # another field set after it keeps it
+    for copy in (plain, plain.clone(), pickle.loads(pickle.dumps(plain))):
+        assert copy.output_kind is RequestOutputKind.FINAL_ONLY and copy.max_tokens == 5
+    with pytest.raises(GenerationError, match=r"^generate: output_kind: vLLM's SamplingParams field"):
+        plain.output_kind = RequestOutputKind.DELTA
+    assert plain.output_kind is RequestOutputKind.FINAL_ONLY  # a refused value changes nothing
+    with pytest.raises(AttributeError, match="no attribute 'outputs_kind'"):
+        plain.outputs_kind  # noqa: B018
+
+
 def test_tokenization_kwargs_key_that_is_no_plain_name_is_refused_in_one_printable_line(llm):
     """A key with a newline or a lone surrogate was put in the message as it was: a two-line refusal, and one whose
     ``print`` raised UnicodeEncodeError; it is named by its repr now (a plain name still as written)."""
