@@ -53,6 +53,10 @@ PARTED_TERM_S = 2.0
 #: (the ranks run in step); one still in the call waits in a collective rank 0 left and would answer only at the
 #: collective timeout (600 s), so its silence past this is taken as the ranks having parted.
 PARTED_S = 30.0
+#: How long a rank that got SIGTERM leaves its Python handler to end it before a watcher thread ends the process
+#: (:func:`_exit_on_term`): a rank waiting in a collective that rank 0 left runs no handler on its main thread, and
+#: was ended only by the SIGKILL ``PARTED_TERM_S`` later; a rank in Python closes its LLM well within this.
+TERM_GRACE_S = 0.5
 _POLL_S = 0.05
 #: ``LLM`` arguments only rank 0 uses: the other ranks log nothing and have no subscribers, no KV event publisher.
 RANK0_ONLY = ("subscribers", "log", "kv_events_config")
@@ -484,10 +488,39 @@ def _loads(label: str, data: bytes) -> Any:
         raise _Unpickled(label, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
+def _exit_on_term(grace: float) -> None:
+    """Exit on SIGTERM with its status: by a Python handler (the LLM closes, cleanup runs: audit temporaries), or,
+    ``grace`` seconds later where that handler has not ended the process, at once from a watcher thread.
+
+    The signal module's C handler writes each signal's number to the wakeup fd whatever the main thread is doing;
+    a daemon thread reads it. The main thread may be in a C call that never returns (a gloo collective whose peer
+    left), where the Python handler waits for it; the collective's wait releases the GIL, so this thread runs."""
+    handled = threading.Event()
+
+    def handler(*_: Any) -> None:
+        handled.set()
+        sys.exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def watch(keep: socket.socket) -> None:  # the writer's socket lives as long as this thread: closed, no wakeup
+        while True:
+            data = reader.recv(64)
+            if not data:
+                return
+            if signal.SIGTERM in data and not handled.wait(grace):  # the main thread is not back in Python
+                os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, args=(writer,), name="kvload-rank-term", daemon=True).start()
+
+
 def main() -> int:
     """One rank: build the LLM rank 0 sent, then make each call rank 0 sends until it says close (or goes away)."""
     conn = Connection(int(os.environ.pop(CHANNEL_ENV)))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # cleanup runs (audit temporaries)
+    _exit_on_term(TERM_GRACE_S)
     given: dict[str, Any] = {}
     for name, data in conn.recv().items():
         try:
@@ -546,7 +579,11 @@ if __name__ == "__main__":
 
     # the LLM is closed and its audit published: the rank ends without CPython's module teardown (~2 s of garbage
     # collection over torch's and transformers' objects), so rank 0's close() waits for its work, not for that
-    sys.exit(leave(main()))
+    try:
+        status = main()
+    except SystemExit as exc:  # SIGTERM's handler: the LLM closed on the way out; leave without the teardown too
+        status = exc.code if isinstance(exc.code, int) else 1
+    sys.exit(leave(status))
 
 
 __all__ = ["CHANNEL_ENV", "FOLLOWED", "SpawnedRanks", "main", "spawn_size"]

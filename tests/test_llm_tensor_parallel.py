@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -486,3 +487,49 @@ def test_a_rank_killed_while_rank_0_forms_its_object_group_on_nccl_is_named_at_o
                                               "killed by SIGKILL"), report
     assert report["took"] < DIST_TIMEOUT_S / 2  # a bound, not a speed: no wait for the collective timeout
     assert report["left"] == [] and len(report["after"]) == 3
+
+
+RANK_IN_COLLECTIVE = """
+import os, signal, sys, datetime
+import torch, torch.distributed as dist
+from kvload import llm_ranks
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=600))
+if rank == 1:  # as a rank's main() sets itself up
+    llm_ranks._exit_on_term(llm_ranks.TERM_GRACE_S)
+    print("waiting", flush=True)
+    dist.all_reduce(torch.ones(4))  # rank 0 never joins: the rank that left mid-call
+else:
+    print("left", flush=True)
+    signal.pause()
+"""
+
+
+def test_a_rank_waiting_in_a_collective_rank_0_left_ends_on_sigterm(tmp_path):
+    """Ctrl-C on a tensor-parallel script leaves rank 1 in a collective rank 0 never joins; rank 0 then sends it
+    SIGTERM, whose Python handler never runs there (the main thread is in gloo's wait), so only the SIGKILL
+    ``PARTED_TERM_S`` later ended it. The rank's watcher (``_exit_on_term``) ends it with SIGTERM's status (without it,
+    or with its wakeup socket closed, the rank was still waiting when the check gave up)."""
+    from tests.tp_support import free_port
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_IN_COLLECTIVE)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for r in (0, 1)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["left", "waiting"]
+        time.sleep(0.5)  # rank 1 is inside all_reduce
+        procs[1].send_signal(signal.SIGTERM)
+        try:
+            rc = procs[1].wait(timeout=20)  # a bound on a hang, not a speed
+        except subprocess.TimeoutExpired:
+            rc = None
+        assert rc == 143
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
