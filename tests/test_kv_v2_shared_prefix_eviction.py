@@ -440,6 +440,8 @@ def test_the_segmented_queue_decides_as_a_plain_sorted_model_over_any_sequence_o
     model = _ModelQueue(stale)
     ref, model_ref = [1] * n, [1] * n
     slack = group_pool._SLACK
+    last: tuple[list[int], int] | None = None
+    last_priority = 0
     group_pool._SLACK = -10**9 if compact else slack
     try:
         for _ in range(data.draw(st.integers(1, 60))):
@@ -490,6 +492,10 @@ def test_the_segmented_queue_decides_as_a_plain_sorted_model_over_any_sequence_o
             elif op == "requeue":
                 picked = data.draw(st.permutations(queued))[:data.draw(st.integers(0, len(queued)))]
                 cut = data.draw(st.integers(0, len(picked)))
+                if last and all(b in model.at for b in last[0]) and data.draw(st.booleans()):
+                    picked, cut = last  # the usual: the history the last refusal queued, refused again
+                    priority = data.draw(st.sampled_from([last_priority, priority]))
+                last, last_priority = (picked, cut), priority
                 q.requeue(list(picked[:cut]), list(picked[cut:]), priority)
                 model.remove_many(picked)
                 if cut:  # (an empty list is not queued: no call, so no demotion)

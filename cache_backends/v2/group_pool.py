@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from cache_backends.v2.radix import RadixNode
@@ -374,13 +374,47 @@ class EvictionQueue:
         """Take ``leaves`` and ``shared`` (queued blocks) out, then queue ``leaves`` and then ``shared`` (as a shared
         prefix's) as the most recently released of ``priority``: exactly :meth:`remove_many` of both, then
         :meth:`add_many` of each — what claiming cached blocks and letting go of them at once does (a refused
-        admission: ``KVCacheManagerV2.refuse_hit``), and what this does (a segment's entry costs a tag store either
-        way: the waiting head of a queue under pressure is refused step after step with the same history)."""
-        self.remove_many(leaves + shared)
-        if leaves:
-            self.add_many(leaves, priority)
-        if shared:
-            self.add_many(shared, priority, True)
+        admission: ``KVCacheManagerV2.refuse_hit``).
+
+        Why a method: the waiting head of a queue under pressure is refused step after step with the same cached
+        history, which the last refusal queued as one segment a list; then each list's segment moves to its bucket's
+        young end whole (its blocks keep their tag), with no pass over its blocks but a list comparison."""
+        leaf_seg = self._whole_segment(leaves, priority + (1 << 63))
+        shared_seg = self._whole_segment(shared, (1 << _SHARED_BIT) + priority + (1 << 63))
+        if leaf_seg is None or shared_seg is None:
+            self.remove_many(leaves + shared)
+            if leaves:
+                self.add_many(leaves, priority)
+            if shared:
+                self.add_many(shared, priority, True)
+            return
+        # as remove_many of both, then add_many of each: the shared ones are out while the leaves go back
+        if shared_seg:
+            shared_seg[0] = 0  # (the old segment lies dead where it is; its blocks move with their tag)
+            self._len -= len(shared)
+            self.num_shared -= len(shared)
+        if leaf_seg:
+            leaf_seg[0] = 0
+            self._len -= len(leaves)
+            self._append(leaf_seg[1], leaf_seg[2][leaf_seg[3]:], self._clock)
+            self._queued(len(leaves), False)
+        if shared_seg:
+            self._append(shared_seg[1], shared_seg[2][shared_seg[3]:], self._clock)
+            self._queued(len(shared), True)
+
+    def _whole_segment(self, blocks: list[int], key: int) -> list | Literal[False] | None:
+        """The live segment of bucket ``key`` that holds exactly ``blocks``, in that order and nothing else; False where
+        ``blocks`` is empty; None where no segment does."""
+        if not blocks:
+            return False
+        tag = self._tag[blocks[0]] if blocks[0] >= 0 else -1
+        if tag < 0 or tag & _KEY_MASK != key:
+            return None
+        seg = self._segs[tag]
+        at = seg[3]
+        if seg[0] != len(blocks) or len(seg[2]) - at != len(blocks) or seg[2][at:] != blocks:
+            return None
+        return seg
 
     def refresh(self, blocks: Iterable[int]) -> None:
         """Move each of ``blocks`` that is queued to the young end of its bucket, as if released now: its priority and
@@ -456,7 +490,8 @@ class EvictionQueue:
             else:  # consumed: whatever is left of it was taken out before
                 bucket.popleft()
                 self._entries -= len(blocks) - i
-                segs.pop(tag, None)
+                if segs.get(tag) is seg:  # (a dead one may have handed its tag on: requeue)
+                    del segs[tag]
                 if not bucket:
                     del by_key[key]
         self._len -= n
