@@ -317,6 +317,7 @@ class EvictionQueue:
         seg[0] = live
         if not live:
             del self._segs[tag]
+            self._drop(seg)
         self._len -= k
         self.num_shared -= (tag >> _SHARED_BIT & 1) * k
         return k
@@ -336,6 +337,7 @@ class EvictionQueue:
                 seg[0] = live
                 if not live:
                     del segs[tag]
+                    self._drop(seg)
                 tags[b] = -1
                 shared += tag >> _SHARED_BIT & 1
                 taken += 1
@@ -390,17 +392,43 @@ class EvictionQueue:
             return
         # as remove_many of both, then add_many of each: the shared ones are out while the leaves go back
         if shared_seg:
-            shared_seg[0] = 0  # (the old segment lies dead where it is; its blocks move with their tag)
+            shared_seg[0] = 0  # (out: a demotion meanwhile passes it by as taken out)
             self._len -= len(shared)
             self.num_shared -= len(shared)
         if leaf_seg:
             leaf_seg[0] = 0
             self._len -= len(leaves)
-            self._append(leaf_seg[1], leaf_seg[2][leaf_seg[3]:], self._clock)
+            self._to_young_end(leaf_seg, len(leaves))
             self._queued(len(leaves), False)
         if shared_seg:
-            self._append(shared_seg[1], shared_seg[2][shared_seg[3]:], self._clock)
+            self._to_young_end(shared_seg, len(shared))
             self._queued(len(shared), True)
+
+    def _to_young_end(self, seg: list, n: int) -> None:
+        """Queue again, at its bucket's young end and the clock now, the ``n`` blocks of ``seg`` (taken out: no live
+        entry, each block's tag still its): in place where it is the youngest segment; else as a new segment with its
+        tag, the old one left dead."""
+        bucket = self._by_key.get(seg[1] & _KEY_MASK)
+        if bucket and bucket[-1] is seg:
+            seg[0] = n
+            seg[4] = self._clock
+            return
+        self._drop(seg)
+        self._append(seg[1], seg[2][seg[3]:], self._clock)
+
+    def _drop(self, seg: list) -> None:
+        """Take the dead segment ``seg`` out of its bucket where it is at an end (O(1)); elsewhere it is left for pops,
+        demotions and compaction to pass by."""
+        bucket = self._by_key.get(seg[1] & _KEY_MASK)
+        if not bucket:
+            return
+        if bucket[-1] is seg:
+            bucket.pop()
+        elif bucket[0] is seg:
+            bucket.popleft()
+        else:
+            return
+        self._entries -= len(seg[2]) - seg[3]
 
     def _whole_segment(self, blocks: list[int], key: int) -> list | Literal[False] | None:
         """The live segment of bucket ``key`` that holds exactly ``blocks``, in that order and nothing else; False where
