@@ -513,6 +513,10 @@ def test_the_segmented_queue_decides_as_a_plain_sorted_model_over_any_sequence_o
             assert [b in q for b in range(-1, n + 1)] == [b in model.at for b in range(-1, n + 1)]
             assert q.count_shared(model.order()) == q.num_shared
             assert all(q._prio[b] == p for b, p in model.prio.items() if b in model.at)
+            # memory stays bounded: the entries compaction counts are those the buckets hold, at most twice the
+            # queued blocks past the slack (a stale entry of a hit or an eviction is dropped, not kept for good)
+            held = sum(len(seg[2]) - seg[3] for bucket in q._by_key.values() for seg in bucket)
+            assert q._entries == held and held <= 2 * len(q) + max(group_pool._SLACK, 0) + n
         assert q.pop_many(len(q)) == model.pop_many(len(model.at))
     finally:
         group_pool._SLACK = slack
