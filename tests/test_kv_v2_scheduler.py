@@ -347,7 +347,7 @@ def _pool_state(m) -> list:
     out: list = [dict(m.counters)]
     for pool, _ in m._pool_sets:
         q = pool.evictable
-        out.append(([(key, list(bucket.items())) for key, bucket in sorted(q._by_key.items()) if bucket], q._clock,
+        out.append((q.buckets(), q._clock,
                     q.num_shared, [pool.priority[b] for b in q.blocks()], list(pool._free), list(pool.ref),
                     list(pool.gen)))
     return out

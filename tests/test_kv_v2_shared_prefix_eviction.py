@@ -89,7 +89,7 @@ def test_taking_many_blocks_out_of_the_queue_leaves_the_order_one_by_one_would(q
 
 def _queue_state(q: EvictionQueue) -> tuple:
     """Everything an eviction queue decides from: each bucket's blocks in order with their clocks, counts, clock."""
-    return [(key, list(bucket.items())) for key, bucket in sorted(q._by_key.items()) if bucket], len(q), \
+    return q.buckets(), len(q), \
         q.num_shared, q._clock
 
 
@@ -365,3 +365,158 @@ def test_refresh_requeues_queued_blocks_at_the_young_end_of_their_bucket_in_orde
             ref.add(b, *kind[b])
     assert q.blocks() == ref.blocks() and len(q) == len(ref) and q.num_shared == ref.num_shared
     assert q.pop_many(len(q)) == ref.pop_many(len(ref))
+
+
+class _ModelQueue:
+    """The eviction queue's rules, written plainly: every queued block with its bucket key, its place in the bucket
+    and its clock; eviction order is (key, place). What :class:`EvictionQueue` must match operation by operation."""
+
+    def __init__(self, stale: int) -> None:
+        self.at: dict[int, tuple[int, int, int]] = {}  # block -> (key, place, clock)
+        self.clock = 0
+        self.young = 0  # places at the young end count up, places at the front count down
+        self.front = 0
+        self.stale = stale
+        self.prio: dict[int, int] = {}
+
+    def order(self) -> list[int]:
+        return sorted(self.at, key=lambda b: self.at[b][:2])
+
+    def buckets(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        out: dict[int, list[tuple[int, int]]] = {}
+        for b in self.order():
+            out.setdefault(self.at[b][0], []).append((b, self.at[b][2]))
+        return sorted(out.items())
+
+    def add_many(self, blocks: list[int], priority: int, shared: bool = False) -> None:
+        key = (shared << 64) + priority + (1 << 63)
+        for b in blocks:
+            self.young += 1
+            self.at[b] = (key, self.young, self.clock)
+            self.prio[b] = priority
+        self.clock += len(blocks)
+        self.demote()
+
+    def demote(self) -> None:
+        limit = self.clock - self.stale
+        stale = [b for b in self.order() if self.at[b][0] >> 64 and self.at[b][2] < limit]
+        for b in reversed(stale):  # to the front of the leaves of its priority, the oldest first
+            key, _, clock = self.at[b]
+            self.front -= 1
+            self.at[b] = (key - (1 << 64), self.front, clock)
+
+    def remove_many(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self.at:
+                raise KeyError(b)
+            del self.at[b]
+
+    def pop_many(self, n: int) -> list[int]:
+        if n > len(self.at):
+            raise IndexError(n)
+        out = self.order()[:n]
+        self.remove_many(out)
+        return out
+
+    def refresh(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b in self.at:
+                self.young += 1
+                self.at[b] = (self.at[b][0], self.young, self.clock)
+                self.clock += 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 40), st.booleans(), st.data())
+def test_the_segmented_queue_decides_as_a_plain_sorted_model_over_any_sequence_of_operations(stale, compact, data):
+    # the queue keeps lazily deleted segments (a hit or an eviction only marks a block's entry): whatever sequence of
+    # releases, hits, evictions, refused admissions, window refreshes and stale demotions it meets, it must evict, count
+    # and report exactly what the plain model does; compaction (forced on every call here) changes nothing
+    import cache_backends.v2.group_pool as group_pool
+
+    n = 10
+    q = EvictionQueue([0] * n)
+    q._stale = stale  # (8 pools' worth at n = 10 would leave demotions to long sequences only)
+    model = _ModelQueue(stale)
+    ref, model_ref = [1] * n, [1] * n
+    slack = group_pool._SLACK
+    last: tuple[list[int], int] | None = None
+    last_priority = 0
+    group_pool._SLACK = -10**9 if compact else slack
+    try:
+        for _ in range(data.draw(st.integers(1, 60))):
+            queued = model.order()
+            idle = [b for b in range(n) if b not in model.at]
+            op = data.draw(st.sampled_from(["add", "released", "remove", "claim", "pop", "requeue", "refresh"]))
+            priority = data.draw(st.integers(-1, 2))
+            if op in ("add", "released"):
+                blocks = data.draw(st.lists(st.sampled_from(idle), unique=True)) if idle else []
+                if op == "released" and blocks and data.draw(st.booleans()):  # the caller's error: a block twice
+                    blocks.insert(data.draw(st.integers(0, len(blocks))), data.draw(st.sampled_from(blocks)))
+                if op == "add":
+                    shared = data.draw(st.booleans())
+                    q.add_many(blocks, priority, shared)
+                    model.add_many(blocks, priority, shared)
+                else:
+                    assert q.add_released(blocks, priority, ref) == len(set(blocks))
+                    model.add_many(list(dict.fromkeys(blocks)), priority)
+                    model.clock += len(blocks) - len(set(blocks))
+                    for b in blocks:
+                        model_ref[b] = 0
+            elif op in ("remove", "claim"):
+                blocks = data.draw(st.lists(st.sampled_from(queued), unique=True)) if queued else []
+                if blocks and data.draw(st.booleans()):  # one not queued (taken already, or never): KeyError there
+                    bad = data.draw(st.sampled_from(blocks + idle))
+                    blocks.insert(data.draw(st.integers(1, len(blocks))), bad)
+                errors = []
+                for side, r in ((q, ref), (model, model_ref)):
+                    try:
+                        if op == "remove":
+                            side.remove_many(blocks)
+                        elif side is q:
+                            q.claim_many(blocks, r)
+                        else:
+                            for b in blocks:
+                                r[b] = 1
+                            model.remove_many(blocks)
+                    except KeyError as e:
+                        errors.append(e.args[0])
+                assert len(errors) in (0, 2) and len(set(errors)) <= 1, errors
+            elif op == "pop":
+                k = data.draw(st.integers(0, len(queued) + 1))
+                if k > len(queued):
+                    with pytest.raises(IndexError):
+                        q.pop_many(k)
+                else:
+                    assert q.pop_many(k) == model.pop_many(k)
+            elif op == "requeue":
+                picked = data.draw(st.permutations(queued))[:data.draw(st.integers(0, len(queued)))]
+                cut = data.draw(st.integers(0, len(picked)))
+                if last and all(b in model.at for b in last[0]) and data.draw(st.booleans()):
+                    picked, cut = last  # the usual: the history the last refusal queued, refused again
+                    priority = data.draw(st.sampled_from([last_priority, priority]))
+                last, last_priority = (picked, cut), priority
+                q.requeue(list(picked[:cut]), list(picked[cut:]), priority)
+                model.remove_many(picked)
+                if cut:  # (an empty list is not queued: no call, so no demotion)
+                    model.add_many(list(picked[:cut]), priority)
+                if cut < len(picked):
+                    model.add_many(list(picked[cut:]), priority, True)
+            else:  # a window refresh: any blocks, queued or not, perhaps one twice
+                blocks = data.draw(st.lists(st.integers(0, n - 1), max_size=6))
+                q.refresh(blocks)
+                model.refresh(blocks)
+            assert q.buckets() == model.buckets()
+            assert q.blocks() == model.order() and len(q) == len(model.at)
+            assert q.num_shared == sum(key >> 64 for key, _, _ in model.at.values())
+            assert q._clock == model.clock and ref == model_ref
+            assert [b in q for b in range(-1, n + 1)] == [b in model.at for b in range(-1, n + 1)]
+            assert q.count_shared(model.order()) == q.num_shared
+            assert all(q._prio[b] == p for b, p in model.prio.items() if b in model.at)
+            # memory stays bounded: the entries compaction counts are those the buckets hold, at most twice the
+            # queued blocks past the slack (a stale entry of a hit or an eviction is dropped, not kept for good)
+            held = sum(len(seg[2]) - seg[3] for bucket in q._by_key.values() for seg in bucket)
+            assert q._entries == held and held <= 2 * len(q) + max(group_pool._SLACK, 0) + n
+        assert q.pop_many(len(q)) == model.pop_many(len(model.at))
+    finally:
+        group_pool._SLACK = slack
