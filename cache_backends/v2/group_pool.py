@@ -151,6 +151,24 @@ class EvictionQueue:
             self._demote_stale()
         return added
 
+    def shared_blocks(self) -> Iterable[int]:
+        """The queued blocks of shared prefixes, bucket by bucket."""
+        return itertools.chain.from_iterable(bucket for key, bucket in self._by_key.items() if key >> _SHARED_BIT)
+
+    def demote(self, blocks: Sequence[int]) -> None:
+        """Prototype: move queued shared ``blocks`` to the front of their priority's leaves."""
+        for b in blocks:
+            key = self._key[b]
+            bucket = self._by_key[key]
+            at = bucket.pop(b)
+            leaves = self._bucket(key - (1 << _SHARED_BIT))
+            leaves[b] = at
+            leaves.move_to_end(b, last=False)
+            self._key[b] = key - (1 << _SHARED_BIT)
+            self.num_shared -= 1
+            if not bucket:
+                del self._by_key[key]
+
     def _demote_stale(self) -> None:
         """Move shared blocks queued ``_stale`` blocks ago or earlier to the front of their priority's leaves (each
         shared bucket is in queue order, so only its oldest blocks are looked at)."""
