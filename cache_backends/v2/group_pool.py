@@ -79,6 +79,9 @@ class EvictionQueue:
         self._heap: list[int] = []  # distinct keys; an entry whose bucket emptied is dropped lazily
         self._in_heap: set[int] = set()
         self._len = 0
+        self.wasted = 0  # prototype (v2hold45): shared blocks evicted or demoted stale without a hit
+        self.queued = 0  # prototype (v2hold45): shared blocks queued by releases
+        self.revived = 0  # prototype (v2hold45): shared blocks hits took back from the queue
         self.num_shared = 0  # queued blocks of shared prefixes (admission may hold them: KVCacheManagerV2.held_back)
         self._clock = 0  # blocks queued so far; a bucket maps each block to the clock it was queued at
         self._stale = STALE_POOLS * len(priority)  # a shared block queued this many blocks ago is demoted
@@ -127,6 +130,7 @@ class EvictionQueue:
         self._len += len(blocks)
         if shared:
             self.num_shared += len(blocks)
+            self.queued += len(blocks)
         if self.num_shared:
             self._demote_stale()
 
@@ -186,6 +190,7 @@ class EvictionQueue:
                 leaves.move_to_end(b, last=False)
                 self._key[b] = leaf_key
             self.num_shared -= len(stale)
+            self.wasted += len(stale)
             if not bucket:
                 del self._by_key[key]
 
@@ -230,6 +235,7 @@ class EvictionQueue:
                     del by_key[key]
                 self._len -= n
                 self.num_shared -= (key >> bit) * n
+                self.revived += (key >> bit) * n
                 return
         shared = 0
         try:
@@ -246,6 +252,7 @@ class EvictionQueue:
             raise KeyError(b) from None
         self._len -= len(blocks)
         self.num_shared -= shared
+        self.revived += shared
 
     def claim_many(self, blocks: Sequence[int], ref: list[int]) -> None:
         """Each of ``blocks`` (queued, held by nobody) gets ``ref[b] = 1`` and leaves the queue: the stores of a loop
@@ -275,6 +282,7 @@ class EvictionQueue:
                     del self._by_key[key]
                 self._len -= n
                 self.num_shared -= (key >> _SHARED_BIT) * n
+                self.revived += (key >> _SHARED_BIT) * n
                 return
         for b in blocks:
             ref[b] = 1
@@ -373,12 +381,14 @@ class EvictionQueue:
             if need >= len(bucket):  # the whole bucket goes, oldest first
                 out += bucket
                 self.num_shared -= (key >> _SHARED_BIT) * len(bucket)
+                self.wasted += (key >> _SHARED_BIT) * len(bucket)
                 del by_key[key]
             else:
                 popitem = bucket.popitem
                 for _ in range(need):
                     out.append(popitem(last=False)[0])
                 self.num_shared -= (key >> _SHARED_BIT) * need
+                self.wasted += (key >> _SHARED_BIT) * need
         self._len -= n
         return out
 

@@ -113,6 +113,9 @@ HOLD_ADMITS = 0
 HOLD_MEAN = 0
 HOLD_DEMOTE = 0
 HOLD_REVIVED = 0
+HOLD_WASTE = 0  # prototype: 1 = HOLD_PAID's cap only while more shared blocks were wasted than revived
+HOLD_PRIOR: float = 0  # prototype: > 0 = hold share x (revived + prior) / (queued + prior), prior in pools
+HOLD_PAID: float = 0  # prototype: > 0 = hold at most this many times the shared blocks hits took back
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -628,6 +631,23 @@ class KVCacheManagerV2:
         With ``probe``: as its claim, built, would leave them (the shared blocks it takes are no longer queued)."""
         if longest <= self._min_window:
             return None
+        if HOLD_PRIOR:
+            caps = []
+            for pool, _ in self._pool_sets:
+                q, prior = pool.evictable, HOLD_PRIOR * pool.num_blocks
+                caps.append(int(share * pool.num_blocks * min(1.0, (q.revived + prior) / (q.queued + prior))))
+            if probe is not None:
+                return [-min(pool.evictable.num_shared - k, cap)
+                        for (pool, _), k, cap in zip(self._pool_sets, probe.shared_taken, caps, strict=True)]
+            return [-min(pool.evictable.num_shared, cap) for (pool, _), cap in zip(self._pool_sets, caps, strict=True)]
+        if HOLD_PAID and (not HOLD_WASTE
+                          or any(p.evictable.wasted > p.evictable.revived for p, _ in self._pool_sets)):
+            if probe is not None:
+                return [-min(pool.evictable.num_shared - k, int(share * pool.num_blocks),
+                             int(HOLD_PAID * pool.evictable.revived))
+                        for (pool, _), k in zip(self._pool_sets, probe.shared_taken, strict=True)]
+            return [-min(pool.evictable.num_shared, int(share * pool.num_blocks),
+                         int(HOLD_PAID * pool.evictable.revived)) for pool, _ in self._pool_sets]
         if probe is not None:
             return [-min(max(0, self._live_shared(pool, probe.last) - k), int(share * pool.num_blocks))
                     for (pool, _), k in zip(self._pool_sets, probe.shared_taken, strict=True)]
