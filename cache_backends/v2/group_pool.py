@@ -79,9 +79,6 @@ class EvictionQueue:
         self._heap: list[int] = []  # distinct keys; an entry whose bucket emptied is dropped lazily
         self._in_heap: set[int] = set()
         self._len = 0
-        self.wasted = 0  # prototype (v2hold45): shared blocks evicted or demoted stale without a hit
-        self.queued = 0  # prototype (v2hold45): shared blocks queued by releases
-        self.revived = 0  # prototype (v2hold45): shared blocks hits took back from the queue
         self.num_shared = 0  # queued blocks of shared prefixes (admission may hold them: KVCacheManagerV2.held_back)
         self._clock = 0  # blocks queued so far; a bucket maps each block to the clock it was queued at
         self._stale = STALE_POOLS * len(priority)  # a shared block queued this many blocks ago is demoted
@@ -130,7 +127,6 @@ class EvictionQueue:
         self._len += len(blocks)
         if shared:
             self.num_shared += len(blocks)
-            self.queued += len(blocks)
         if self.num_shared:
             self._demote_stale()
 
@@ -155,24 +151,6 @@ class EvictionQueue:
             self._demote_stale()
         return added
 
-    def shared_blocks(self) -> Iterable[int]:
-        """The queued blocks of shared prefixes, bucket by bucket."""
-        return itertools.chain.from_iterable(bucket for key, bucket in self._by_key.items() if key >> _SHARED_BIT)
-
-    def demote(self, blocks: Sequence[int]) -> None:
-        """Prototype: move queued shared ``blocks`` to the front of their priority's leaves."""
-        for b in blocks:
-            key = self._key[b]
-            bucket = self._by_key[key]
-            at = bucket.pop(b)
-            leaves = self._bucket(key - (1 << _SHARED_BIT))
-            leaves[b] = at
-            leaves.move_to_end(b, last=False)
-            self._key[b] = key - (1 << _SHARED_BIT)
-            self.num_shared -= 1
-            if not bucket:
-                del self._by_key[key]
-
     def _demote_stale(self) -> None:
         """Move shared blocks queued ``_stale`` blocks ago or earlier to the front of their priority's leaves (each
         shared bucket is in queue order, so only its oldest blocks are looked at)."""
@@ -190,7 +168,6 @@ class EvictionQueue:
                 leaves.move_to_end(b, last=False)
                 self._key[b] = leaf_key
             self.num_shared -= len(stale)
-            self.wasted += len(stale)
             if not bucket:
                 del self._by_key[key]
 
@@ -235,7 +212,6 @@ class EvictionQueue:
                     del by_key[key]
                 self._len -= n
                 self.num_shared -= (key >> bit) * n
-                self.revived += (key >> bit) * n
                 return
         shared = 0
         try:
@@ -252,7 +228,6 @@ class EvictionQueue:
             raise KeyError(b) from None
         self._len -= len(blocks)
         self.num_shared -= shared
-        self.revived += shared
 
     def claim_many(self, blocks: Sequence[int], ref: list[int]) -> None:
         """Each of ``blocks`` (queued, held by nobody) gets ``ref[b] = 1`` and leaves the queue: the stores of a loop
@@ -282,7 +257,6 @@ class EvictionQueue:
                     del self._by_key[key]
                 self._len -= n
                 self.num_shared -= (key >> _SHARED_BIT) * n
-                self.revived += (key >> _SHARED_BIT) * n
                 return
         for b in blocks:
             ref[b] = 1
@@ -381,14 +355,12 @@ class EvictionQueue:
             if need >= len(bucket):  # the whole bucket goes, oldest first
                 out += bucket
                 self.num_shared -= (key >> _SHARED_BIT) * len(bucket)
-                self.wasted += (key >> _SHARED_BIT) * len(bucket)
                 del by_key[key]
             else:
                 popitem = bucket.popitem
                 for _ in range(need):
                     out.append(popitem(last=False)[0])
                 self.num_shared -= (key >> _SHARED_BIT) * need
-                self.wasted += (key >> _SHARED_BIT) * need
         self._len -= n
         return out
 
