@@ -755,6 +755,9 @@ def test_the_last_first_turn_goes_ahead_of_a_cached_history_once_few_wait_beside
 
     monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
     monkeypatch.setattr(scheduler, "LPM_CARRY", 3)
+    # the last chains' rule off (conversations read as one turn: none in progress has turns left to outlast a first
+    # turn's), so LPM_FEW's share is what is tested; that rule lets the first turn in beside 3 too (test below)
+    monkeypatch.setattr(scheduler, "LPM_CHAIN_TURNS", 1, raising=False)  # raising: the test runs on trees without it
     m = make_manager(FULL, 64)
     s = KVCacheV2Scheduler(m, max_batch_size=others + 1, max_num_tokens=64, init_ratio=0.0)  # one slot free
     fresh, follow = _cached_and_two_waiting(m)
@@ -765,6 +768,35 @@ def test_the_last_first_turn_goes_ahead_of_a_cached_history_once_few_wait_beside
     s._joined_hit = 8  # conversations of many turns so far: not the short conversations' rule (test below)
     s._steps, fresh.queued_at, follow.queued_at = 10, 11 - waited, 10  # admitted at step 11, `waited` steps on
     out = s.step(deque([fresh, follow]), running)
+    assert [r.req_id for r in out.admitted] == [first]
+
+
+
+@pytest.mark.parametrize(("others", "waited", "first"), [(6, 8, "fresh"), (6, 7, "turn1"), (4, 8, "turn1")])
+def test_the_last_chains_go_ahead_of_a_cached_history_once_the_turns_left_would_not_outlast_them(monkeypatch, others,
+                                                                                               waited, first):
+    # Long conversations (9 hits per 3 first joins: about four turns each). Two first turns wait beside `others`
+    # running requests and one cached history: more than LPM_FEW's quarter of the batch. The turns left by the
+    # conversations in progress (the running ones and the waiting history, about 2.5 each) fill 6 running requests
+    # for less than a chain of four turns takes, so the two are the run's critical path: after waiting LPM_OWN (2)
+    # times their own 4 new tokens they go ahead of the history (search samples where they waited behind histories
+    # and ran their turns at the end: 1.09-1.14x V1's steps). Beside 4, the others' turns outlast them; a shorter wait
+    # is not enough: the history goes first (longest prefix first).
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)
+    m = make_manager(FULL, 96)
+    s = KVCacheV2Scheduler(m, max_batch_size=others + 1, max_num_tokens=64, init_ratio=0.0)  # one slot free
+    fresh, follow = _cached_and_two_waiting(m)
+    second = Request("fresh2", [80 + i for i in range(16)], 4, arrival=3)
+    running = [Request(f"other{i}", [400 + 10 * i + j for j in range(8)], 4, arrival=-1) for i in range(others)]
+    for r in running:
+        prefill(m, r)
+        r.state = RequestState.RUNNING
+    s._joined_hit, s._joined_cold = 8, 1  # with the three joining now: 9 hits per 3 first joins
+    s._steps = 10
+    fresh.queued_at, second.queued_at, follow.queued_at = 11 - waited, 11 - waited, 10  # admitted at step 11
+    out = s.step(deque([fresh, follow, second]), running)
     assert [r.req_id for r in out.admitted] == [first]
 
 
@@ -1068,11 +1100,21 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running
     tail = max(0, len(waiting) - scheduler.LPM_WINDOW)
     cold = sum(1 for rank, _ in ranked if rank == 0)
     short = cold < len(ranked) and s._joined_hit <= scheduler.LPM_SHORT * s._joined_cold
-    last = cold > 0 and cold + tail <= (running if short else scheduler.LPM_FEW * running)
+    # the last chains: as many as the turns left by those in progress (running,
+    # or a hit waiting) let start before they are the critical path, each after LPM_OWN times its own max_new_tokens
+    few, chains = (running if short else scheduler.LPM_FEW * running), False
+    if cold and not short:
+        joined = s._joined_hit + s._joined_cold
+        half = 0.5 + 0.5 * max(s._joined_cold / joined, 1 / scheduler.LPM_CHAIN_TURNS) if joined else 1.0
+        chain = 1 + running - (running + len(ranked) - cold) * half
+        if chain > few:
+            few, chains = chain, True
+    last = cold > 0 and cold + tail <= few
     aged, young = [], []
     for rank, r in ranked:
         waited = now - r.queued_at
-        floor = min(scheduler.LPM_CARRY, scheduler.LPM_OWN * r.max_new_tokens) if short else scheduler.LPM_CARRY
+        floor = (min(scheduler.LPM_CARRY, scheduler.LPM_OWN * r.max_new_tokens) if short or chains
+                 else scheduler.LPM_CARRY)
         is_aged = waited >= scheduler.LPM_AGE or (last and rank == 0 and waited >= floor)
         if now - r.queued_at > 2 * scheduler.LPM_AGE:  # starved: before every aged one, in arrival order
             rank = float("inf")

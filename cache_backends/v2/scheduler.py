@@ -79,6 +79,16 @@ One :meth:`~KVCacheV2Scheduler.step`:
    whole run, 200 one-shot prompts before 64 four-turn conversations kept it short for every later turn (1.101x
    V1's steps; recent, 1.078x, as with the rule off: BENCHMARKS.md, "The short-conversation estimate follows the
    recent joins").
+   **The last chains**: in longer conversations "few" is as many first turns (requests waiting without a cached
+   prefix) as can start before they become the run's critical path, and the wait ``LPM_OWN`` times a request's own
+   ``max_new_tokens`` (at most ``LPM_CARRY``): a conversation not started has every turn still to run (``turns`` = 1
+   + hits per first join, the estimate above, at most ``LPM_CHAIN_TURNS``), one in progress (running, or its turn
+   waiting with a hit) about ``(turns + 1) / 2``, so they are critical once ``in progress * (turns + 1) / 2 + (first
+   turns - 1) * turns <= running * turns`` (the queue beyond the window counted among the first turns): the others'
+   turns left fill the batch for no longer than one chain takes. Why: by longest prefix first, those first turns (and
+   turns whose history is under ``LPM_MIN_HIT`` tokens) waited behind every live history until the others' turns
+   were done, then ran their turns with the batch nearly empty (search samples of Gemma 2 9B and tiny-llama
+   conversations: 1.09-1.14x V1's steps, now 0.99-1.06x; BENCHMARKS.md, "The last chains").
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
    request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
@@ -180,6 +190,12 @@ LPM_CARRY = 256
 #: start"): any share from a quarter to nearly a half gave the same variant figures (BENCHMARKS.md, "The last
 #: conversations to start").
 LPM_FEW = 0.25
+#: The most turns the last chains' rule (module docstring) reads a conversation as having: late in a run the recent
+#: joins are mostly later turns, so the estimate overshoots (six-turn conversations read as nine and more); read so,
+#: the conversations in progress seemed to have more turns left than they had, second turns without a hit of
+#: ``LPM_MIN_HIT`` went in early and evicted the histories waiting (tiny-llama six-turn conversations at 0.267x the
+#: budget: 1.022x -> 1.057x V1's steps; capped, 1.022x; BENCHMARKS.md, "The last chains").
+LPM_CHAIN_TURNS = 8
 #: Short conversations (module docstring, "Short conversations"): while at most ``LPM_SHORT`` requests joined the queue
 #: with a cached prefix per request that joined without one (conversations of under two and a half turns on average:
 #: a waiting hit is mostly its conversation's last turn), the requests waiting without one go in among the aged once
@@ -528,11 +544,21 @@ class KVCacheV2Scheduler(SchedulerBase):
         # is arrival order anyway)
         cold = ranks.count(0)
         short = cold < n and self._joined_hit <= LPM_SHORT * self._joined_cold
-        last = (bool(cold) and cold + len(tail) <= (running if short else LPM_FEW * running)
-                and m.held_back(0.0, self._longest) is None)
+        few, chains = running if short else LPM_FEW * running, False
+        if cold and not short:
+            # the last chains: a conversation not started has every turn to run, one in progress (running, or a hit
+            # waiting) about half of them; the first turns are the run's critical path once the work of the others
+            # fills the batch no longer than one chain: in progress * (turns + 1) / 2 + (cold - 1) * turns <= running
+            # * turns, turns = 1 + hits per first join (the recent joins: the short-conversation estimate's)
+            joined = self._joined_hit + self._joined_cold  # (turns + 1) / (2 * turns), turns at most LPM_CHAIN_TURNS
+            half = 0.5 + 0.5 * max(self._joined_cold / joined, 1 / LPM_CHAIN_TURNS) if joined else 1.0
+            chain = 1 + running - (running + n - cold) * half
+            if chain > few:
+                few, chains = chain, True
+        last = bool(cold) and cold + len(tail) <= few and m.held_back(0.0, self._longest) is None
         if last or min(queued) <= old:  # waited LPM_AGE steps or longer: first, by their cached prefix, then arrival
             mask = list(map(le, queued, itertools.repeat(old)))
-            if last and short:
+            if last and (short or chains):  # a wait of their own answer's length, not LPM_CARRY's
                 mask = [a or (not k and q <= now - min(LPM_CARRY, LPM_OWN * r.max_new_tokens))
                         for a, k, q, r in zip(mask, ranks, queued, window, strict=True)]
             elif last:
