@@ -429,6 +429,8 @@ class EvictionQueue:
         else:
             return
         self._entries -= len(seg[2]) - seg[3]
+        if not bucket:  # with its last segment: an emptied bucket kept is one per priority ever used, each scanned by
+            del self._by_key[seg[1] & _KEY_MASK]  # every demotion pass (its heap entry goes when a pop reaches it)
 
     def _whole_segment(self, blocks: list[int], key: int) -> list | Literal[False] | None:
         """The live segment of bucket ``key`` that holds exactly ``blocks``, in that order and nothing else; False where
