@@ -542,3 +542,8 @@ def test_turns_at_priorities_of_their_own_taken_back_by_hits_leave_no_bucket_beh
     q.add_many([60, 61], 0, True)
     assert q.blocks() == [60, 61]
     assert len(q._by_key) == 1  # the shared prefix's bucket alone
+    # nor a heap entry each (dropped only when a pop reached it: with no eviction, never): a few past the buckets'
+    assert len(q._heap) == len(q._in_heap) <= 2 * len(q._by_key) + 64
+    for b, priority in ((10, 150), (11, -3), (12, 7), (13, 150)):  # keys met before and new ones: evicted by priority
+        q.add(b, priority)
+    assert q.pop_many(6) == [11, 12, 10, 13, 60, 61]
