@@ -217,6 +217,9 @@ def test_a_no_op_list_changed_in_place_is_refused_at_generate_not_dropped(llm):
     params.extra_args["mine"] = 1
     with pytest.raises(GenerationError, match=r"^generate: extra_args: vLLM's SamplingParams field"):
         llm.generate([TEXT], params)
+    # the prompt cut given in tokenization_kwargs runs the call on a copy of the params: checked as the params
+    with pytest.raises(GenerationError, match=r"^generate: extra_args: vLLM's SamplingParams field"):
+        llm.generate([TEXT], params, tokenization_kwargs={"truncate_prompt_tokens": 3})
 
 
 def test_tokenization_kwargs_key_that_is_no_plain_name_is_refused_in_one_printable_line(llm):
