@@ -458,7 +458,12 @@ class SamplingParams:
         """Check the fields again as the constructor checks them: a list or dict changed in place since
         (``params.stop.append("")``, vLLM's lists invite it) is refused naming the field, and what it holds is kept in
         its plain form (a numpy id appended as an int), in place, so the caller's reference to the list still reaches
-        it. Every generate call runs this on the SamplingParams it is given, before anything runs."""
+        it. Every generate call runs this on the SamplingParams it is given, before anything runs. vLLM's no-op fields
+        are looked at again too: one read back and changed in place (``params.logits_processors.append(fn)``) is
+        refused, not run without it."""
+        for name, value in self._vllm_fields.items():  # (empty unless a script spelled vLLM's defaults out)
+            if not _asks_nothing(name, value, self.n):
+                raise GenerationError(unknown_field(name))
         if self._contents() == self._checked:
             return
         checked = attrs.evolve(self)
@@ -649,7 +654,8 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     name = "max_tokens" if name == "max_new_tokens" else name
     if name not in _known_keywords():
         if _asks_nothing(name, value, self.n):  # vLLM's "not set", which the error below says is accepted
-            self._vllm_fields[name] = value  # read back as set (__getattr__)
+            # read back as set (__getattr__); a new dict, not written into: a shallow copy holds the same one
+            object.__setattr__(self, "_vllm_fields", {**self._vllm_fields, name: value})
             return
         raise GenerationError(unknown_field(name))
     checked = attrs.evolve(self, **{name: value})  # the constructor's conversions (a stop string to a list) and checks

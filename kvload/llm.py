@@ -219,8 +219,11 @@ def _cut_sampling(call: str, sampling_params: Any, sampling: dict[str, Any], cut
         if isinstance(params, SamplingParams):  # anything else: refused by the call, naming it
             where = f"sampling_params[{i}]" if many else "sampling_params"
             with _named(call):
-                params = attrs.evolve(params, truncate_prompt_tokens=_one_cut(call, params.truncate_prompt_tokens,
-                                                                              cut, where))
+                cut_copy = attrs.evolve(params, truncate_prompt_tokens=_one_cut(call, params.truncate_prompt_tokens,
+                                                                                cut, where))
+            # vLLM's no-op fields too (evolve takes the settings only): generate checks them again on the copy
+            object.__setattr__(cut_copy, "_vllm_fields", params._vllm_fields)
+            params = cut_copy
         cut_params.append(params)
     return (cut_params if many else cut_params[0]), sampling
 

@@ -490,7 +490,8 @@ def _loads(label: str, data: bytes) -> Any:
 
 def _exit_on_term(grace: float) -> None:
     """Exit on SIGTERM with its status: by a Python handler (the LLM closes, cleanup runs: audit temporaries), or,
-    ``grace`` seconds later where that handler has not ended the process, at once from a watcher thread.
+    ``grace`` seconds later where that handler has not run yet, at once from a watcher thread. A handler that ran is
+    never cut short: its cleanup takes what it takes (rank 0's SIGKILL, ``PARTED_TERM_S`` later, bounds it).
 
     The signal module's C handler writes each signal's number to the wakeup fd whatever the main thread is doing;
     a daemon thread reads it. The main thread may be in a C call that never returns (a gloo collective whose peer

@@ -187,6 +187,41 @@ def test_vllms_no_op_fields_read_back_as_given_or_as_vllms_defaults():
         plain.outputs_kind  # noqa: B018
 
 
+def test_a_no_op_field_set_on_a_shallow_copy_leaves_the_original_alone():
+    """``copy.copy(params)`` then ``c.output_kind = FINAL_ONLY`` changed the original's ``output_kind`` too: both
+    copies held one dict of vLLM's fields, and setting one wrote into it. In vLLM's params (and for kvload's own
+    fields here) an attribute set on a shallow copy is the copy's."""
+    import copy
+
+    from kvload.sampling_params import RequestOutputKind
+
+    original = SamplingParams(max_tokens=3)
+    shallow = copy.copy(original)
+    shallow.output_kind = RequestOutputKind.FINAL_ONLY
+    shallow.best_of = 1
+    assert shallow.output_kind is RequestOutputKind.FINAL_ONLY and shallow.best_of == 1
+    assert original.output_kind is RequestOutputKind.CUMULATIVE and original.best_of is None
+
+
+def test_a_no_op_list_changed_in_place_is_refused_at_generate_not_dropped(llm):
+    """``SamplingParams(logits_processors=[])`` now reads back its list, so ``params.logits_processors.append(fn)``
+    (vLLM's way to add one) worked, and generate ran without the processor, saying nothing: the list was taken as a
+    no-op when built and never looked at again. A generate call checks these fields again as it checks ``stop``
+    changed in place, and refuses one that now asks for something, naming it."""
+    params = SamplingParams(max_tokens=2, logits_processors=[], extra_args={})
+    assert llm.generate([TEXT], params)[0].outputs[0].token_ids  # as built: nothing asked
+    params.logits_processors.append(lambda ids, logits: logits)
+    with pytest.raises(GenerationError, match=r"^generate: logits_processors: vLLM's SamplingParams field"):
+        llm.generate([TEXT], params)
+    params.logits_processors.clear()
+    params.extra_args["mine"] = 1
+    with pytest.raises(GenerationError, match=r"^generate: extra_args: vLLM's SamplingParams field"):
+        llm.generate([TEXT], params)
+    # the prompt cut given in tokenization_kwargs runs the call on a copy of the params: checked as the params
+    with pytest.raises(GenerationError, match=r"^generate: extra_args: vLLM's SamplingParams field"):
+        llm.generate([TEXT], params, tokenization_kwargs={"truncate_prompt_tokens": 3})
+
+
 def test_tokenization_kwargs_key_that_is_no_plain_name_is_refused_in_one_printable_line(llm):
     """A key with a newline or a lone surrogate was put in the message as it was: a two-line refusal, and one whose
     ``print`` raised UnicodeEncodeError; it is named by its repr now (a plain name still as written)."""

@@ -108,8 +108,14 @@ class EvictionQueue:
         if bucket is None:
             bucket = self._by_key[key] = deque()
             if key not in self._in_heap:
-                heapq.heappush(self._heap, key)
-                self._in_heap.add(key)
+                heap = self._heap
+                if len(heap) > 2 * len(self._by_key) + 64:  # keys of emptied buckets a pop never reached (hits took
+                    heap[:] = self._by_key  # them back): one per priority ever used, else; rebuilt, amortised O(1)
+                    heapq.heapify(heap)
+                    self._in_heap = set(heap)
+                else:
+                    heapq.heappush(heap, key)
+                    self._in_heap.add(key)
         return bucket
 
     def _new_tag(self, key: int) -> int:
@@ -429,6 +435,8 @@ class EvictionQueue:
         else:
             return
         self._entries -= len(seg[2]) - seg[3]
+        if not bucket:  # with its last segment: an emptied bucket kept is one per priority ever used, each scanned by
+            del self._by_key[seg[1] & _KEY_MASK]  # every demotion pass (its heap entry goes when a pop reaches it)
 
     def _whole_segment(self, blocks: list[int], key: int) -> list | Literal[False] | None:
         """The live segment of bucket ``key`` that holds exactly ``blocks``, in that order and nothing else; False where
