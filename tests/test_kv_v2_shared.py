@@ -497,6 +497,79 @@ def test_a_keyed_finish_let_go_as_it_is_queued_and_its_next_turn_s_claim_leave_e
     assert claims == ([total] if total > 1 else [])  # every group's pages in one claim
 
 
+#: finishes of several groups, most of them usual (so that every table is, often), perhaps a table listed twice
+_RARE = st.sampled_from((False, False, False, False, True))
+_MANY_TABLES = st.lists(
+    st.tuples(st.sampled_from(("leaves", "leaves", "leaves", "leaves", "shared", "any", "uncached")), st.integers(0, 8),
+              st.sampled_from((0, 0, 0, 1, 1, 3)), st.integers(0, 4), _RARE, _RARE).map(
+        lambda t: (t[0], t[1], max(0, t[1] - t[2]), *t[3:])),  # the cached head: all the table, or all but its tail
+    min_size=2, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_MANY_TABLES, st.booleans(), st.sampled_from((None, None, 0, 1, 5)))
+def test_a_finish_checked_over_all_its_tables_at_once_ends_as_one_checked_table_by_table(spec, windows, twice):
+    # release_tables checks every table's blocks at once where each is a keyed finish's usual table (a multi-turn
+    # finish on Gemma 3 27B: 31 of them); whatever the tables (holes, windows, blocks held twice, shared runs, an
+    # uncached block before cached ones, a table listed twice: the caller's error), the arena, the queue and the
+    # error raised must be what the table-by-table path leaves
+    a, tables_a = _finishing_arena(spec)
+    b, tables_b = _finishing_arena(spec)
+    a._release_lean = lambda *args: False  # type: ignore[method-assign]
+    starts = [min(window, n) for _, n, _, window, _, _ in spec] if windows else None
+    outcomes = []
+    for pool, tables in ((a, tables_a), (b, tables_b)):
+        pairs = list(enumerate(tables))
+        lo = starts
+        if twice is not None:
+            k = twice % len(pairs)
+            pairs.append(pairs[k])
+            lo = None if starts is None else [*starts, starts[k]]
+        try:
+            pool.release_tables(pairs, 2, lo)
+            outcomes.append(None)
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1]
+    assert _pool_state(a) == _pool_state(b) and _queue_state(a) == _queue_state(b)
+
+
+def test_a_finish_of_usual_tables_is_checked_once_and_queued_as_table_by_table():
+    # every table usual (cached leaves; some with an uncached last block): the joint checks take them all, and the
+    # arena ends as release group by group leaves it; a block listed in two tables is refused as it was
+    spec = [("leaves", 6, 6, 0, False, False), ("leaves", 5, 4, 0, False, False), ("leaves", 7, 6, 2, False, False)]
+    a, tables_a = _finishing_arena(spec)
+    b, tables_b = _finishing_arena(spec)
+    taken = []
+    lean = b._release_lean
+    b._release_lean = lambda *args: taken.append(lean(*args)) or taken[-1]  # type: ignore[method-assign]
+    _release_group_by_group(a, tables_a, 2)
+    b.release_tables(list(enumerate(tables_b)), 2, [0, 0, 2])
+    assert taken == [True] and _pool_state(a) == _pool_state(b) and _queue_state(a) == _queue_state(b)
+    for lists in ([1, 1], [0, 1, 1], [1, 2, 1]):  # a table whose last block is uncached listed twice
+        c, tables_c = _finishing_arena(spec)
+        d, tables_d = _finishing_arena(spec)
+        d._release_lean = lambda *args: False  # type: ignore[method-assign]
+        for pool, tables in ((c, tables_c), (d, tables_d)):
+            with pytest.raises(RuntimeError, match="released more often than held"):
+                pool.release_tables([(g, tables[g]) for g in lists], 2)
+        assert _pool_state(c) == _pool_state(d) and _queue_state(c) == _queue_state(d)
+
+
+def test_the_group_tuple_memo_answers_each_shape_exactly_and_stays_bounded():
+    # the tuples the batch checks compare group_of to are memoized: each must be its groups repeated by its lengths,
+    # whatever was asked before, and the memo must not grow past its limit (a long table is not kept at all)
+    from cache_backends.v2 import shared_pool
+
+    shapes = [([0, 1, 2], [3, 1, 0]), ([2, 1, 0], [3, 1, 0]), ([0, 1], [1, 3, 0][:2]), ([5], [7]),
+              ([0, 1], [shared_pool._ALONG_LIMIT, 2])] * 3
+    shapes += [([g], [shared_pool._ALONG_LIMIT // 5]) for g in range(8)]
+    for groups, lens in shapes:
+        expect = tuple(g for g, k in zip(groups, lens, strict=True) for _ in range(k))
+        assert shared_pool._groups_along(groups, lens) == expect
+        assert shared_pool._along_size[0] == sum(map(len, shared_pool._along.values())) <= shared_pool._ALONG_LIMIT
+
+
 def test_a_claim_of_a_page_not_queued_sets_every_reference_and_takes_out_the_ones_before_it():
     # claim_many is a loop of reference stores then remove_many, in one pass: on a page that is not queued it raises
     # KeyError as remove_many does, with every reference set and the pages before it out of the queue (a page taken
