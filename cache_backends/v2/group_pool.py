@@ -223,8 +223,9 @@ class EvictionQueue:
                         out += [b for b in blocks[at:] if tags[b] == tag]
         return out
 
-    def demote(self, blocks: Sequence[int]) -> None:
-        """Prototype (v2hold46): move queued shared ``blocks`` to the front of their priority's leaves."""
+    def demote(self, blocks: Sequence[int], young: bool = False) -> None:
+        """Prototype (v2hold46): move queued shared ``blocks`` to the front of their priority's leaves (``young``: to
+        their young end, as if just released as leaves)."""
         by_key: dict[int, list[int]] = {}
         for b in blocks:
             by_key.setdefault(self._tag[b] & _KEY_MASK, []).append(b)
@@ -239,7 +240,10 @@ class EvictionQueue:
             seg = [len(bs), tag, bs, 0, self._clock]
             self._segs[tag] = seg
             self._entries += len(bs)
-            self._bucket(leaf_key).appendleft(seg)
+            if young:
+                self._bucket(leaf_key).append(seg)
+            else:
+                self._bucket(leaf_key).appendleft(seg)
         self.revived = revived
 
     def _demote_stale(self) -> None:

@@ -118,6 +118,10 @@ HOLD_PAID: float = 0  # prototype: > 0 = hold at most this many times the shared
 #: the dead ones with HOLD_DEMOTE); 0 = every queued shared block (main). HOLD_WARM: HOLD_PAID's cap applies once
 #: this many pools' worth of shared blocks were queued (before, the full hold).
 HOLD_LIVE = 0
+HOLD_KEEP_HITS: float = math.inf  # prototype (v2hold46): a run hit this many times stays live
+HOLD_SPAN: float = 0  # prototype (v2hold46): a run stays live this many times the span of its hits (first to last)
+HOLD_FRESH = 0  # prototype (v2hold46): 1 = the admission clock counts each request once (not its returns); 2 = the
+# same, but a cancelled admission (refused) is counted again when retried
 HOLD_WARM: float = 0
 
 
@@ -379,6 +383,7 @@ class KVCacheManagerV2:
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
         self._admits = 0
+        self._seen: set = set()
         self._revived: set = set()
         self._hit_clock = 0  # prefix hits so far: RadixNode.hit_at's clock (held_back's liveness of a shared run)
         # the last hit counted: (its request, the runs on its path with their figures before it), for cancel_admission
@@ -419,7 +424,10 @@ class KVCacheManagerV2:
         if request.num_tokens > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: {request.num_tokens} tokens exceed max_seq_len="
                              f"{self.options.max_seq_len}")
-        self._admits += 1
+        if not HOLD_FRESH or request.req_id not in self._seen:  # HOLD_FRESH: a preempted request's return not counted
+            self._admits += 1
+            if HOLD_FRESH:
+                self._seen.add(request.req_id)
         cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups},
                               key_at=self.T if self._reuse else NEVER)
         self._caches[request] = cache
@@ -615,15 +623,16 @@ class KVCacheManagerV2:
         dead = []
         for run, k in Counter(map(owner.__getitem__, queue.shared_blocks())).items():
             gap = (run.hit_at - run.hit_first) / (run.hits - 1) if HOLD_MEAN and run.hits > 1 else run.hit_gap
-            wait = recent if run.hits < 2 else min(recent, gaps * gap + slack)  # hit_gap: two hits needed
-            if run in path or (HOLD_REVIVED and run in self._revived) or (
+            wait = recent if run.hits < 2 else min(recent, max(gaps * gap + slack,
+                                                                HOLD_SPAN * (run.hit_at - run.hit_first)))
+            if run in path or run.hits >= HOLD_KEEP_HITS or (HOLD_REVIVED and run in self._revived) or (
                     run.hits >= min_hits and clock - run.hit_at <= wait):
                 n += k
             elif HOLD_DEMOTE and hit is None:
                 dead.append(run)
         if dead:
             ds = set(dead)
-            queue.demote([b for b in list(queue.shared_blocks()) if owner[b] in ds])
+            queue.demote([b for b in list(queue.shared_blocks()) if owner[b] in ds], HOLD_DEMOTE == 2)
         return n
 
     def held_back(self, share: float, longest: int, probe: HitProbe | None = None) -> list[int] | None:
@@ -981,6 +990,8 @@ class KVCacheManagerV2:
         self.free(request)
         request.num_computed_tokens = 0
         request.num_reused_tokens = 0
+        if HOLD_FRESH == 2:  # a refused admission's retry is counted again; a preempted request's return is not
+            self._seen.discard(request.req_id)
         if self._last_hit is not None and self._last_hit[0] is request:  # its hit is not counted either
             for node, hits, at, gap, first in self._last_hit[1]:
                 node.hits, node.hit_at, node.hit_gap, node.hit_first = hits, at, gap, first
