@@ -91,8 +91,6 @@ class EvictionQueue:
         self._heap: list[int] = []  # distinct keys; an entry whose bucket emptied is dropped lazily
         self._in_heap: set[int] = set()
         self._len = 0
-        self.queued = 0  # prototype (v2hold46): shared blocks queued by add_many (releases, splits)
-        self.revived = 0  # prototype (v2hold46): shared blocks taken back from the queue (hits)
         self.num_shared = 0  # queued blocks of shared prefixes (admission may hold them: KVCacheManagerV2.held_back)
         self._clock = 0  # blocks queued so far; a segment records the clock its blocks were queued at
         self._uid = 0  # the next segment's id (the high bits of its tag)
@@ -170,8 +168,6 @@ class EvictionQueue:
             prio[b] = priority
             tags[b] = tag
         self._append(tag, blocks, self._clock)
-        if shared:
-            self.queued += n
         self._queued(n, shared)
 
     def add_released(self, blocks: Sequence[int], priority: int, ref: list[int]) -> int:
@@ -212,39 +208,6 @@ class EvictionQueue:
         self._queued(len(fresh), False)
         self._clock += n - len(fresh)  # (the clock counts what the call was given, as add_many's)
         return len(fresh)
-
-    def shared_blocks(self) -> list[int]:
-        """Prototype (v2hold46): the queued blocks of shared prefixes, bucket by bucket."""
-        tags, out = self._tag, []
-        for key, bucket in self._by_key.items():
-            if key >> _SHARED_BIT:
-                for live, tag, blocks, at, _ in bucket:
-                    if live:
-                        out += [b for b in blocks[at:] if tags[b] == tag]
-        return out
-
-    def demote(self, blocks: Sequence[int], young: bool = False) -> None:
-        """Prototype (v2hold46): move queued shared ``blocks`` to the front of their priority's leaves (``young``: to
-        their young end, as if just released as leaves)."""
-        by_key: dict[int, list[int]] = {}
-        for b in blocks:
-            by_key.setdefault(self._tag[b] & _KEY_MASK, []).append(b)
-        revived = self.revived
-        for key, bs in by_key.items():
-            self._take_each(bs)
-            self._len += len(bs)
-            leaf_key = key - (1 << _SHARED_BIT)
-            tag = self._new_tag(leaf_key)
-            for b in bs:
-                self._tag[b] = tag
-            seg = [len(bs), tag, bs, 0, self._clock]
-            self._segs[tag] = seg
-            self._entries += len(bs)
-            if young:
-                self._bucket(leaf_key).append(seg)
-            else:
-                self._bucket(leaf_key).appendleft(seg)
-        self.revived = revived
 
     def _demote_stale(self) -> None:
         """Move shared blocks queued ``_stale`` blocks ago or earlier to the front of their priority's leaves (each
@@ -363,7 +326,6 @@ class EvictionQueue:
             self._drop(seg)
         self._len -= k
         self.num_shared -= (tag >> _SHARED_BIT & 1) * k
-        self.revived += (tag >> _SHARED_BIT & 1) * k
         return k
 
     def _take_each(self, blocks: Sequence[int]) -> None:
@@ -388,7 +350,6 @@ class EvictionQueue:
         finally:
             self._len -= taken
             self.num_shared -= shared
-            self.revived += shared
 
     def remove_many(self, blocks: Sequence[int]) -> None:
         """Take each of ``blocks`` (ids of the pool) out of the queue, in one pass: a prefix hit takes back every cached
@@ -429,13 +390,11 @@ class EvictionQueue:
         leaf_seg = self._whole_segment(leaves, priority + (1 << 63))
         shared_seg = self._whole_segment(shared, (1 << _SHARED_BIT) + priority + (1 << 63))
         if leaf_seg is None or shared_seg is None:
-            revived, queued = self.revived, self.queued  # (a refused hit takes nothing back)
             self.remove_many(leaves + shared)
             if leaves:
                 self.add_many(leaves, priority)
             if shared:
                 self.add_many(shared, priority, True)
-            self.revived, self.queued = revived, queued
             return
         # as remove_many of both, then add_many of each: the shared ones are out while the leaves go back
         if shared_seg:

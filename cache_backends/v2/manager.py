@@ -95,35 +95,6 @@ from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
 
-#: :meth:`KVCacheManagerV2.held_back` holds a queued shared prefix's blocks only while its run is live: its last hit
-#: at most ``HOLD_GAPS`` times the longest wait between two of its hits, plus ``HOLD_SLACK``, ago (waits counted in
-#: prefix hits of any run; a run hit once is live). Why: a finished group's prefix (``shared-prefix``) is hit in a
-#: burst and never again, yet it kept up to half the arena from admission (GPT-OSS 20B at 0.42x the budget: V2 1.56x
-#: V1's steps); a system prompt of ``mixed`` is hit at its own pace, gaps of many hits included, and stays held.
-#: ``HOLD_MIN_HITS`` / ``HOLD_RECENT_HITS``: plainer rules tried (BENCHMARKS.md "Holding only live shared prefixes").
-HOLD_GAPS: float = 4
-HOLD_SLACK = 8
-HOLD_MIN_HITS = 0
-HOLD_RECENT_HITS: float = math.inf
-#: Prototype knobs of branch v2hold45 (BENCHMARKS.md "Holding shared prefixes that are hit"), all off here:
-#: HOLD_ADMITS 1 = the liveness clock counts admissions (``create`` calls), not prefix hits; HOLD_MEAN 1 = a run's
-#: mean gap between hits, not its longest; HOLD_DEMOTE 1 = the queued blocks of a run found dead move to the front
-#: of their priority's leaves; HOLD_REVIVED 1 = a run ever hit while no cache used it stays live.
-HOLD_ADMITS = 0
-HOLD_MEAN = 0
-HOLD_DEMOTE = 0
-HOLD_REVIVED = 0
-HOLD_PAID: float = 0  # prototype: > 0 = hold at most this many times the shared blocks hits took back
-#: prototype (v2hold46): HOLD_LIVE 1 = hold only the live runs' queued shared blocks (_live_shared, which demotes
-#: the dead ones with HOLD_DEMOTE); 0 = every queued shared block (main). HOLD_WARM: HOLD_PAID's cap applies once
-#: this many pools' worth of shared blocks were queued (before, the full hold).
-HOLD_LIVE = 0
-HOLD_KEEP_HITS: float = math.inf  # prototype (v2hold46): a run hit this many times stays live
-HOLD_SPAN: float = 0  # prototype (v2hold46): a run stays live this many times the span of its hits (first to last)
-HOLD_FRESH = 0  # prototype (v2hold46): 1 = the admission clock counts each request once (not its returns); 2 = the
-# same, but a cancelled admission (refused) is counted again when retried
-HOLD_WARM: float = 0
-
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
     """The largest ``n <= want`` with ``fits(n)`` (``fits`` monotone, ``fits(lo)`` true), by binary search."""
@@ -382,12 +353,6 @@ class KVCacheManagerV2:
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
-        self._admits = 0
-        self._seen: set = set()
-        self._revived: set = set()
-        self._hit_clock = 0  # prefix hits so far: RadixNode.hit_at's clock (held_back's liveness of a shared run)
-        # the last hit counted: (its request, the runs on its path with their figures before it), for cancel_admission
-        self._last_hit: tuple[Request, list[tuple[RadixNode, int, int, int]]] | None = None
         self.host: HostTier | None = None
         slots = host_slots(pools, options.host_cache_size) if self._slabs is None else {}
         if self._slabs is not None and options.host_cache_size:
@@ -424,10 +389,6 @@ class KVCacheManagerV2:
         if request.num_tokens > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: {request.num_tokens} tokens exceed max_seq_len="
                              f"{self.options.max_seq_len}")
-        if not HOLD_FRESH or request.req_id not in self._seen:  # HOLD_FRESH: a preempted request's return not counted
-            self._admits += 1
-            if HOLD_FRESH:
-                self._seen.add(request.req_id)
         cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups},
                               key_at=self.T if self._reuse else NEVER)
         self._caches[request] = cache
@@ -579,62 +540,6 @@ class KVCacheManagerV2:
         pool, names = self._pool_sets[i]
         return pool, names, per_group[i]  # type: ignore[return-value]
 
-    def _count_hit(self, request: Request, last: RadixNode) -> None:
-        """``request``'s prefix hit claimed the path ending at ``last``: each run on it was hit once more, now."""
-        self._hit_clock = at = self._hit_clock + 1
-        if HOLD_ADMITS:
-            at = self._admits
-        node: RadixNode | None = last
-        before = []
-        while node is not None and node.parent is not None:
-            before.append((node, node.hits, node.hit_at, node.hit_gap, node.hit_first))
-            if not node.hits:
-                node.hit_first = at
-            if node.users == 1:
-                self._revived.add(node)
-            if node.hits and at - node.hit_at > node.hit_gap:
-                node.hit_gap = at - node.hit_at
-            node.hits += 1
-            node.hit_at = at
-            node = node.parent
-        self._last_hit = (request, before)
-
-    def _live_shared(self, pool: GroupPool | SharedPool, hit: RadixNode | None = None) -> int:
-        """How many of ``pool``'s queued shared-prefix blocks belong to runs still live as prefixes: hit at least
-        ``HOLD_MIN_HITS`` times, the last of them at most ``HOLD_RECENT_HITS`` prefix hits (of any run) ago and at
-        most ``HOLD_GAPS`` times the longest wait between two of its hits (plus ``HOLD_SLACK``) ago. With ``hit``: as
-        a hit claiming the path that ends there would leave them (every run on it hit now)."""
-        queue = pool.evictable
-        if not queue.num_shared:
-            return 0
-        owner = pool.node
-        clock, min_hits, recent, gaps, slack = (self._hit_clock, HOLD_MIN_HITS, HOLD_RECENT_HITS, HOLD_GAPS,
-                                                HOLD_SLACK)
-        path: set[RadixNode] = set()
-        if HOLD_ADMITS:
-            clock = self._admits
-        if hit is not None:
-            clock += 1
-            node: RadixNode | None = hit
-            while node is not None and node.parent is not None:
-                path.add(node)
-                node = node.parent
-        n = 0
-        dead = []
-        for run, k in Counter(map(owner.__getitem__, queue.shared_blocks())).items():
-            gap = (run.hit_at - run.hit_first) / (run.hits - 1) if HOLD_MEAN and run.hits > 1 else run.hit_gap
-            wait = recent if run.hits < 2 else min(recent, max(gaps * gap + slack,
-                                                                HOLD_SPAN * (run.hit_at - run.hit_first)))
-            if run in path or run.hits >= HOLD_KEEP_HITS or (HOLD_REVIVED and run in self._revived) or (
-                    run.hits >= min_hits and clock - run.hit_at <= wait):
-                n += k
-            elif HOLD_DEMOTE and hit is None:
-                dead.append(run)
-        if dead:
-            ds = set(dead)
-            queue.demote([b for b in list(queue.shared_blocks()) if owner[b] in ds], HOLD_DEMOTE == 2)
-        return n
-
     def held_back(self, share: float, longest: int, probe: HitProbe | None = None) -> list[int] | None:
         """Per pool set, minus the cached blocks of shared prefixes admission leaves alone (at most ``share`` of the
         pool set's blocks), as ``extra`` for :meth:`fit_tokens` and :meth:`short_of`; None on a layout without
@@ -643,22 +548,10 @@ class KVCacheManagerV2:
         With ``probe``: as its claim, built, would leave them (the shared blocks it takes are no longer queued)."""
         if longest <= self._min_window:
             return None
-        sets = self._pool_sets
-        if not HOLD_LIVE and not HOLD_PAID:  # main's rule
-            if probe is not None:
-                return [-min(pool.evictable.num_shared - k, int(share * pool.num_blocks))
-                        for (pool, _), k in zip(sets, probe.shared_taken, strict=True)]
-            return [-min(pool.evictable.num_shared, int(share * pool.num_blocks)) for pool, _ in sets]
-        out = []
-        taken = probe.shared_taken if probe is not None else [0] * len(sets)
-        for (pool, _), k in zip(sets, taken, strict=True):
-            q = pool.evictable
-            held = self._live_shared(pool, probe.last if probe is not None else None) if HOLD_LIVE else q.num_shared
-            cap = int(share * pool.num_blocks)
-            if HOLD_PAID and q.queued >= HOLD_WARM * pool.num_blocks:
-                cap = min(cap, int(HOLD_PAID * q.revived))
-            out.append(-min(max(0, held - k), cap))
-        return out
+        if probe is not None:
+            return [-min(pool.evictable.num_shared - k, int(share * pool.num_blocks))
+                    for (pool, _), k in zip(self._pool_sets, probe.shared_taken, strict=True)]
+        return [-min(pool.evictable.num_shared, int(share * pool.num_blocks)) for pool, _ in self._pool_sets]
 
     def freed_by(self, requests: Iterable[Request]) -> list[int]:
         """Per pool set (``_pool_sets``), the device blocks that would become free or evictable if every one of
@@ -990,13 +883,6 @@ class KVCacheManagerV2:
         self.free(request)
         request.num_computed_tokens = 0
         request.num_reused_tokens = 0
-        if HOLD_FRESH == 2:  # a refused admission's retry is counted again; a preempted request's return is not
-            self._seen.discard(request.req_id)
-        if self._last_hit is not None and self._last_hit[0] is request:  # its hit is not counted either
-            for node, hits, at, gap, first in self._last_hit[1]:
-                node.hits, node.hit_at, node.hit_gap, node.hit_first = hits, at, gap, first
-            self._hit_clock -= 1
-            self._last_hit = None
 
     # --- growth ----------------------------------------------------------------------------------
 
@@ -1391,7 +1277,6 @@ class KVCacheManagerV2:
             cache.tables[name] = [-1] * lo + blocks
             cache.released[name] = lo
         cache.last = self._tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
-        self._count_hit(request, cache.last)
         cache.keyed = m // self.T
         cache.key_at = (cache.keyed + 1) * self.T
         self._activate(cache, m)
@@ -2547,7 +2432,6 @@ class KVCacheManagerV2:
                         cache.tables[name] = [-1] * lo + claimed
                         cache.released[name] = lo
                 cache.last = self._tree.claim(run, i)
-                self._count_hit(request, cache.last)
             cache.keyed = m // T
             cache.key_at = (m // T + 1) * T
             if self._lazy and not cache.keyed and first:

@@ -76,8 +76,8 @@ INDEX_CHILDREN_AFTER = 8
 class RadixNode:
     """A run of full token blocks of a cached prefix (a root: a salt's empty run)."""
 
-    __slots__ = ("blocks", "by_first", "by_two", "children", "held", "hit_at", "hit_first", "hit_gap", "hits", "keys",
-                 "parent", "salt", "start", "tail", "tokens", "users", "width")
+    __slots__ = ("blocks", "by_first", "by_two", "children", "held", "keys", "parent", "salt", "start", "tail",
+                 "tokens", "users", "width")
 
     def __init__(self, parent: RadixNode | None, salt: str | None, start: int, groups: Sequence[str],
                  width: int) -> None:
@@ -93,10 +93,6 @@ class RadixNode:
         self.by_first: dict[bytes, dict[bytes, RadixNode]] | None = None  # built on demand, see the module doc
         self.by_two: dict[bytes, dict[bytes, RadixNode]] = {}  # the same by first two tokens, built with by_first
         self.users = 0
-        #: prefix hits whose claimed path ran through this run, the manager's hit clock at the last one and the
-        #: longest wait between two of them (a finished group's prefix is hit in a burst, then never again; a system
-        #: prompt keeps being hit, at its own pace: KVCacheManagerV2.held_back)
-        self.hits = self.hit_at = self.hit_gap = self.hit_first = 0
         #: a finished request's partial last block, kept past this run's end for partial matches only (TailRun)
         self.tail: TailRun | None = None
 
@@ -460,7 +456,6 @@ class RadixTree:
                 if b >= 0:
                     owner[b] = top
         top.users = run.users
-        top.hits, top.hit_at, top.hit_gap, top.hit_first = run.hits, run.hit_at, run.hit_gap, run.hit_first
         run.start += i
         parent = run.parent
         assert parent is not None
