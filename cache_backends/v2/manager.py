@@ -1394,21 +1394,10 @@ class KVCacheManagerV2:
         :meth:`claims_nothing` holds (capacity 0); nothing is built."""
         return self.per_group(self.cycle_growth_new(request, ratio, scheduled))
 
-    def cycle_growth_new(self, request: Request, ratio: float, scheduled: int, start: int = 0,
-                         probe: HitProbe | None = None) -> list[int]:
+    def cycle_growth_new(self, request: Request, ratio: float, scheduled: int, start: int = 0) -> list[int]:
         """:meth:`growth_blocks_new` per life cycle (``_cycles``), as :meth:`short_of` takes it; with ``start``, a
-        :meth:`probe_hit`'s ``tokens``, as its claim would leave it (capacity and committed ``start``); with the
-        ``probe`` itself, its claimed blocks that running requests hold free nothing when its window lets them go
-        (:meth:`_growth`)."""
-        if probe is None or not start or not self._sliding:
-            return self._growth(request, start, start + scheduled, ratio)
-        claimed = probe.claimed
-
-        def held(members: list[int], lo: int, hi: int) -> int:
-            blocks, refs, first = claimed[members[0]]
-            return sum(1 for j in range(max(lo, first), min(hi, first + len(blocks))) if refs[j - first] > 0)
-
-        return self._growth(request, start, start + scheduled, ratio, held)
+        :meth:`probe_hit`'s ``tokens``, as its claim would leave it (capacity and committed ``start``)."""
+        return self._growth(request, start, start + scheduled, ratio)
 
     def growth_bound_with(self, request: Request) -> dict[str, int]:
         """:meth:`growth_bound` once ``request`` (not admitted yet, claiming nothing) would be active."""
@@ -1447,44 +1436,16 @@ class KVCacheManagerV2:
     def cycle_growth(self, request: Request, ratio: float, scheduled: int = 0) -> list[int]:
         """:meth:`growth_blocks` per life cycle (``_cycles``): every group of a cycle takes the same blocks."""
         cache = self._active(request)
-        if not self._sliding:
-            return self._growth(request, cache.capacity, cache.committed + scheduled, ratio)
-        tables = cache.tables
+        return self._growth(request, cache.capacity, cache.committed + scheduled, ratio)
 
-        def held(members: list[int], lo: int, hi: int) -> int:
-            return self._held_by_others(tables[self.groups[members[0]].name], lo, hi, self._ref_of[members[0]])
-
-        return self._growth(request, cache.capacity, cache.committed + scheduled, ratio, held)
-
-    def _growth(self, request: Request, now: int, start: int, ratio: float,
-                held: Callable[[list[int], int, int], int] | None = None) -> list[int]:
+    def _growth(self, request: Request, now: int, start: int, ratio: float) -> list[int]:
         """Per life cycle: the blocks a cache holding ``now`` tokens takes to grow to ``start`` tokens (at least
-        ``now``), then ``ratio`` of the way on to the request's worst case. A sliding cycle's window lets a block go
-        for each new one past its window's, but with ``held`` (a cycle's members, and logical blocks ``lo`` to
-        ``hi``: how many of them others hold) those others hold free nothing and count as growth. Why: requests on
-        one shared prefix let its blocks go as their windows pass it, and they stay held while any of them runs;
-        credited as freed, every such request seemed to grow by nothing once past its window's length, so admission
-        let in twice the requests that fit and moved them out again (tiny-mistral ``shared-prefix``: 7 preemptions,
-        1.193x V1's steps; BENCHMARKS.md, "v2pre46")."""
+        ``now``), then ``ratio`` of the way on to the request's worst case."""
         start = max(now, start)
         target = start + math.ceil(ratio * max(0, self.worst_case_tokens(request) - start))
         if not now:
             return [g.blocks_for(target) for g, _ in self._cycles]
-        out = [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
-        if held is not None:
-            for c, (g, members) in enumerate(self._cycles):
-                cap = g.max_blocks_per_sequence
-                if cap is not None:
-                    lo = max(0, -(-now // g.tokens_per_block) - cap)
-                    hi = -(-target // g.tokens_per_block) - cap
-                    if hi > lo:
-                        out[c] += held(members, lo, hi)
-        return out
-
-    @staticmethod
-    def _held_by_others(table: list[int], lo: int, hi: int, ref: Callable[[int], int]) -> int:
-        """Blocks of ``table[lo:hi]`` another cache holds too: letting them go frees nothing."""
-        return sum(1 for b in table[lo:hi] if b >= 0 and ref(b) > 1)
+        return [max(0, g.blocks_for(target) - g.blocks_for(now)) for g, _ in self._cycles]
 
     def cycle_headroom(self, requests: Iterable[Request], ratio: float) -> list[int]:
         """:meth:`cycle_growth` summed over active ``requests``, per life cycle (one pass, no per-request lists: it
@@ -1513,21 +1474,14 @@ class KVCacheManagerV2:
             if worst < 0:  # once per request: prompt + max_new_tokens within max_seq_len (it never changes)
                 worst = cache.worst = min(r.max_total_tokens, limit)
             if worst > now:
-                spans.append((now, now + ceil(ratio * (worst - now)), cache))
+                spans.append((now, now + ceil(ratio * (worst - now))))
         per = []
-        for g, members in self._cycles:  # once per life cycle, not per group
+        for g, _ in self._cycles:  # once per life cycle, not per group
             tpb, cap = g.tokens_per_block, g.max_blocks_per_sequence
             if cap is None:
-                per.append(sum(-(-target // tpb) + (now // -tpb) for now, target, _ in spans))
-                continue
-            total = sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target, _ in spans)
-            # the blocks each window lets go that others hold too free nothing (_growth)
-            name, ref = g.name, self._ref_of[members[0]]
-            for now, target, cache in spans:
-                lo, hi = max(0, -(-now // tpb) - cap), -(-target // tpb) - cap
-                if hi > lo:
-                    total += self._held_by_others(cache.tables[name], lo, hi, ref)
-            per.append(total)
+                per.append(sum(-(-target // tpb) + (now // -tpb) for now, target in spans))
+            else:
+                per.append(sum(min(-(-target // tpb), cap) - min(-(-now // tpb), cap) for now, target in spans))
         return per
 
     def check_running(self, requests: Iterable[Request]) -> None:

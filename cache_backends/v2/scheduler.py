@@ -705,7 +705,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 n = m.fit_tokens_new(r, want, extra, start) if asked else m.fit_tokens(r, want, extra)
                 refused, own = n == 0, []
                 if not refused and running and ratio:
-                    own = m.cycle_growth_new(r, ratio, n, start, probe) if asked else m.cycle_growth(r, ratio, n)
+                    own = m.cycle_growth_new(r, ratio, n, start) if asked else m.cycle_growth(r, ratio, n)
                     # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the
                     # estimate refused last step goes straight to it (the bound failed then, and most likely fails
                     # again)
