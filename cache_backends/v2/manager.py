@@ -2247,7 +2247,7 @@ class KVCacheManagerV2:
         scored = cache.request.skip_prefix_read
         for name, step, owner, pos in self._attach_steps:
             table = tables[name]
-            copies, gen = self._copies[name], self._pool[name].gen
+            copies, gen, ref = self._copies[name], self._pool[name].gen, self._pool[name].ref
             stored: list[tuple[RadixNode, int]] | None = [] if events is not None else None
             d = first  # block position of the segment's first entry
             for run, lo, hi in segs:
@@ -2275,7 +2275,12 @@ class KVCacheManagerV2:
                 for i, b in pairs:
                     if b >= 0 and owner[b] is None and blocks[i] >= 0 and not scored:
                         # the position holds another copy: this one stays private, noted to take its place later
-                        copies.setdefault(blocks[i], []).append((b, gen[b]))
+                        noted = copies.get(blocks[i])
+                        if noted is None:
+                            copies[blocks[i]] = [(b, gen[b])]
+                        else:  # the copies let go of meanwhile are dropped: a hot prefix's list stays short
+                            noted[:] = [(x, g) for x, g in noted if gen[x] == g and ref[x] and owner[x] is None]
+                            noted.append((b, gen[b]))
                         continue
                     if b >= 0 and owner[b] is None and blocks[i] < 0:
                         blocks[i] = b
