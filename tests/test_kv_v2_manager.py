@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_backends import LayerKV, build_layout
+from cache_backends.hashing import chain_hashes
 from cache_backends.interface import ManagerOptions
+from cache_backends.kv_events import KvEventBuffer
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.stats import HostStats, ManagerStats
@@ -339,6 +341,45 @@ def test_a_request_that_skips_reading_caches_its_blocks_and_an_equal_cached_bloc
     check_kv(m, later)
     m.check_invariants()
     assert m.stats().reuse_query_tokens == 3 * 17  # first, plain, later: the skipping requests asked nothing
+
+
+@pytest.mark.parametrize(("layers", "events"), [(FULL, False), (FULL, True), (full_sliding_layers(window=64), False),
+                                               (full_sliding_layers(window=64), True)],
+                         ids=["full", "full, kv events", "shared arena", "shared arena, kv events"])
+def test_a_recomputed_copy_takes_the_place_of_an_evicted_cached_block(layers, events):
+    # Two requests with one prompt computed side by side (as a preempted one recomputes a prefix the tree holds):
+    # the second's copies cannot be hung where the first's blocks are. Once the first's blocks are evicted, the
+    # prefix must stay reachable through the second's live copies: a later request hits them.
+    m = make_manager(layers, 32)
+    buffer = KvEventBuffer(10_000)
+    if events:
+        m.enable_kv_events(buffer)
+    prompt = list(range(1, 18))  # four full blocks and a token
+    first = Request("first", prompt, 0, salt="t")
+    second = Request("second", list(prompt), 0, salt="t")
+    admit(m, first)
+    admit(m, second)
+    compute(m, first, 17)
+    compute(m, second, 17)
+    name = layers[0].kind  # the full group
+    copies = m.block_table(second, name)[:4]
+    assert set(copies).isdisjoint(m.block_table(first, name))
+    m.free(first)  # its blocks stay cached, nobody holding them
+    m.check_invariants()
+    filler = Request("filler", [90 + i % 7 for i in range(4 * 27)], 0, salt="t")  # every free and cached block
+    prefill(m, filler)
+    m.check_invariants()
+    m.free(filler)
+    later = Request("later", list(prompt), 0, salt="t")
+    admit(m, later)
+    assert later.num_reused_tokens == 16 and m.block_table(later, name)[:4] == copies
+    check_kv(m, later)
+    m.check_invariants()
+    if events:  # each prefix key: stored by the first, removed with its block, stored again with the copy
+        got = [e for e in buffer.drain()["events"] if e.get("layer_group") == name]
+        for key in (k.hex() for k in chain_hashes(prompt[:16], 4, "t")):
+            assert [e["type"] for e in got if key in e["block_hashes"]] == [
+                "kv_block_stored", "kv_block_removed", "kv_block_stored"]
 
 
 def test_salts_isolate_reuse():

@@ -30,7 +30,9 @@ How the pieces fit (TensorRT-LLM's V2 ideas, this project's code):
   (:class:`~cache_backends.v2.radix.PendingPrefix`; a user sees what keying every block at once gives). A request
   with ``skip_prefix_read`` (one that scores its prompt) claims nothing but is keyed as any other: where its path
   meets a position that already holds a block, that block stays and the request's copy is never hung (it is freed,
-  not cached, when the request lets go).
+  not cached, when the request lets go). Any other request's copy is noted (``_copies``) and takes the position
+  when the block there leaves it (evicted or dropped) while the copy is still live and private (:meth:`_hang_copy`),
+  so a prefix a preempted request recomputed stays reachable while it runs.
   A new request walks it over its
   tokens and takes the longest prefix ``m`` that (a) is a multiple of the *reuse unit* — the lcm of
   every group's block span, so compressed groups reuse whole blocks only — (b) leaves at least one
@@ -362,6 +364,11 @@ class KVCacheManagerV2:
         #: per group, a cached device block a suspended cache left on the device -> (cache, logical block) whose
         #: reserved host slot it is copied to when it is evicted or dropped (write-back)
         self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self.groups}
+        #: per group, a position's block -> the live copies (block, its allocation's ``gen``) requests filled for that
+        #: position while it was held: kept private then, one of them takes the position when that block leaves it
+        #: (:meth:`_detach`), so the prefix stays reachable while a copy runs (BENCHMARKS.md, "V2's loss on a tiny
+        #: budget with preemptions": a preempted request recomputed a shared prefix, the tree's copy was evicted)
+        self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self.groups}
         self._caches: dict[Request, SequenceCache] = {}
         #: the requests whose cache is ACTIVE (kept where a cache's state changes): ``check_running``'s one C pass
         self._active_requests: set[Request] = set()
@@ -1610,6 +1617,8 @@ class KVCacheManagerV2:
         for pool, _ in self._pool_sets:
             pool.reset()
         self._tree = self._new_tree()
+        for copies in self._copies.values():
+            copies.clear()
         if self.kv_events is not None:
             self.kv_events.cleared()
 
@@ -1965,7 +1974,29 @@ class KVCacheManagerV2:
             key, pool = self._tree.key, self._pool[group]
             self.kv_events.removed([key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
                                     for b in blocks], group)
+        copies = self._copies[group]
+        if copies:
+            pool = self._pool[group]
+            vacated = [(pool.node[b], pool.pos[b], got) for b in blocks if (got := copies.pop(b, None))]
+            self._tree.detach(group, blocks)
+            for run, p, got in vacated:
+                self._hang_copy(group, run, p, got)  # type: ignore[arg-type]
+            return
         self._tree.detach(group, blocks)
+
+    def _hang_copy(self, group: str, run: RadixNode, p: int, copies: list[tuple[int, int]]) -> None:
+        """Hang the first of ``copies`` (a request's live, private copy of the block that just left position ``p`` of
+        ``run``) still live and private there, if the run still holds that position: the prefix stays reachable."""
+        if type(run) is not RadixNode or run.parent is None or not run.users:
+            return  # unhooked, a tail or a pending prefix: no path through it to keep
+        i = p - run.start
+        if not 0 <= i < len(run.held) or run.blocks[group][i] >= 0:
+            return
+        pool = self._pool[group]
+        for b, gen in copies:
+            if pool.gen[b] == gen and pool.ref[b] and pool.node[b] is None:
+                self._attach(run, i, group, b)
+                return
 
     def _detach_mixed(self, blocks: list[int], groups: list[int]) -> None:
         """:meth:`_detach` for a shared arena's evicted blocks of several groups (``groups[k]``: the arena index of
@@ -1973,7 +2004,7 @@ class KVCacheManagerV2:
         waiting); else group by group, each group's blocks in eviction order, the groups in order of first eviction
         (as :meth:`SharedPool.take_each` without it calls them)."""
         names = self._arena.names  # type: ignore[union-attr]
-        if self.kv_events is None and not any(self._write_back.values()):
+        if self.kv_events is None and not any(self._write_back.values()) and not any(self._copies.values()):
             self._tree.detach_mixed(names, blocks, groups)
             return
         by_group: dict[int, list[int]] = {}
@@ -2212,8 +2243,11 @@ class KVCacheManagerV2:
                 self._drop_latent(cache)
             cache.last, segs = self._tree.extend(last, cache.request.salt, packed, T)
         # Offer every group block that ends on a new position to it (= _attach; inlined, it runs for every block).
+        # A scored prompt's copies are never hung where a block is (module doc); any other request's are noted.
+        scored = cache.request.skip_prefix_read
         for name, step, owner, pos in self._attach_steps:
             table = tables[name]
+            copies, gen, ref = self._copies[name], self._pool[name].gen, self._pool[name].ref
             stored: list[tuple[RadixNode, int]] | None = [] if events is not None else None
             d = first  # block position of the segment's first entry
             for run, lo, hi in segs:
@@ -2239,6 +2273,15 @@ class KVCacheManagerV2:
                              for i in range(-(-(d + 1) // step) * step - 1 - shift, hi, step))
                     d += k
                 for i, b in pairs:
+                    if b >= 0 and owner[b] is None and blocks[i] >= 0 and not scored:
+                        # the position holds another copy: this one stays private, noted to take its place later
+                        noted = copies.get(blocks[i])
+                        if noted is None:
+                            copies[blocks[i]] = [(b, gen[b])]
+                        else:  # the copies let go of meanwhile are dropped: a hot prefix's list stays short
+                            noted[:] = [(x, g) for x, g in noted if gen[x] == g and ref[x] and owner[x] is None]
+                            noted.append((b, gen[b]))
+                        continue
                     if b >= 0 and owner[b] is None and blocks[i] < 0:
                         blocks[i] = b
                         held[i] += 1
