@@ -581,13 +581,14 @@ class SharedPool:
         # each table's blocks cached in runs without children, but perhaps its last (its tail's first); Nones
         # counted only where the set of runs has one (the usual finish has none: its last block is full and cached),
         # for a tuple's count(None) compares each run to None the slow way (~20 ns a block: a fifth of the checks)
-        runs = {*get(owner)}
+        nodes = get(owner)
+        runs = {*nodes}
         none = 0
         if None in runs:
             lasts = list(map(_first, tails))
             last_nodes = itemgetter(*lasts)(owner)
             none = last_nodes.count(None)
-            if get(owner).count(None) != none:
+            if nodes.count(None) != none:
                 return False
             runs.discard(None)
         if any(map(_children, runs)):
