@@ -64,6 +64,7 @@ from engine.token_bound import Bound, fewest_tokens, token_bound
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 from pipeline.ranks import lost_rank_message
+from pipeline.signals import stopping
 from pipeline.thread_end import EndingThread
 
 
@@ -291,6 +292,9 @@ class ServingEngine:
         self._stopping = False
         self._thread: EndingThread | None = None
         self._follow_quit = threading.Event()  # set by follow() when a signal's grace ran out: the steps end
+        #: set once every rank steps with this loop (at once alone; under tensor parallel after the loop's first
+        #: orders reached them): the server says it is ready only then (:meth:`wait_joined`)
+        self.joined = threading.Event()
         self._ids = itertools.count()
         #: held by the loop during a step; readers (metrics) take it to see a consistent manager
         self.state_lock = threading.Lock()
@@ -321,8 +325,20 @@ class ServingEngine:
     def start(self) -> None:
         """Start the loop thread (idempotent)."""
         if self._thread is None:
+            if self.ranks is None:
+                self.joined.set()
             self._thread = EndingThread(target=self._run, name="kvload-engine", daemon=True)
             self._thread.start()
+
+    def wait_joined(self, gave_up: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until every rank steps with the loop (:attr:`joined`): under tensor parallel a rank > 0 may still be
+        setting up when rank 0's loop starts, and a stop signal sent on rank 0's ready line then met it there (its
+        set-up interrupted: exit 130, its audit unwritten). False when the loop ended first (its collective timed
+        out: ``loop_error`` says why) or ``gave_up()`` (a stop asked for meanwhile)."""
+        while not self.joined.wait(0.05):
+            if not self.alive or gave_up():
+                return False
+        return True
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the loop; requests still queued or running end with reason ``"abort"``. A stop signal's exception
@@ -788,8 +804,10 @@ class ServingEngine:
 
     def _loop_once(self) -> bool:
         with self._cond:
+            # under tensor parallel the first orders go at once, a heartbeat: the other ranks have joined once it
+            # is through (joined)
             while not (self._stopping or self._inbox or self._aborts or self._notices or self.driver.has_work
-                       or self._beam is not None or self._held):
+                       or self._beam is not None or self._held or not self.joined.is_set()):
                 if not self._cond.wait(self.idle_wait_s) and self.ranks is not None:
                     break  # a heartbeat: the other ranks wait for the next orders in a collective with a timeout
             notices, self._notices = self._notices, []
@@ -819,6 +837,7 @@ class ServingEngine:
                     with self._cond:  # back where the loop's last drain (_fail_all) ends them: none left unanswered
                         self._inbox[:0] = inbox
                     raise
+                self.joined.set()
             self._apply(inbox, aborts)
             self._step()
         return True
@@ -828,7 +847,8 @@ class ServingEngine:
         the ranks part: a collective's error or timeout is raised here). Call it on the main thread: the steps run on
         a thread of their own, so that a stop signal here (Ctrl-C and torchrun reach every rank) waits up to
         ``grace_s`` for rank 0's stop, which then ends this call as cleanly as rank 0's own; without it the signal is
-        raised (``KeyboardInterrupt``)."""
+        raised (``KeyboardInterrupt``). Under ``kvload``'s command line another stop signal meanwhile (torchrun passes
+        the terminal's Ctrl-C on) repeats the stop under way (:func:`pipeline.signals.stopping`)."""
         if self.ranks is None or self.ranks.is_first:
             raise GenerationError("serve: follow() is for ranks > 0 of a tensor-parallel run; rank 0 serves")
         failed: list[BaseException] = []
@@ -846,11 +866,14 @@ class ServingEngine:
                 ended.set()
 
         thread = threading.Thread(target=run, name="kvload-engine", daemon=True)
-        thread.start()
         try:
+            thread.start()  # in the try: a signal during the start waits for rank 0's stop as one after it
             while not ended.wait(0.1):  # in slices: a signal's handler runs in between
                 pass
         except KeyboardInterrupt:
+            # the stop under way: another signal (torchrun passes the terminal's Ctrl-C on to this rank too) repeats
+            # it, rather than ending this wait at once, with the steps mid-collective and rank 0 left without this rank
+            stopping()
             if not ended.wait(grace_s) or failed:  # rank 0 did not stop in time (or the ranks parted): the signal wins
                 # ... once the steps left their collective (at rank 0's next order, within its heartbeat): exiting
                 # with a thread inside gloo ended the process in C++'s "terminate called" (SIGABRT), not the signal

@@ -15,6 +15,9 @@ from kvload.process_end import leave
 def main() -> int:
     """Import the command line, then run it; exit 130 with one line if SIGINT came during the import."""
     try:
+        from pipeline.signals import ends_process
+
+        ends_process()  # a stop signal repeated while the process exits is ignored (pipeline.signals.release_sigterm)
         from kvload.cli.entry import main as cli_main
     except KeyboardInterrupt:
         with contextlib.suppress(OSError):  # kvload.cli's words for a Ctrl-C; a closed terminal: the status tells

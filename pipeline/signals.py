@@ -6,6 +6,11 @@ for Ctrl-C (releasing pools, discarding a half-written audit file, killing a ker
 for ``kill`` and a hangup too. :func:`deferred` holds the signals back while a temporary file is created or
 published, so it is never left behind between ``open`` and the bookkeeping that removes it.
 
+A command that took a stop signal and is ending cleanly (``kvload serve``'s server, a tensor-parallel rank waiting for
+rank 0's stop) calls :func:`stopping`: until the command returns, another stop signal repeats that stop instead of
+cutting its teardown (and the ``--audit-log`` publication) short; torchrun passes a terminal's Ctrl-C on to ranks the
+terminal already reached, so every rank gets it twice.
+
 A stop signal whose exception Python swallows is sent again. The handler raises where the main thread is, and when
 that is a finalizer (a ``__del__``, a generator closed by the garbage collector, a weakref callback) Python only
 reports it to :func:`sys.unraisablehook` ("Exception ignored in ...") and goes on: the command ran to its end and
@@ -20,7 +25,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cache_backends.signal_hold import handlers_held
@@ -46,8 +51,9 @@ class HungUp(Terminated):
 
 
 #: ``armed``: the signals raise :class:`Terminated`; ``previous``: the handlers :func:`handle_sigterm` replaced;
-#: ``unraisable``: the :func:`sys.unraisablehook` it replaced (``None`` while not armed).
-_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None}
+#: ``unraisable``: the :func:`sys.unraisablehook` it replaced (``None`` while not armed); ``sigint``: SIGINT's handler
+#: :func:`stopping` replaced (``None`` while it is not in); ``ends_process``: :func:`ends_process` was called.
+_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "sigint": None, "ends_process": False}
 
 
 def _swallowed_stop(unraisable: Any) -> None:
@@ -98,21 +104,62 @@ def handle_sigterm() -> None:
         _state["armed"] = True
 
 
+def _repeated_stop(signum: int, frame: Any) -> None:
+    """A stop signal while the command already ends cleanly on an earlier one: that stop is under way (bounded: every
+    wait in a teardown has its timeout), so nothing is raised into it."""
+
+
+def stopping(replacing: Mapping[int, Any] | None = None) -> bool:
+    """The command took a stop signal and ends cleanly now: until :func:`release_sigterm`, SIGINT, SIGTERM and SIGHUP
+    repeat that stop, raising nothing into the teardown. ``replacing``: the handlers the caller set over kvload's and
+    would have put back (``serve``'s), SIGINT's put back at release instead. False (nothing changed) outside the main
+    thread or :func:`handle_sigterm`: a program that runs the server itself keeps its own handlers."""
+    if threading.current_thread() is not threading.main_thread() or not _state["armed"]:
+        return False
+    for signum in (signal.SIGINT, *_HANDLED):
+        found = signal.getsignal(signum)
+        if found is _repeated_stop or (signum == signal.SIGHUP and found == signal.SIG_IGN):  # nohup asked for that
+            continue
+        # swapped in one call: the caller's handler or this one at every moment, never a raising one in between
+        signal.signal(signum, _repeated_stop)
+        if signum == signal.SIGINT:
+            found = (replacing or {}).get(signum, found)
+            _state["sigint"] = signal.SIG_DFL if found is None else found
+    return True
+
+
 def release_sigterm() -> None:
     """Put back the SIGTERM and SIGHUP handlers :func:`handle_sigterm` replaced (once the command returned).
 
     After the command, interpreter shutdown runs atexit callbacks and finalizers (torch's, the process group's);
     a launcher's SIGTERM then (torchrun stopping the ranks left after one failed) raised ``Terminated`` inside them
     and Python printed "Exception ignored in atexit callback" with a traceback. Now such a signal acts as it would
-    without kvload: by default it ends the process, with nothing printed.
+    without kvload: by default it ends the process, with nothing printed. Unless the command ended cleanly on an
+    earlier one (:func:`stopping`) and the process ends with it (:func:`ends_process`): then it is ignored.
     """
     if threading.current_thread() is threading.main_thread() and _state["armed"]:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
-        for signum, previous in _state["previous"].items():
-            signal.signal(signum, previous)
+        stopped, _state["sigint"] = _state["sigint"], None
+        if stopped is not None and _state["ends_process"]:
+            # the command ended cleanly on a stop signal and the process ends with it: another one while it exits
+            # (torchrun passing the terminal's Ctrl-C on, a second kill) would only trade exit 0 for a kill
+            for signum in (signal.SIGINT, *_HANDLED):
+                if signal.getsignal(signum) is _repeated_stop:
+                    signal.signal(signum, signal.SIG_IGN)
+        else:
+            for signum, previous in _state["previous"].items():
+                signal.signal(signum, previous)
+            if stopped is not None:  # stopping() took SIGINT from its handler too
+                signal.signal(signal.SIGINT, stopped)
         if sys.unraisablehook is _swallowed_stop:
             sys.unraisablehook = _state["unraisable"] or sys.__unraisablehook__
         _state["unraisable"] = None
+
+
+def ends_process() -> None:
+    """The process ends when the command returns (``python -m kvload``, the ``kvload`` script): once a command that
+    ended cleanly on a stop signal returns, :func:`release_sigterm` ignores further stop signals for the exit."""
+    _state["ends_process"] = True
 
 
 @contextlib.contextmanager

@@ -164,6 +164,55 @@ def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_pa
         reap(proc)
 
 
+#: ``kvload serve`` (as ``python -m kvload`` runs it) sending itself the stop signal again first thing in the engine's
+#: stop, or in an exit callback once the command returned: a second Ctrl-C (or torchrun passing the terminal's on)
+#: that lands in the teardown or in the exit, every time
+_SIGNAL_AGAIN = """
+import atexit, os, signal, sys, time
+from engine.serving import ServingEngine
+again = getattr(signal, os.environ["AGAIN"])
+def send_again():
+    os.kill(os.getpid(), again)
+    time.sleep(0.2)  # its handler runs here
+stop = ServingEngine.stop
+def stop_again(self, *args, **kw):
+    if os.environ["WHERE"] == "teardown":
+        send_again()
+    return stop(self, *args, **kw)
+ServingEngine.stop = stop_again
+if os.environ["WHERE"] == "exit":
+    atexit.register(send_again)
+from kvload.__main__ import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("where", ["teardown", "exit"])
+@pytest.mark.parametrize("first, again", [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGINT"),
+                                          (signal.SIGINT, "SIGTERM")])
+def test_a_stop_signal_repeated_while_the_server_stops_still_stops_it_cleanly(first, again, where, tmp_path):
+    """Ctrl-C pressed twice, or torchrun passing the terminal's Ctrl-C on to a rank it already reached: the second
+    landed after the server stopped, while the engine stopped or the audit was published, and was raised there
+    (exit 130, "error: interrupted; the --audit-log file was not written"), or once the command returned, where
+    SIGTERM's default action killed the process (-15, which torchrun reports as a failed rank). The stop under way
+    is repeated instead: exit 0, the audit published."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_AGAIN, "serve", "tiny-llama", "--port", "0",
+                             "--audit-log", str(out / "audit.jsonl")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "AGAIN": again,
+                                            "WHERE": where},
+                            cwd=REPO, preexec_fn=signals_as_a_terminal_gives_them)
+    try:
+        _ready_line(proc)
+        proc.send_signal(first)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
+        assert proc.stderr.read() == ""
+        assert [p.name for p in out.iterdir()] == ["audit.jsonl"]
+    finally:
+        reap(proc)
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as sock:

@@ -282,19 +282,38 @@ def test_a_follower_that_dies_fails_the_requests_and_ends_rank_0(tmp_path):
     assert line.startswith("error: lost contact with another rank (it exited or was killed): "), line
 
 
-def _two_ranks(cwd: Path, *signals: tuple[int, signal.Signals]) -> list[tuple[int, str]]:
+#: rank 1 as ``python -m kvload`` with a slow set-up: 1.5 s more before it starts following rank 0's loop
+_SLOW_FOLLOWER = """
+import sys, time
+from engine.serving import ServingEngine
+follow = ServingEngine.follow
+def slow(self, *args, **kw):
+    time.sleep(1.5)
+    return follow(self, *args, **kw)
+ServingEngine.follow = slow
+from kvload.cli.entry import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _two_ranks(cwd: Path, *signals: tuple[int, signal.Signals], audit: bool = False, warm: bool = True,
+               slow_follower: bool = False) -> list[tuple[int, str]]:
     """Two serving ranks launched here (each rank's exit status seen, which torchrun's own hides); once rank 0 is
-    ready and a completion has run (so rank 1 is stepping: rank 0's ready line can come while rank 1 still sets up, and
-    a signal then ends its set-up, exit 143), send each ``(rank, signal)`` in turn (0.5 s apart, as a launcher passing
-    a signal on may); each rank's exit status and stderr."""
+    ready (``warm``: and a completion has run), send each ``(rank, signal)`` in turn (0.5 s apart, as a launcher
+    passing a signal on may); each rank's exit status and stderr. ``audit``: each rank writes ``--audit-log
+    audit.jsonl`` in ``cwd`` (rank 1's is ``audit.rank1.jsonl``); ``slow_follower``: rank 1 sets up 1.5 s longer."""
     env = _env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen([sys.executable, "-m", "kvload", *SERVE], cwd=cwd,
+    args = [*SERVE, "--audit-log", "audit.jsonl"] if audit else SERVE
+    procs = [subprocess.Popen([sys.executable, *(("-c", _SLOW_FOLLOWER) if rank and slow_follower else
+                                                  ("-m", "kvload")), *args], cwd=cwd,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, preexec_fn=signals_as_a_terminal_gives_them,
                               start_new_session=True) for rank in (0, 1)]
     try:
-        client = openai.OpenAI(base_url=_url(procs[0]) + "/v1", api_key="unused", timeout=60, max_retries=0)
-        _complete(client, 0)
+        url = _url(procs[0])
+        if warm:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+            _complete(client, 0)
         for k, (rank, sig) in enumerate(signals):
             if k:
                 time.sleep(0.5)
@@ -306,6 +325,17 @@ def _two_ranks(cwd: Path, *signals: tuple[int, signal.Signals]) -> list[tuple[in
             _kill_group(p)
 
 
+def test_the_ready_line_comes_once_every_rank_follows_so_a_stop_signal_then_ends_them_cleanly(tmp_path):
+    # rank 0's ready line came as soon as its own loop started; rank 1, still setting up, met a stop signal sent on
+    # that line there: exit 143, its audit unwritten, and rank 0 lost it. Ready now means every rank steps.
+    (rc0, err0), (rc1, err1) = _two_ranks(tmp_path, (1, signal.SIGTERM), (0, signal.SIGTERM), audit=True, warm=False,
+                                          slow_follower=True)
+    assert (rc0, rc1) == (0, 0), (err0[-2000:], err1[-2000:])
+    for err in (err0, err1):
+        assert "Traceback" not in err and "error:" not in err, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.jsonl", "audit.rank1.jsonl"]
+
+
 def test_a_stop_signal_to_every_rank_ends_the_follower_cleanly_too(tmp_path):
     # Ctrl-C or torchrun reach rank 1 first: it waits for rank 0's stop and exits 0. It used to end at once, its steps
     # still inside a gloo collective: C++ "terminate called", SIGABRT (-6), which torchrun's own status hid
@@ -313,6 +343,18 @@ def test_a_stop_signal_to_every_rank_ends_the_follower_cleanly_too(tmp_path):
     assert (rc0, rc1) == (0, 0), err1[-2000:]
     for err in (err0, err1):
         assert "terminate called" not in err and "Fatal Python error" not in err and "error:" not in err, err[-2000:]
+
+
+def test_a_stop_signal_repeated_while_the_ranks_stop_still_ends_them_cleanly(tmp_path):
+    # torchrun passes a terminal's Ctrl-C on to ranks the terminal already reached, so each gets SIGINT twice. The
+    # second, while rank 1 waited for rank 0's stop or while a rank tore down, was raised there: "error: interrupted;
+    # the --audit-log file was not written" (exit 130). A stop under way is repeated, not cut short.
+    sig = signal.SIGINT
+    (rc0, err0), (rc1, err1) = _two_ranks(tmp_path, (1, sig), (1, sig), (0, sig), (0, sig), audit=True)
+    assert (rc0, rc1) == (0, 0), (err0[-2000:], err1[-2000:])
+    for err in (err0, err1):
+        assert "terminate called" not in err and "Traceback" not in err and "error:" not in err, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.jsonl", "audit.rank1.jsonl"]
 
 
 def test_a_follower_whose_rank_0_does_not_stop_ends_by_its_signal_in_one_line(tmp_path):

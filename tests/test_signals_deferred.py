@@ -79,3 +79,37 @@ def test_a_signal_raised_while_the_handlers_are_put_back_leaves_none_swapped(mon
         assert signal.getsignal(signal.SIGTERM) is term
     finally:
         signal.signal(signal.SIGTERM, before[signal.SIGTERM])
+
+
+@pytest.mark.parametrize("armed", [True, False])
+def test_a_stop_under_way_takes_a_repeated_signal_until_the_command_returns(armed):
+    """``stopping()`` (a server or a rank ending cleanly on a first stop signal): a second SIGINT or SIGTERM raises
+    nothing into the teardown, and once the command returns every handler is what it was before the command. Outside
+    a command (a program running the server itself) it changes nothing: its own handlers stay in charge."""
+    import os
+    import signal
+
+    from pipeline.signals import handle_sigterm, release_sigterm, stopping
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    own_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run with `&` has it ignored
+    try:
+        if armed:
+            handle_sigterm()
+        try:
+            assert stopping({signal.SIGINT: signal.default_int_handler}) is armed
+            if armed:
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+                    os.kill(os.getpid(), sig)  # its handler runs before the call returns: nothing raised
+            else:
+                with pytest.raises(KeyboardInterrupt):
+                    os.kill(os.getpid(), signal.SIGINT)
+        finally:
+            release_sigterm()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)} == \
+            {s: before[s] for s in (signal.SIGTERM, signal.SIGHUP)}
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, own_sigint)

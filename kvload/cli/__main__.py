@@ -6,4 +6,7 @@ from kvload.cli.entry import main
 from kvload.process_end import leave
 
 if __name__ == "__main__":
+    from pipeline.signals import ends_process
+
+    ends_process()
     sys.exit(leave(main()))

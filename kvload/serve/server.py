@@ -51,6 +51,7 @@ from kvload.serve.uds import UnixListener, uds_url
 from pipeline.errors import ConfigError, GenerationError, KvloadError
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
+from pipeline.signals import stopping
 from pipeline.textfile import read_regular
 from pipeline.thread_end import EndingThread
 from pipeline.vllm_compat import reasoning_parser_named
@@ -333,6 +334,8 @@ class _Server(uvicorn.Server):
         self.exit_on_engine_failure = exit_on_engine_failure
         #: the engine loop's failure that stopped the server (``exit_on_engine_failure``); None otherwise
         self.engine_failure: str | None = None
+        #: the first stop signal taken (None: none yet)
+        self.stop_signal: int | None = None
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's tick (every 0.1 s); with ``exit_on_engine_failure``, a dead engine loop stops the server.
@@ -349,6 +352,8 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # the stop handler: uvicorn's, and serve()'s around it
+        if self.stop_signal is None:
+            self.stop_signal = sig
         self.state.engine.request_stop()
         super().handle_exit(sig, frame)
         # uvicorn takes a second SIGINT as "force quit": it stops waiting for open answers and cancels their handlers,
@@ -830,13 +835,18 @@ def serve(state: ServeState, host: str, port: int, *, log_level: str = "warning"
         state.engine.start()
         if state.stats_logger is not None:
             state.stats_logger.start()
-        if ready is not None:
+        # ready once every rank steps with the loop (a stop then finds them all where it ends them cleanly); a loop
+        # that failed first stops the server at its first tick, a stop signal meanwhile at once
+        if ready is not None and state.engine.wait_joined(lambda: server.should_exit):
             ready(uds_url(uds, tls=tls is not None) if uds is not None else
                   http_url(host, sock.getsockname()[1], scheme="https" if tls is not None else "http"))
         server.run(sockets=[sock])
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        # stopped by a signal: another one (Ctrl-C again, torchrun passing the terminal's on) repeats that stop, rather
+        # than cutting the engine's stop, the command's teardown or its --audit-log publication short
+        if not (previous and server.stop_signal is not None and stopping(previous)):
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if state.stats_logger is not None:
             state.stats_logger.stop()
         state.engine.stop()
