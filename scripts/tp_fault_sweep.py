@@ -273,6 +273,11 @@ def serve_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
             c.proc.send_signal(signal.SIGTERM if fault == "sigterm" else signal.SIGINT)
         elif fault == "sigint_group":  # a terminal's Ctrl-C: the command and its ranks at once
             os.killpg(c.proc.pid, signal.SIGINT)
+        elif fault in ("sigint_twice", "sigint_sigterm"):  # Ctrl-C pressed again (or kill) while the ranks stop
+            c.proc.send_signal(signal.SIGINT)
+            time.sleep(0.1)  # inside the stop (about 0.3 s)
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGINT if fault == "sigint_twice" else signal.SIGTERM)
         elif fault == "sigterm_streaming":
             rec.update(stream_then(c, url, lambda: c.proc.send_signal(signal.SIGTERM)))
         elif fault == "kill1_idle":
@@ -293,6 +298,8 @@ def serve_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
             rec.update(stream_then(c, url, lambda: os.kill(ranks[0], signal.SIGKILL)))
             killed, expect = 0, (137,)
         rec = c.finish(rec, killed, expect)
+        if expect == (0,) and not (tmp / "audit.jsonl").exists():  # a clean stop publishes rank 0's audit
+            rec["why"].append("exit 0 without its --audit-log")
         if rec.pop("client_why", None):
             rec["why"].append("the stream did not end with an error naming the lost rank")
         with socket.socket() as s:  # as a restarted server binds it (a closed connection's TIME_WAIT does not count)
@@ -373,8 +380,9 @@ def llm_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
 
 CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     **{f"serve.{f}": (lambda t, f=f: serve_case(t, f"serve.{f}", f))
-       for f in ("sigterm", "sigint", "sigint_group", "sigterm_streaming", "kill1_idle", "kill1_streaming",
-                 "kill0_streaming", "sigterm_rank1", "kill_parent", "kill1_loading", "sigterm_loading")},
+       for f in ("sigterm", "sigint", "sigint_group", "sigint_twice", "sigint_sigterm", "sigterm_streaming",
+                 "kill1_idle", "kill1_streaming", "kill0_streaming", "sigterm_rank1", "kill_parent", "kill1_loading",
+                 "sigterm_loading")},
     **{f"generate.{f}": (lambda t, f=f: generate_case(t, f"generate.{f}", f))
        for f in ("kill1", "sigterm", "sigint", "sigint_group", "kill_parent")},
     **{f"llm.{f}": (lambda t, f=f: llm_case(t, f"llm.{f}", f)) for f in ("kill1", "kill1_again", "sigterm", "sigint",
