@@ -2232,11 +2232,32 @@ class KVCacheManagerV2:
         last = cache.last
         if last is not None and last.users == 1 and not last.children:
             # The common case: the cache's own leaf run grows in place (what extend() would do there).
+            owner = self._one_owner
+            if owner is not None and events is None and full > first + 1:
+                # Several new positions (a turn's prefill), a block per group at each, none hung yet: checked for
+                # every group at once at C speed and hung in bulk, else the per-group path below (Gemma 3 27B
+                # multi-turn: a turn's 3 new positions cost ~44 us group by group over 31 groups)
+                names, k = self._names, full - first
+                got = [table[first:full] for table in map(tables.__getitem__, names)]
+                flat = list(chain.from_iterable(got))
+                if len(flat) == k * len(names) and -1 not in flat \
+                        and list(map(owner.__getitem__, flat)).count(None) == len(flat):
+                    last.tokens += packed
+                    self._tree.num_nodes += k
+                    for blocks, piece in zip(map(last.blocks.__getitem__, names), got, strict=True):
+                        blocks += piece
+                    pos = self._arena.pos  # type: ignore[union-attr]
+                    for b in flat:
+                        owner[b] = last
+                    for piece in got:
+                        for i, b in enumerate(piece, first):
+                            pos[b] = i
+                    last.held += [len(names)] * k
+                    return
             if full == first + 1 and events is None:  # a decode filled one block: no slicing, no bulk checks
                 i = len(last.held)
                 last.tokens += packed
                 self._tree.num_nodes += 1
-                owner = self._one_owner
                 if owner is not None:  # one block per group at one position: checked at C speed, hung in bulk
                     names = self._names
                     got = [table[first] for table in map(tables.__getitem__, names)]
