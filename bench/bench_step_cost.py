@@ -24,6 +24,7 @@ per side (``bench.common.kv_opcode_counter``: deterministic, so it holds on a lo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -81,6 +82,9 @@ def measure(pairs: int, quick: bool, only: list[str] | None = None,
             runs: dict[str, list[float]] = {"a": [], "b": []}
             for i in range(pairs):
                 for side in (("a", "b") if i % 2 == 0 else ("b", "a")):
+                    # the garbage the last run left is collected now, not inside this run's timed work: a gen-2
+                    # collection landing in one run took a no-reuse side from ~60 to ~225 ms (BENCHMARKS.md, v2cpu47)
+                    gc.collect()
                     report = simulate(model, wl, kv_cache_config=a if side == "a" else b, **CPU)
                     (result,) = report.results.values()
                     m = result.metrics

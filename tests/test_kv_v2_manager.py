@@ -16,7 +16,7 @@ from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.stats import HostStats, ManagerStats
 from cache_backends.v2 import CacheState, KVCacheManagerV2
-from cache_backends.v2.manager import fit_spans
+from cache_backends.v2.manager import _copy_pages, fit_spans
 from tests.kv_v2_support import (
     FULL,
     admit,
@@ -795,3 +795,57 @@ def test_a_follow_up_turn_reuses_its_historys_partial_last_block(lazy, window):
     assert c.num_computed_tokens == 13
     check_kv(m, c)
     m.check_invariants()
+
+
+# --- a partial hit's page copy on a shared arena ---------------------------------------------------
+
+
+@st.composite
+def _copy_lists(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """Distinct destination blocks and as many source blocks, none a destination: evenly stepped (either way, as
+    consecutive ids usually are), stepped unevenly, or one or none."""
+    n = draw(st.integers(0, 6))
+
+    def blocks(lo: int) -> list[int]:
+        if draw(st.booleans()) and n:
+            step = draw(st.sampled_from([1, 2, 3, -1, -2]))
+            start = lo + (0 if step > 0 else (n - 1) * -step)
+            return [start + i * step for i in range(n)]
+        return draw(st.lists(st.integers(lo, lo + 14), min_size=n, max_size=n, unique=True))
+
+    src = blocks(0)
+    dst = blocks(16) if draw(st.booleans()) else draw(st.permutations(blocks(16)))
+    return dst, src
+
+
+@given(_copy_lists())
+@settings(max_examples=300, deadline=None)
+def test_copying_pages_by_block_lists_writes_each_destination_its_source_page(lists):
+    dst, src = lists
+    pages = torch.randn(2, 32, 3, 4)
+    want = pages.clone()
+    if dst:
+        want[:, dst] = pages[:, src]
+    _copy_pages(pages, dst, src)
+    assert torch.equal(pages, want)
+
+
+def test_copying_pages_takes_one_slice_copy_where_both_lists_step_evenly():
+    pages = torch.arange(2 * 32 * 2, dtype=torch.float32).view(2, 32, 2)
+    want = pages.clone()
+    seen = []
+
+    class Watch(torch.Tensor):
+        def index_copy_(self, *args, **kwargs):
+            seen.append("indexed")
+            return super().index_copy_(*args, **kwargs)
+
+    watched = pages.as_subclass(Watch)
+    for dst, src, indexed in (([20, 18, 16], [7, 6, 5], False),  # both descending: read backwards, both step evenly
+                              ([21, 22, 23], [3, 5, 7], False),
+                              ([16, 18, 20], [7, 6, 5], True),  # one ascending, one descending
+                              ([16, 17, 19], [3, 4, 5], True)):
+        want[:, dst] = want[:, src]
+        _copy_pages(watched, dst, src)
+        assert seen == (["indexed"] if indexed else []) and torch.equal(pages, want), (dst, src)
+        seen.clear()

@@ -956,3 +956,46 @@ def test_a_keyed_finish_releasing_a_block_more_often_than_held_raises_naming_it(
     given = [(0, [*taken, taken[1]])] if twice else [(0, list(taken)), (0, list(taken))]
     with pytest.raises(RuntimeError, match=r"^group g0: block \d+ released more often than held$"):
         pool.release_tables(given, 1)
+
+
+def _grow_own_run(bulk: bool) -> tuple[KVCacheManagerV2, Request]:
+    """A second turn hits its history's 2 blocks (their run is its own leaf), then commits 3 more blocks at once
+    (a prefill chunk) and a decode's block: keyed through the all-groups path or (``bulk`` False) group by group."""
+    m = make_manager(gemma_like(window=64), 24)
+    first = Request("t1", list(range(1, 10)), 0)  # 2 full blocks and a token
+    prefill(m, first)
+    m.free(first)
+    turn = Request("t2", list(range(1, 9)) + list(range(20, 33)), 0)  # the 2 blocks, then 13 tokens
+    admit(m, turn)
+    assert turn.num_computed_tokens == 8 and m.cache(turn).last.users == 1 and not m.cache(turn).last.children
+    if not bulk:
+        saved, m._one_owner = m._one_owner, None
+    compute(m, turn, 13)  # 3 blocks' positions at once, and a token
+    turn.output_token_ids.extend([40, 41, 42])
+    compute(m, turn, 3)  # a decode fills the 6th block
+    if not bulk:
+        m._one_owner = saved
+    return m, turn
+
+
+def test_a_run_grown_by_several_blocks_is_keyed_for_all_groups_at_once_as_group_by_group():
+    bulk, turn = _grow_own_run(True)
+    alone, again = _grow_own_run(False)
+    for m in (bulk, alone):
+        m.check_invariants()
+    run, other = bulk.cache(turn).last, alone.cache(again).last
+    assert len(run.held) == len(other.held) and run.start + len(run.held) == 6  # every full block hung in place
+    assert run.held == other.held == [len(bulk.groups)] * len(run.held)
+    assert run.tokens == other.tokens and run.blocks == other.blocks
+    assert bulk._tree.num_nodes == alone._tree.num_nodes
+    for name in bulk._names:
+        table = bulk.block_table(turn, name)
+        assert table == alone.block_table(again, name)
+        assert [(bulk._arena.node[b] is run, bulk._arena.pos[b]) for b in table[2:6]] \
+            == [(True, p) for p in range(2, 6)]
+    # the next turn finds all six blocks
+    m = bulk
+    m.free(turn)
+    follow = Request("t3", [*turn.all_token_ids, 7, 7], 0)
+    admit(m, follow)
+    assert follow.num_computed_tokens >= 24
