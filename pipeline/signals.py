@@ -1,4 +1,5 @@
-"""SIGTERM and SIGHUP handled like SIGINT, and short sections that no signal may cut in half.
+"""SIGTERM and SIGHUP handled like SIGINT, a stop under way not cut short by another, and short sections that no
+signal may cut in half.
 
 ``kvload`` turns SIGTERM into :class:`Terminated` and SIGHUP (a closed terminal, a dropped ssh
 session) into :class:`HungUp` (both ``KeyboardInterrupt``), so every cleanup path that already runs
@@ -6,10 +7,14 @@ for Ctrl-C (releasing pools, discarding a half-written audit file, killing a ker
 for ``kill`` and a hangup too. :func:`deferred` holds the signals back while a temporary file is created or
 published, so it is never left behind between ``open`` and the bookkeeping that removes it.
 
-A command that took a stop signal and is ending cleanly (``kvload serve``'s server, a tensor-parallel rank waiting for
-rank 0's stop) calls :func:`stopping`: until the command returns, another stop signal repeats that stop instead of
-cutting its teardown (and the ``--audit-log`` publication) short; torchrun passes a terminal's Ctrl-C on to ranks the
-terminal already reached, so every rank gets it twice.
+One stop at a time. Once a stop signal was taken (its exception raised, or :func:`stopping`: ``kvload serve``'s server
+stopped on one, a tensor-parallel rank waits for rank 0's stop), another one within ``REPEAT_S`` repeats that stop
+and raises nothing: the cleanup it started, the command's teardown and its one line run to their end, with the first
+signal's exit status. torchrun passes a terminal's Ctrl-C on to ranks the terminal already reached (every rank gets
+it twice), and a second Ctrl-C pressed at once raised into the cleanup of the first (a traceback from a finalizer,
+exit -15 from a SIGTERM in the exit, an unpublished audit). One later than that acts as before (raised: a teardown
+that long is cut short as the user asks). A process that ends with its command (:func:`ends_process`) ignores them
+for its exit.
 
 A stop signal whose exception Python swallows is sent again. The handler raises where the main thread is, and when
 that is a finalizer (a ``__del__``, a generator closed by the garbage collector, a weakref callback) Python only
@@ -25,14 +30,17 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cache_backends.signal_hold import handlers_held
 
-#: Signals :func:`handle_sigterm` turns into :class:`Terminated` (SIGINT already raises ``KeyboardInterrupt``).
+#: Signals :func:`handle_sigterm` turns into :class:`Terminated` (SIGINT raises ``KeyboardInterrupt``).
 _HANDLED = (signal.SIGTERM, signal.SIGHUP)
 _HELD = {signal.SIGINT, *_HANDLED}
+#: Seconds after a stop was taken during which another stop signal repeats it (raises nothing)
+REPEAT_S = 3.0
 
 
 class Terminated(KeyboardInterrupt):
@@ -50,10 +58,14 @@ class HungUp(Terminated):
     describe = "hung up (SIGHUP)"
 
 
-#: ``armed``: the signals raise :class:`Terminated`; ``previous``: the handlers :func:`handle_sigterm` replaced;
-#: ``unraisable``: the :func:`sys.unraisablehook` it replaced (``None`` while not armed); ``sigint``: SIGINT's handler
-#: :func:`stopping` replaced (``None`` while it is not in); ``ends_process``: :func:`ends_process` was called.
-_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "sigint": None, "ends_process": False}
+#: ``armed``: the signals raise; ``previous``: the handlers :func:`handle_sigterm` replaced; ``unraisable``: the
+#: :func:`sys.unraisablehook` it replaced (``None`` while not armed); ``taken``: when the stop under way was taken
+#: (``time.monotonic()``; ``None``: none); ``ends_process``: :func:`ends_process` was called.
+_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "taken": None, "ends_process": False}
+
+
+def _stop_exception(signum: int) -> KeyboardInterrupt:
+    return HungUp() if signum == signal.SIGHUP else Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _swallowed_stop(unraisable: Any) -> None:
@@ -62,6 +74,7 @@ def _swallowed_stop(unraisable: Any) -> None:
     exc = unraisable.exc_value
     if _state["armed"] and isinstance(exc, KeyboardInterrupt):
         signum = exc.signal_number if isinstance(exc, Terminated) else signal.SIGINT
+        _untake()  # the stop was dropped: the signal sent again must raise, not repeat it
         # sent a moment later from another thread: sent at once, its handler ran inside this hook (or in
         # Thread.start's wait, still inside it), and that raise was dropped too
         again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
@@ -76,8 +89,10 @@ def _swallowed_stop(unraisable: Any) -> None:
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
+    """SIGINT, SIGTERM and SIGHUP while armed: the stop is taken and its exception raised where the main thread is."""
     if _state["armed"]:
-        raise HungUp() if signum == signal.SIGHUP else Terminated()
+        _take()
+        raise _stop_exception(signum)
     # released (the command is over) but not yet swapped out: act as the handler kvload replaced would, never
     # raising into atexit callbacks or finalizers
     previous = _state["previous"].get(signum, signal.SIG_DFL)
@@ -88,15 +103,48 @@ def _raise_terminated(signum: int, frame: Any) -> None:
         os.kill(os.getpid(), signum)
 
 
+def _repeated_stop(signum: int, frame: Any) -> None:
+    """A stop signal while a stop is under way: nothing raised into its cleanup within ``REPEAT_S`` of it; later, as
+    before (a teardown that long is cut short as asked)."""
+    taken = _state["taken"]
+    if _state["armed"] and (taken is None or time.monotonic() - taken > REPEAT_S):
+        raise _stop_exception(signum)
+
+
+def _take(replacing: Mapping[int, Any] | None = None) -> None:
+    """The stop under way from now: every stop signal's handler (but an ignored one) repeats it. ``replacing``: the
+    handlers found under the caller's own (one ignored there is ignored again)."""
+    if _state["taken"] is None:
+        _state["taken"] = time.monotonic()
+    for signum in (signal.SIGINT, *_HANDLED):
+        found = signal.getsignal(signum)
+        if (replacing or {}).get(signum, found) == signal.SIG_IGN:
+            if found != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_IGN)
+        elif found is not _repeated_stop:
+            # swapped in one call: the caller's handler or this one at every moment, never a raising one between
+            signal.signal(signum, _repeated_stop)
+
+
+def _untake() -> None:
+    """No stop under way after all (its exception was dropped): the stop signals raise again."""
+    _state["taken"] = None
+    for signum in (signal.SIGINT, *_HANDLED):
+        if signal.getsignal(signum) is _repeated_stop:
+            signal.signal(signum, _raise_terminated)
+
+
 def handle_sigterm() -> None:
-    """Make SIGTERM and SIGHUP raise :class:`Terminated` (:class:`HungUp`) in the main thread (a no-op elsewhere)
-    until :func:`release_sigterm`. An ignored SIGHUP stays ignored: ``nohup kvload ...`` asked for that."""
+    """Make SIGINT, SIGTERM and SIGHUP raise ``KeyboardInterrupt``, :class:`Terminated`, :class:`HungUp` in the main
+    thread (a no-op elsewhere) until :func:`release_sigterm`, one stop at a time (the module's docstring). An ignored
+    SIGHUP or SIGINT stays ignored: ``nohup kvload ...`` and a job started with ``&`` asked for that."""
     if threading.current_thread() is threading.main_thread():
-        for signum in _HANDLED:
-            if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+        _state["taken"] = None
+        for signum in (signal.SIGINT, *_HANDLED):
+            if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
                 continue
             previous = signal.signal(signum, _raise_terminated)
-            if previous is not _raise_terminated:
+            if previous not in (_raise_terminated, _repeated_stop):
                 _state["previous"][signum] = signal.SIG_DFL if previous is None else previous
         if sys.unraisablehook is not _swallowed_stop:
             _state["unraisable"] = sys.unraisablehook
@@ -104,53 +152,38 @@ def handle_sigterm() -> None:
         _state["armed"] = True
 
 
-def _repeated_stop(signum: int, frame: Any) -> None:
-    """A stop signal while the command already ends cleanly on an earlier one: that stop is under way (bounded: every
-    wait in a teardown has its timeout), so nothing is raised into it."""
-
-
 def stopping(replacing: Mapping[int, Any] | None = None) -> bool:
-    """The command took a stop signal and ends cleanly now: until :func:`release_sigterm`, SIGINT, SIGTERM and SIGHUP
-    repeat that stop, raising nothing into the teardown. ``replacing``: the handlers the caller set over kvload's and
-    would have put back (``serve``'s), SIGINT's put back at release instead. False (nothing changed) outside the main
-    thread or :func:`handle_sigterm`: a program that runs the server itself keeps its own handlers."""
+    """The command took a stop signal of its own (a server's handler, a wait that caught one) and ends cleanly now:
+    another stop signal repeats that stop (the module's docstring). ``replacing``: the handlers the caller set its own
+    over and would have put back (``serve``'s). False (nothing changed) outside the main thread or
+    :func:`handle_sigterm`: a program that runs the server itself keeps its own handlers."""
     if threading.current_thread() is not threading.main_thread() or not _state["armed"]:
         return False
-    for signum in (signal.SIGINT, *_HANDLED):
-        found = signal.getsignal(signum)
-        if found is _repeated_stop or (signum == signal.SIGHUP and found == signal.SIG_IGN):  # nohup asked for that
-            continue
-        # swapped in one call: the caller's handler or this one at every moment, never a raising one in between
-        signal.signal(signum, _repeated_stop)
-        if signum == signal.SIGINT:
-            found = (replacing or {}).get(signum, found)
-            _state["sigint"] = signal.SIG_DFL if found is None else found
+    _take(replacing)
     return True
 
 
 def release_sigterm() -> None:
-    """Put back the SIGTERM and SIGHUP handlers :func:`handle_sigterm` replaced (once the command returned).
+    """Put back the SIGINT, SIGTERM and SIGHUP handlers :func:`handle_sigterm` replaced (once the command returned).
 
     After the command, interpreter shutdown runs atexit callbacks and finalizers (torch's, the process group's);
     a launcher's SIGTERM then (torchrun stopping the ranks left after one failed) raised ``Terminated`` inside them
     and Python printed "Exception ignored in atexit callback" with a traceback. Now such a signal acts as it would
-    without kvload: by default it ends the process, with nothing printed. Unless the command ended cleanly on an
-    earlier one (:func:`stopping`) and the process ends with it (:func:`ends_process`): then it is ignored.
+    without kvload: by default it ends the process, with nothing printed. Unless the command ended on a stop (one was
+    taken) and the process ends with it (:func:`ends_process`): then it is ignored.
     """
     if threading.current_thread() is threading.main_thread() and _state["armed"]:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
-        stopped, _state["sigint"] = _state["sigint"], None
-        if stopped is not None and _state["ends_process"]:
-            # the command ended cleanly on a stop signal and the process ends with it: another one while it exits
-            # (torchrun passing the terminal's Ctrl-C on, a second kill) would only trade exit 0 for a kill
+        taken, _state["taken"] = _state["taken"], None
+        if taken is not None and _state["ends_process"]:
+            # the command ended on a stop and the process ends with it: another one while it exits (torchrun passing
+            # the terminal's Ctrl-C on, a second kill) would only trade the first one's status for a kill
             for signum in (signal.SIGINT, *_HANDLED):
-                if signal.getsignal(signum) is _repeated_stop:
+                if signal.getsignal(signum) != signal.SIG_IGN:
                     signal.signal(signum, signal.SIG_IGN)
         else:
             for signum, previous in _state["previous"].items():
                 signal.signal(signum, previous)
-            if stopped is not None:  # stopping() took SIGINT from its handler too
-                signal.signal(signal.SIGINT, stopped)
         if sys.unraisablehook is _swallowed_stop:
             sys.unraisablehook = _state["unraisable"] or sys.__unraisablehook__
         _state["unraisable"] = None
@@ -158,7 +191,7 @@ def release_sigterm() -> None:
 
 def ends_process() -> None:
     """The process ends when the command returns (``python -m kvload``, the ``kvload`` script): once a command that
-    ended cleanly on a stop signal returns, :func:`release_sigterm` ignores further stop signals for the exit."""
+    ended on a stop returns, :func:`release_sigterm` ignores further stop signals for the exit."""
     _state["ends_process"] = True
 
 

@@ -1306,6 +1306,57 @@ def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code, line):
     assert_refused(r, f"{line}; the --audit-log file was not written", folder=out, code=code)
 
 
+#: ``kvload generate`` (as ``python -m kvload`` runs it) sending itself a stop signal again once it is stopping: from
+#: the audit's discard (the cleanup the first one started) or from an exit callback (the process ending), every time
+_STOP_AGAIN = """
+import atexit, os, signal, sys, time
+import kvload.cli.entry as entry
+again = getattr(signal, os.environ["AGAIN"])
+def send_again():
+    os.kill(os.getpid(), again)
+    time.sleep(0.2)  # its handler runs here
+close = entry._close_audit
+def close_again(ns, ok):
+    if not ok and os.environ["WHERE"] == "cleanup":
+        send_again()
+    return close(ns, ok)
+entry._close_audit = close_again
+if os.environ["WHERE"] == "exit":
+    atexit.register(send_again)
+from kvload.__main__ import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("where", ["cleanup", "exit"])
+@pytest.mark.parametrize(("first", "again"), [(STOPS[1], "SIGINT"), (STOPS[1], "SIGTERM"), (STOPS[0], "SIGINT")])
+def test_a_stop_signal_again_while_the_first_one_is_cleaned_up_changes_nothing(tmp_path, first, again, where):
+    """Ctrl-C pressed twice, a kill after a Ctrl-C, or torchrun passing a terminal's Ctrl-C on: the second signal was
+    raised into the first one's cleanup or into the exit, and the user saw a traceback ("Exception ignored in ...
+    KeyboardInterrupt", from torch's finalizers) or a process killed by SIGTERM (-15) instead of the first one's line
+    and status. The stop under way is repeated: one line, the first signal's status, nothing left."""
+    signum, code, line = first
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _STOP_AGAIN, "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                             "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                               "TMPDIR": str(out), "AGAIN": again, "WHERE": where},
+                            preexec_fn=signals_as_a_terminal_gives_them)
+    try:
+        assert proc.stdout.read(1)  # a token printed: generating
+        r = interrupt(proc, signum)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert r.code == code, r.err[-2000:]
+    assert [x for x in r.err.splitlines() if x.strip()] == \
+        [f"error: {line}; the --audit-log file was not written"], r.err[-2000:]
+    assert sorted(p.name for p in out.iterdir()) in ([], ["torchinductor_root"])
+
+
 def _read_terminal(master: int, until: Any, timeout: float = 240.0) -> bytes:
     """What a process wrote to the terminal ``master`` until ``until(seen)`` or the terminal closed (bounded)."""
     import select

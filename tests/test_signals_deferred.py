@@ -82,34 +82,61 @@ def test_a_signal_raised_while_the_handlers_are_put_back_leaves_none_swapped(mon
 
 
 @pytest.mark.parametrize("armed", [True, False])
-def test_a_stop_under_way_takes_a_repeated_signal_until_the_command_returns(armed):
-    """``stopping()`` (a server or a rank ending cleanly on a first stop signal): a second SIGINT or SIGTERM raises
-    nothing into the teardown, and once the command returns every handler is what it was before the command. Outside
-    a command (a program running the server itself) it changes nothing: its own handlers stay in charge."""
+def test_a_stop_under_way_takes_a_repeated_signal_until_the_command_returns(armed, monkeypatch):
+    """``stopping()`` (a server or a rank ending cleanly on a first stop signal): another SIGINT or SIGTERM within
+    ``REPEAT_S`` raises nothing into the teardown, a later one raises as before (a teardown that long is cut short as
+    asked), and once the command returns every handler is what it was before the command. Outside a command (a
+    program running the server itself) it changes nothing: its own handlers stay in charge."""
     import os
     import signal
 
-    from pipeline.signals import handle_sigterm, release_sigterm, stopping
+    from pipeline import signals
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     own_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run with `&` has it ignored
     try:
         if armed:
-            handle_sigterm()
+            signals.handle_sigterm()
         try:
-            assert stopping({signal.SIGINT: signal.default_int_handler}) is armed
+            assert signals.stopping() is armed
             if armed:
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
                     os.kill(os.getpid(), sig)  # its handler runs before the call returns: nothing raised
+                monkeypatch.setattr(signals, "REPEAT_S", 0.0)
+                with pytest.raises(signals.Terminated):
+                    os.kill(os.getpid(), signal.SIGTERM)
             else:
                 with pytest.raises(KeyboardInterrupt):
                     os.kill(os.getpid(), signal.SIGINT)
         finally:
-            release_sigterm()
+            signals.release_sigterm()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        assert {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)} == \
-            {s: before[s] for s in (signal.SIGTERM, signal.SIGHUP)}
+        assert {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)} == before
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, own_sigint)
+
+
+def test_the_first_stop_signal_raises_and_the_next_ones_repeat_it():
+    """Armed, a first SIGINT raises ``KeyboardInterrupt``; SIGINT and SIGTERM right after it raise nothing (the cleanup
+    it started runs on), and the command's next start raises again."""
+    import os
+    import signal
+
+    from pipeline import signals
+
+    own_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for _ in range(2):  # two commands in one process, as main() called twice
+            signals.handle_sigterm()
+            try:
+                with pytest.raises(KeyboardInterrupt) as caught:
+                    os.kill(os.getpid(), signal.SIGINT)
+                assert not isinstance(caught.value, signals.Terminated)
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGINT)
+            finally:
+                signals.release_sigterm()
     finally:
         signal.signal(signal.SIGINT, own_sigint)
