@@ -51,8 +51,9 @@ One :meth:`~KVCacheV2Scheduler.step`:
    a 150-360-token system prompt waited in arrival order while the running requests' growth evicted the system prompt
    (GPT-OSS 20B ``mixed`` on four 245-token system prompts: 30.3% of prompt tokens reused against V1's 34.3%; ranked,
    45.0% in 0.61x V1's steps; tiny-gemma3 on five of 358 tokens: 30.6% against 34.7%, ranked 71.4% in 0.48x), and
-   each one admitted keeps it cached for the next (BENCHMARKS.md, "v2hits47"). The floor's reason (late conversations
-   running their turns alone at the end) is a chain of turns, which a one-shot prompt on a system prompt is not.
+   each one admitted keeps it cached for the next (BENCHMARKS.md, "Short system prompts ranked"). The floor's reason
+   (late conversations running their turns alone at the end) is a chain of turns, which a one-shot prompt on a system
+   prompt is not.
    A conversation's wait counts across its turns: a request whose prompt extends the prompt of one admitted after
    waiting ``LPM_CARRY`` steps or more (its previous turn) joins the queue with that wait already on its clock, so a
    conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late
@@ -193,7 +194,7 @@ LPM_WINDOW, LPM_AGE, LPM_MIN_HIT = 128, 1024, 512
 #: prompts went on from, not a conversation's history, which the next turn extends whole) ranks from this many tokens
 #: (module docstring, "Short system prompts"): 64 and 128 fixed the same search samples, 64 took more hits from
 #: ``shared-prefix`` samples, 256 left GPT-OSS ``mixed`` on 245-token system prompts 4 points below V1
-#: (BENCHMARKS.md, "v2hits47").
+#: (BENCHMARKS.md, "Short system prompts ranked").
 LPM_BRANCH_HIT = 128
 #: The shortest wait (scheduler steps) a request's next turn carries (module docstring): shorter waits are dropped so
 #: that few prompts are kept; 1, 256, 512 and 768 gave the same grid and variant figures (BENCHMARKS.md, "A
