@@ -1056,6 +1056,14 @@ def test_a_turn_carries_the_wait_of_its_own_conversation_s_latest_turn(monkeypat
     assert s._carry_of(turn) == 3
 
 
+def _floor(branch: bool) -> int:
+    """The hit a request's lookup must find to rank: ``LPM_BRANCH_HIT`` where it parts from a cached prefix (at most
+    ``LPM_MIN_HIT``), else ``LPM_MIN_HIT``."""
+    import cache_backends.v2.scheduler as scheduler
+
+    return min(scheduler.LPM_BRANCH_HIT, scheduler.LPM_MIN_HIT) if branch else scheduler.LPM_MIN_HIT
+
+
 def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running: int = 0) -> list[Request]:
     """The "fcfs" admission order as one Python pass over the window computes it (the reference)."""
     import itertools
@@ -1072,8 +1080,8 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running
         if r.queued_at < 0:
             r.queued_at = now
         if r.cached_hint < 0:
-            hit = m.cached_prefix_tokens(r)
-            rank = r.cached_hint = hit if hit >= scheduler.LPM_MIN_HIT else 0
+            hit, branch = m.cached_prefix(r)
+            rank = r.cached_hint = hit if hit >= _floor(branch) else 0
             if r.first_reused_tokens is None:  # first joins only, the earlier ones weighed down
                 s._joined_hit *= 1 - 1 / scheduler.LPM_RECENT
                 s._joined_cold *= 1 - 1 / scheduler.LPM_RECENT
@@ -1082,15 +1090,16 @@ def _cache_aware_by_loop(s: KVCacheV2Scheduler, waiting: deque[Request], running
                 else:
                     s._joined_cold += 1
         elif r.cached_hint:
-            hit = m.cached_prefix_tokens(r)
-            rank = hit if hit >= scheduler.LPM_MIN_HIT else 1
+            hit, branch = m.cached_prefix(r)
+            rank = hit if hit >= _floor(branch) else 1
         else:
             rank = 0
         ranked.append((rank, r))
     if now % scheduler.LPM_RELOOK == 0:  # a miss that waited looked up again: a hit now counts as one found joining
         for i, (rank, r) in enumerate(ranked):
             if (rank == 0 and now - r.queued_at >= scheduler.LPM_RELOOK_WAIT
-                    and (hit := m.cached_prefix_tokens(r)) >= scheduler.LPM_MIN_HIT):
+                    and (found := m.cached_prefix(r))[0] >= _floor(found[1])):
+                hit = found[0]
                 ranked[i] = (hit, r)
                 r.cached_hint = hit
     # the first turns waiting (the queue beyond the window counted among them) are few beside the running requests:
@@ -1128,12 +1137,13 @@ _STATES = [RequestState.WAITING] * 6 + [RequestState.SUSPENDED]
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12), st.sampled_from(_STATES), st.integers(-1, 16),
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 12), st.sampled_from(_STATES), st.integers(-1, 16),
                           st.integers(-1, 6)), min_size=0, max_size=12),
        st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(0, 12))
 def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_window_gives(queue, evictions, running):
     # Queues longer and shorter than the window, requests joining it (no clock yet), aged ones, suspended ones
-    # skipped, hints unknown / none / found, cached prefixes that go stale as fresh prompts evict them between steps,
+    # skipped, hints unknown / none / found, hits on a prefix the request parts from (LPM_BRANCH_HIT's floor), cached
+    # prefixes that go stale as fresh prompts evict them between steps,
     # running batches beside which the first turns waiting are few or not.
     # Both orders are taken step after step from twin queues (the same requests' copies): the orders and what each
     # leaves on the requests (their clocks and hints) must match.
@@ -1148,7 +1158,12 @@ def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_windo
         m.free(done)
     twins = []
     for i, (source, extra, state, hint, queued) in enumerate(queue):
-        prompt = [10 * source + j for j in range(8 + 4 * (source % 3))] if source < 4 else [90 + source] * 6
+        if source < 4:
+            prompt = [10 * source + j for j in range(8 + 4 * (source % 3))]
+        elif source < 6:
+            prompt = [90 + source] * 6
+        else:  # parts from a cached prompt after its first block: a 4-token hit that ranks by LPM_BRANCH_HIT alone
+            prompt = [10 * (source - 6) + j for j in range(4)] + [70 + source] * 5
         reqs = []
         for _ in range(2):
             r = Request(f"w{i}", prompt + [80 + i] * extra, 4, arrival=i)
@@ -1158,8 +1173,8 @@ def test_the_cache_aware_order_read_in_c_passes_is_the_one_a_loop_over_the_windo
     fast_q, loop_q = deque(t[0] for t in twins), deque(t[1] for t in twins)
     fast_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
     loop_s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
-    with mock.patch.multiple(scheduler, LPM_WINDOW=5, LPM_AGE=3, LPM_MIN_HIT=8, LPM_CARRY=2, LPM_RELOOK=3,
-                             LPM_RELOOK_WAIT=2):
+    with mock.patch.multiple(scheduler, LPM_WINDOW=5, LPM_AGE=3, LPM_MIN_HIT=8, LPM_BRANCH_HIT=4, LPM_CARRY=2,
+                             LPM_RELOOK=3, LPM_RELOOK_WAIT=2):
         for step, evict in enumerate(evictions):
             fast_s._steps = loop_s._steps = step + 2
             fast = [r.req_id for r in fast_s._cache_aware(fast_q, running)]
@@ -1189,6 +1204,35 @@ def test_a_cached_prefix_shorter_than_lpm_min_hit_does_not_overtake():
     fresh, follow = _cached_and_two_waiting(m)
     out = s.step(deque([fresh, follow]), [])
     assert out.admitted == [fresh]
+
+
+@pytest.mark.parametrize("on_system_prompt", [True, False])
+def test_a_short_system_prompt_others_went_on_from_ranks_where_a_history_of_its_length_does_not(monkeypatch,
+                                                                                               on_system_prompt):
+    """A prompt on a cached system prompt shorter than ``LPM_MIN_HIT`` ranked as one without a hit: it waited in
+    arrival order while the system prompt's blocks were evicted (search samples of ``mixed`` with 150-360-token system
+    prompts: GPT-OSS 20B at 1.32x the budget reused 30.3% of prompt tokens against V1's 34.3%, tiny-gemma3 30.6%
+    against 34.7%). A cached prefix the request parts from (its next block is not the cached path's: others' prompts
+    went on from it) ranks from ``LPM_BRANCH_HIT`` tokens; a conversation's history, which the next turn extends
+    whole, keeps ``LPM_MIN_HIT``'s floor (ranked, late conversations ran their turns alone at the end)."""
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_BRANCH_HIT", 8, raising=False)  # two 4-token blocks; LPM_MIN_HIT stays 512
+    m = make_manager(FULL, 16)
+    system = list(range(1, 17))  # 16 tokens: 4 blocks
+    done = Request("first", [*system, 70, 71, 72, 73, 74, 75, 76, 77] if on_system_prompt else system, 0)
+    prefill(m, done)
+    m.free(done)
+    fresh = Request("fresh", [60 + i for i in range(16)], 4, arrival=1)
+    late = Request("late", [*system, *range(50, 58)], 4, arrival=2)  # parts from "first" after the system prompt
+    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0)  # room for one of the two
+    waiting = deque([fresh, late])
+    out = s.step(waiting, [])
+    if on_system_prompt:
+        assert out.admitted == [late] and late.num_reused_tokens == 16
+        assert list(waiting) == [fresh]
+    else:  # "late" extends the whole cached path: a conversation's next turn, under the floor
+        assert out.admitted == [fresh]
 
 
 def test_a_request_that_joined_while_its_system_prompt_was_evicted_goes_ahead_once_the_prompt_is_cached_again(
@@ -1262,9 +1306,10 @@ def test_a_miss_is_looked_up_again_only_once_it_has_waited_lpm_relook_wait(monke
 
 
 def test_a_waiting_prompt_too_short_to_rank_is_not_looked_up_again(monkeypatch):
-    """A prompt of ``LPM_MIN_HIT`` tokens or fewer can find no hit that ranks, so the look-up again of the misses
-    skips it: on mixed traffic most misses are such prompts, and their look-ups were a tenth of V2's KV work under
-    pressure (tiny-llama ``mixed`` at a quarter of the budget: 20,019 -> 7,804 look-ups again, the same decisions)."""
+    """A prompt of ``LPM_MIN_HIT`` tokens or fewer (nor ``LPM_BRANCH_HIT``, the floor of a prefix the request parts
+    from) can find no hit that ranks, so the look-up again of the misses skips it: on mixed traffic most misses are
+    such prompts, and their look-ups were a tenth of V2's KV work under pressure (tiny-llama ``mixed`` at a quarter
+    of the budget: 20,019 -> 7,804 look-ups again, the same decisions)."""
     import cache_backends.v2.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 8)
@@ -1283,8 +1328,8 @@ def test_a_waiting_prompt_too_short_to_rank_is_not_looked_up_again(monkeypatch):
     s._steps = 1
     s._cache_aware(waiting)  # both join and are looked up once: no hit
     looked: list[str] = []
-    lookup = m.cached_prefix_tokens
-    monkeypatch.setattr(m, "cached_prefix_tokens", lambda r, *memo: looked.append(r.req_id) or lookup(r, *memo))
+    lookup = m.cached_prefix
+    monkeypatch.setattr(m, "cached_prefix", lambda r, *memo: looked.append(r.req_id) or lookup(r, *memo))
     s._steps = 2
     assert s._cache_aware(waiting) == [short, long]
     assert looked == ["long"]
@@ -1441,15 +1486,17 @@ _TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=22)
 @given(cached=st.lists(_TOKENS, min_size=1, max_size=4), running=st.none() | _TOKENS,
        waiting=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 22), _TOKENS), min_size=1, max_size=10))
 def test_a_pass_that_shares_its_walks_finds_every_hit_a_lookup_of_its_own_finds(cached, running, waiting):
-    """The cache-aware pass's lookups share their walks (``cached_prefix_tokens``'s memo): prompts that share
+    """The cache-aware pass's lookups share their walks (``cached_prefix``'s memo): prompts that share
     blocks with each other and with cached runs (diverging inside a run, at a run's end, into another child, or
-    ending there) each get the hit a lookup of their own finds, so every admission stays as it was."""
+    ending there) each get the hit a lookup of their own finds, and whether they part from a cached prefix there (the
+    floor they rank by), so every admission stays as it was."""
     sources = [*cached, running or []]
     requests = [Request(f"w{j}", sources[s % len(sources)][:cut] + tail, 1)
                 for j, (s, cut, tail) in enumerate(waiting)]
     plain, shared = _walk_scene(cached, running), _walk_scene(cached, running)
     memo: dict = {}
-    alone = [plain.cached_prefix_tokens(r) for r in requests]
-    assert [shared.cached_prefix_tokens(r, memo) for r in requests] == alone
+    alone = [plain.cached_prefix(r) for r in requests]
+    assert [shared.cached_prefix(r, memo) for r in requests] == alone
     # and again on the walks now memoized: each request's own walk, and the others'
-    assert [shared.cached_prefix_tokens(r, memo) for r in reversed(requests)] == alone[::-1]
+    assert [shared.cached_prefix(r, memo) for r in reversed(requests)] == alone[::-1]
+    assert [hit for hit, _ in alone] == [plain.cached_prefix_tokens(r) for r in requests]

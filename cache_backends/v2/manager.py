@@ -200,6 +200,12 @@ class HitProbe:
         return [e - k for e, k in zip(extra, self.taken, strict=True)]
 
 
+def _parts(run: RadixNode | None, i: int, n: int, blocks: int) -> bool:
+    """Whether a walk that matched ``n`` of a request's ``blocks`` blocks, ending at position ``i`` of ``run``, parts
+    from cached blocks there: the run holds another block at the next position, or has children (none the request's)."""
+    return run is not None and n < blocks and (i + 1 < len(run.held) or bool(run.children))
+
+
 @attrs.define(eq=False)
 class _Walk:
     """What :meth:`KVCacheManagerV2._match` found for one request, and what of the request decided it: its first
@@ -213,6 +219,7 @@ class _Walk:
     stop: RadixNode | None
     off: int
     hit: int
+    branch: bool = False  # the walk parted from cached blocks (see KVCacheManagerV2.cached_prefix)
 
     @classmethod
     def of(cls, root: RadixNode | None, run: RadixNode | None, i: int, request: Request, blocks: int, T: int,
@@ -223,7 +230,7 @@ class _Walk:
         else:
             n = run.start + i + 1
             stop, off = (None, -1) if n == blocks else (run, -1) if i + 1 == len(run.held) else (run, i + 1)
-        return cls(n, _tokens(request, 0, n * T), stop, off, hit)
+        return cls(n, _tokens(request, 0, n * T), stop, off, hit, _parts(run, i, n, blocks))
 
     def decides(self, request: Request, blocks: int, T: int) -> bool:
         """Whether ``request`` (of ``blocks`` whole blocks to look up) walks as this walk did."""
@@ -1123,7 +1130,15 @@ class KVCacheManagerV2:
 
     def cached_prefix_tokens(self, request: Request, memo: dict[Any, list[_Walk]] | None = None) -> int:
         """The whole-block prefix of ``request`` a hit would claim if it were admitted now, claiming nothing (a
-        pending prefix the lookup reaches is keyed, as admission's lookup would key it).
+        pending prefix the lookup reaches is keyed, as admission's lookup would key it); ``memo`` as
+        :meth:`cached_prefix` takes it."""
+        return self.cached_prefix(request, memo)[0]
+
+    def cached_prefix(self, request: Request, memo: dict[Any, list[_Walk]] | None = None) -> tuple[int, bool]:
+        """:meth:`cached_prefix_tokens`, and whether the request parts from cached blocks where its walk ends: its
+        next block differs from the block a cached run holds there, or from every child of the run it ends at (a
+        system prompt others went on from), rather than the cached path ending where the request goes on (a
+        conversation's history) or the request ending with it.
 
         ``memo``: a dict kept across the lookups of one pass in which nothing but these lookups changes the tree (the
         scheduler's cache-aware pass): a request whose blocks the walk of an earlier one in it decides (:class:`_Walk`)
@@ -1131,7 +1146,7 @@ class KVCacheManagerV2:
         every step, each walking the same path (tiny-llama ``mixed`` at a quarter of the budget: 11,512 lookups on
         2,583 first blocks; BENCHMARKS.md, "relook44")."""
         if not self._reuse or request.skip_prefix_read:
-            return 0
+            return 0, False
         T = self.T
         blocks = (request.num_tokens - 1) // T
         key = None
@@ -1140,17 +1155,19 @@ class KVCacheManagerV2:
             key = (request.salt, tuple(_tokens(request, 0, T)))
             for walk in memo.get(key, ()):
                 if walk.decides(request, blocks, T):
-                    return walk.hit
+                    return walk.hit, walk.branch
         first = _first_packed(request)
         prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
         elif self._cheap_miss(request, first):  # claims_nothing's answer, its first token packed once
-            return 0
+            return 0, False
         hit, run, i = self._match(request)
         if key is not None:
-            memo.setdefault(key, []).append(_Walk.of(self._tree.root(request.salt), run, i, request, blocks, T, hit))
-        return hit
+            walk = _Walk.of(self._tree.root(request.salt), run, i, request, blocks, T, hit)
+            memo.setdefault(key, []).append(walk)
+            return hit, walk.branch
+        return hit, _parts(run, i, 0 if run is None else run.start + i + 1, blocks)
 
     def may_find_prefix(self, requests: list[Request]) -> list[bool]:
         """Per request, False where :meth:`cached_prefix_tokens` would answer 0 from its first token alone: no run

@@ -45,6 +45,15 @@ One :meth:`~KVCacheV2Scheduler.step`:
    of prompts on one 804-token system prompt: three of them admitted at steps 138-176 where V1 admitted them at 66-68
    with the hit, 1.295x V1's steps and 78.2% of prompt tokens reused against V1's 86.9%; looked up again, 0.882x and
    83.1%: BENCHMARKS.md, "A miss looked up again").
+   **Short system prompts**: a cached prefix the request parts from (its next block differs from the cached path's:
+   a system prompt other prompts went on from) ranks from ``LPM_BRANCH_HIT`` tokens, not ``LPM_MIN_HIT``; a
+   conversation's history, which its next turn extends whole, keeps the higher floor. Why: below the floor a prompt on
+   a 150-360-token system prompt waited in arrival order while the running requests' growth evicted the system prompt
+   (GPT-OSS 20B ``mixed`` on four 245-token system prompts: 30.3% of prompt tokens reused against V1's 34.3%; ranked,
+   45.0% in 0.61x V1's steps; tiny-gemma3 on five of 358 tokens: 30.6% against 34.7%, ranked 71.4% in 0.48x), and
+   each one admitted keeps it cached for the next (BENCHMARKS.md, "Short system prompts ranked"). The floor's reason
+   (late conversations running their turns alone at the end) is a chain of turns, which a one-shot prompt on a system
+   prompt is not.
    A conversation's wait counts across its turns: a request whose prompt extends the prompt of one admitted after
    waiting ``LPM_CARRY`` steps or more (its previous turn) joins the queue with that wait already on its clock, so a
    conversation starved once is not starved again turn by turn. Why: the turns of a conversation that started late
@@ -181,6 +190,12 @@ _PROMPT = attrgetter("prompt_token_ids")
 #: modeled time (Llama 3.1 8B, Gemma 2 9B) for 39% reuse; a 512-token prefill of an 8B model is about two and a half
 #: decode steps' weight read on an H200 (BENCHMARKS.md, "Cache-aware admission").
 LPM_WINDOW, LPM_AGE, LPM_MIN_HIT = 128, 1024, 512
+#: A cached prefix the request parts from (its next block differs from the cached path's: a system prompt others'
+#: prompts went on from, not a conversation's history, which the next turn extends whole) ranks from this many tokens
+#: (module docstring, "Short system prompts"): 64 and 128 fixed the same search samples, 64 took more hits from
+#: ``shared-prefix`` samples, 256 left GPT-OSS ``mixed`` on 245-token system prompts 4 points below V1
+#: (BENCHMARKS.md, "Short system prompts ranked").
+LPM_BRANCH_HIT = 128
 #: The shortest wait (scheduler steps) a request's next turn carries (module docstring): shorter waits are dropped so
 #: that few prompts are kept; 1, 256, 512 and 768 gave the same grid and variant figures (BENCHMARKS.md, "A
 #: conversation's wait carries"). At most ``LPM_WINDOW`` prompts are kept, the oldest dropped first.
@@ -508,9 +523,10 @@ class KVCacheV2Scheduler(SchedulerBase):
         for i, may in zip(hinted, m.may_find_prefix([window[i] for i in hinted]) if len(hinted) > 1
                           else itertools.repeat(True, len(hinted)), strict=True):
             r = window[i]
-            hit = m.cached_prefix_tokens(r, memo) if may else 0
+            hit, branch = m.cached_prefix(r, memo) if may else (0, False)
+            floor = min(LPM_BRANCH_HIT, LPM_MIN_HIT) if branch else LPM_MIN_HIT  # a prefix others went on from
             if r.cached_hint < 0:  # joined the queue: looked up once
-                ranks[i] = r.cached_hint = hit if hit >= LPM_MIN_HIT else 0
+                ranks[i] = r.cached_hint = hit if hit >= floor else 0
                 if r.first_reused_tokens is None:  # a first join (a preempted request's hit is its own blocks)
                     self._joined_hit *= _DECAY
                     self._joined_cold *= _DECAY
@@ -521,17 +537,18 @@ class KVCacheV2Scheduler(SchedulerBase):
             else:
                 # the running requests' growth may have evicted it while the request waited (module docstring, "a
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
-                ranks[i] = hit if hit >= LPM_MIN_HIT else 1
+                ranks[i] = hit if hit >= floor else 1
         if relook:  # those whose lookup found none, again: the miss may have been momentary
             waited = map(le, queued, itertools.repeat(now - LPM_RELOOK_WAIT))
-            # a prompt of LPM_MIN_HIT tokens or fewer finds no hit that ranks: not looked up (on mixed traffic most
+            # a prompt of LPM_BRANCH_HIT tokens or fewer finds no hit that ranks: not looked up (on mixed traffic most
             # misses are such prompts; their lookups were a tenth of V2's KV work under pressure, BENCHMARKS.md)
-            long = map(lt, itertools.repeat(LPM_MIN_HIT), map(len, map(_PROMPT, window)))
+            long = map(lt, itertools.repeat(min(LPM_MIN_HIT, LPM_BRANCH_HIT)), map(len, map(_PROMPT, window)))
             again = list(itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)))
             # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
             for i in itertools.compress(again, m.may_find_prefix([window[i] for i in again]) if again else ()):
-                hit = m.cached_prefix_tokens(window[i], memo)
-                if hit >= LPM_MIN_HIT:  # from now on looked up every step, as a hit found on joining is
+                hit, branch = m.cached_prefix(window[i], memo)
+                # from now on looked up every step, as a hit found on joining is
+                if hit >= (min(LPM_BRANCH_HIT, LPM_MIN_HIT) if branch else LPM_MIN_HIT):
                     ranks[i] = window[i].cached_hint = hit
         aged: list[Request] = []
         old = now - LPM_AGE
