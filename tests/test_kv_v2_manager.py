@@ -837,15 +837,21 @@ def test_copying_pages_takes_one_slice_copy_where_both_lists_step_evenly():
 
     class Watch(torch.Tensor):
         def index_copy_(self, *args, **kwargs):
-            seen.append("indexed")
+            seen.append("scattered")
             return super().index_copy_(*args, **kwargs)
 
+        def index_select(self, *args, **kwargs):
+            seen.append("gathered")
+            return super().index_select(*args, **kwargs)
+
     watched = pages.as_subclass(Watch)
-    for dst, src, indexed in (([20, 18, 16], [7, 6, 5], False),  # both descending: read backwards, both step evenly
-                              ([21, 22, 23], [3, 5, 7], False),
-                              ([16, 18, 20], [7, 6, 5], True),  # one ascending, one descending
-                              ([16, 17, 19], [3, 4, 5], True)):
+    # a list that steps evenly upwards is a slice on its side (a source only where no scatter follows)
+    for dst, src, indexed in (([20, 18, 16], [7, 6, 5], []),  # both descending: read backwards, both step evenly
+                              ([21, 22, 23], [3, 5, 7], []),
+                              ([16, 18, 20], [7, 6, 5], ["gathered"]),  # one ascending, one descending
+                              ([16, 17, 19], [3, 4, 5], ["gathered", "scattered"]),  # scattering a view: copy
+                              ([16, 17, 19], [5, 3, 4], ["gathered", "scattered"])):
         want[:, dst] = want[:, src]
         _copy_pages(watched, dst, src)
-        assert seen == (["indexed"] if indexed else []) and torch.equal(pages, want), (dst, src)
+        assert seen == indexed and torch.equal(pages, want), (dst, src)
         seen.clear()

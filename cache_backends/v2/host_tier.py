@@ -4,7 +4,8 @@ One tensor per layer group, block-major — ``tensors[g]`` has shape
 ``(slots, len(group.layers), entries_per_block, entry_elems)`` so each slot is one contiguous page —
 and a free list of slots. A shared layout (one device arena for every group) gets one host tensor and
 one free list too, which every group's ``tensors[g]`` / slots name, sized for the arena once. Copies
-are whole blocks, every layer, so a round trip is byte-exact.
+are whole blocks, every layer, so a round trip is byte-exact; :meth:`write_many` and :meth:`load_many` move many
+blocks in one gather and one copy per host tensor (:func:`cache_backends.pools.move_pages`).
 On CUDA the copies are ``non_blocking`` from/to pinned memory and :meth:`sync` waits for them;
 callers sync before a slot or a device block is handed to anyone else.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from cache_backends.budget import AUTO_HOST_FRACTION, host_available_bytes, host_tier_slots
-from cache_backends.pools import BlockPools
+from cache_backends.pools import BlockPools, move_pages
 
 __all__ = ["AUTO_HOST_FRACTION", "HostTier", "available_host_bytes", "host_slots"]
 
@@ -91,27 +92,39 @@ class HostTier:
         """Free slots of a group (0 for a group without a tier)."""
         return len(self._free.get(group, ()))
 
-    def store(self, group: str, block: int) -> int:
-        """Copy device ``block`` into a free slot and return the slot (call :meth:`sync` before reuse)."""
-        slot = self.reserve(group)
-        self.write(group, slot, block)
-        return slot
-
     def reserve(self, group: str) -> int:
-        """Take a free slot for a page :meth:`write` copies later (write-back: when its device block is evicted)."""
+        """Take a free slot for a page :meth:`write_many` copies (at once, or on write-back: when its device block is
+        evicted)."""
         slot = self._free[group].pop()
         self._used[group] += 1
         return slot
 
-    def write(self, group: str, slot: int, block: int) -> None:
-        """Copy device ``block`` into reserved ``slot`` (call :meth:`sync` before the block is reused)."""
-        self.tensors[group][slot].copy_(self.pools.tensors[group][:, block], non_blocking=self.pinned)
-        self.bytes_stored += self.pools.groups[group].bytes_per_block
+    def write_many(self, moves: dict[str, tuple[list[int], list[int]]]) -> None:
+        """Copy device ``blocks`` into reserved ``slots``, pair by pair, for each group: one gather and one copy per
+        host tensor (a shared tier: one for all groups); slots distinct, a block may repeat. Call :meth:`sync` before
+        the blocks are reused."""
+        for names, slots, blocks in self._batches(moves):
+            move_pages(self.tensors[names[0]], slots, self.pools.tensors[names[0]].transpose(0, 1), blocks,
+                       self.pinned)
+            self.bytes_stored += sum(self.pools.groups[name].bytes_per_block * len(moves[name][0]) for name in names)
 
-    def load(self, group: str, slot: int, block: int) -> None:
-        """Copy ``slot`` back into device ``block`` (call :meth:`sync` before the slot is freed)."""
-        self.pools.tensors[group][:, block].copy_(self.tensors[group][slot], non_blocking=self.pinned)
-        self.bytes_loaded += self.pools.groups[group].bytes_per_block
+    def load_many(self, moves: dict[str, tuple[list[int], list[int]]]) -> None:
+        """Copy ``slots`` back into device ``blocks``, pair by pair, for each group: one gather and one copy per host
+        tensor; blocks distinct. Call :meth:`sync` before the slots are freed."""
+        for names, slots, blocks in self._batches(moves):
+            move_pages(self.pools.tensors[names[0]].transpose(0, 1), blocks, self.tensors[names[0]], slots,
+                       self.pinned)
+            self.bytes_loaded += sum(self.pools.groups[name].bytes_per_block * len(moves[name][0]) for name in names)
+
+    def _batches(self, moves: dict[str, tuple[list[int], list[int]]]) -> list[tuple[list[str], list[int], list[int]]]:
+        """``moves`` as (groups, slots, blocks) per host tensor: a shared tier's groups (one host tensor, one device
+        arena) joined into one batch, in the order given."""
+        if not self.shared:
+            return [([name], slots, blocks) for name, (slots, blocks) in moves.items() if slots]
+        names = [name for name, (slots, _) in moves.items() if slots]
+        if len(names) < 2:
+            return [(names, *moves[names[0]])] if names else []
+        return [(names, [s for n in names for s in moves[n][0]], [b for n in names for b in moves[n][1]])]
 
     def free(self, group: str, slots: list[int]) -> None:
         """Give slots back."""
