@@ -1,15 +1,20 @@
 """V2's host tier moves many pages per call (``HostTier.write_many`` / ``load_many``, ``pools.move_pages``): the same
 pages land in the same slots and blocks as the one-block-at-a-time copies they replace, on split pools and on a
 shared arena (whose groups share one host tensor), for float32 and float8 pages; a suspend and a resume each copy
-their pages in one call."""
+their pages in one call. Host tensors copy page by page (``pools.HOST_PAGE_BY_PAGE``); ``gather`` runs the device
+path's gather and scatter on them instead, so its bytes are checked without a GPU."""
 
 from __future__ import annotations
 
+from unittest import mock
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_backends import build_layout
+from cache_backends import pools as pools_module
 from cache_backends.pools import BlockPools, move_pages
 from cache_backends.request import Request
 from cache_backends.v2 import host_tier as host_tier_module
@@ -69,10 +74,16 @@ def _moves(draw, layout_name: str, repeat_blocks: bool) -> dict[str, tuple[list[
     return moves
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize("gather", [False, True])
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), layout_name=st.sampled_from(sorted(LAYOUTS)),
        dtype=st.sampled_from(["float32", "float8_e4m3fn"]), seed=st.integers(0, 2**16))
-def test_batched_host_copies_move_the_pages_the_per_block_copies_did(data, layout_name, dtype, seed):
+def test_batched_host_copies_move_the_pages_the_per_block_copies_did(gather, data, layout_name, dtype, seed):
+    with mock.patch.object(pools_module, "HOST_PAGE_BY_PAGE", not gather):
+        _check_batched_host_copies(data, layout_name, dtype, seed)
+
+
+def _check_batched_host_copies(data, layout_name, dtype, seed):
     tier = _tier(layout_name, dtype, seed)
     pools = tier.pools
     # store: device blocks (a block may go to several slots: suspended caches sharing a cached page) into slots
@@ -104,9 +115,15 @@ def test_batched_host_copies_move_the_pages_the_per_block_copies_did(data, layou
                                     for name, (slots, _) in moves.items())
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.parametrize("gather", [False, True])
+@settings(max_examples=150, deadline=None)
 @given(n=st.integers(0, 8), data=st.data(), dtype=st.sampled_from([torch.float32, torch.float8_e5m2]))
-def test_moving_pages_between_two_tensors_is_the_per_page_copy(n, data, dtype):
+def test_moving_pages_between_two_tensors_is_the_per_page_copy(gather, n, data, dtype):
+    with mock.patch.object(pools_module, "HOST_PAGE_BY_PAGE", not gather):
+        _check_moving_pages(n, data, dtype)
+
+
+def _check_moving_pages(n, data, dtype):
     src = torch.randint(0, 256, (9, 2, 12), dtype=torch.uint8).view(dtype)
     dst = torch.randint(0, 256, (11, 2, 12), dtype=torch.uint8).view(dtype)
     dst_ids = data.draw(st.permutations(range(11)))[:n]
