@@ -4,8 +4,8 @@ One tensor per layer group, block-major — ``tensors[g]`` has shape
 ``(slots, len(group.layers), entries_per_block, entry_elems)`` so each slot is one contiguous page —
 and a free list of slots. A shared layout (one device arena for every group) gets one host tensor and
 one free list too, which every group's ``tensors[g]`` / slots name, sized for the arena once. Copies
-are whole blocks, every layer, so a round trip is byte-exact; :meth:`write_many` and :meth:`load_many` move many
-blocks in one gather and one copy per host tensor (:func:`cache_backends.pools.move_pages`).
+are whole blocks, every layer, so a round trip is byte-exact; :meth:`write`, :meth:`write_many` and :meth:`load_many`
+move many blocks in one gather and one copy per host tensor (:func:`cache_backends.pools.move_pages`).
 On CUDA the copies are ``non_blocking`` from/to pinned memory and :meth:`sync` waits for them;
 callers sync before a slot or a device block is handed to anyone else.
 """
@@ -93,38 +93,50 @@ class HostTier:
         return len(self._free.get(group, ()))
 
     def reserve(self, group: str) -> int:
-        """Take a free slot for a page :meth:`write_many` copies (at once, or on write-back: when its device block is
+        """Take a free slot for a page :meth:`write` copies (at once, or on write-back: when its device block is
         evicted)."""
         slot = self._free[group].pop()
         self._used[group] += 1
         return slot
 
+    def write(self, group: str, slots: list[int], blocks: list[int]) -> None:
+        """Copy device ``blocks`` of ``group`` into reserved ``slots``, pair by pair, in one gather and one copy
+        (:func:`cache_backends.pools.move_pages`); slots distinct, a block may repeat. Call :meth:`sync` before the
+        blocks are reused."""
+        move_pages(self.tensors[group], slots, self._by_block(group), blocks, self.pinned)
+        self.bytes_stored += self.pools.groups[group].bytes_per_block * len(slots)
+
     def write_many(self, moves: dict[str, tuple[list[int], list[int]]]) -> None:
-        """Copy device ``blocks`` into reserved ``slots``, pair by pair, for each group: one gather and one copy per
-        host tensor (a shared tier: one for all groups); slots distinct, a block may repeat. Call :meth:`sync` before
-        the blocks are reused."""
-        for names, slots, blocks in self._batches(moves):
-            move_pages(self.tensors[names[0]], slots, self.pools.tensors[names[0]].transpose(0, 1), blocks,
-                       self.pinned)
-            self.bytes_stored += sum(self.pools.groups[name].bytes_per_block * len(moves[name][0]) for name in names)
+        """:meth:`write` for each group's ``(slots, blocks)``; a shared tier's groups (one host tensor, one device
+        arena) in one call for all of them."""
+        for name, slots, blocks in self._batches(moves):
+            self.write(name, slots, blocks)
 
     def load_many(self, moves: dict[str, tuple[list[int], list[int]]]) -> None:
-        """Copy ``slots`` back into device ``blocks``, pair by pair, for each group: one gather and one copy per host
-        tensor; blocks distinct. Call :meth:`sync` before the slots are freed."""
-        for names, slots, blocks in self._batches(moves):
-            move_pages(self.pools.tensors[names[0]].transpose(0, 1), blocks, self.tensors[names[0]], slots,
-                       self.pinned)
-            self.bytes_loaded += sum(self.pools.groups[name].bytes_per_block * len(moves[name][0]) for name in names)
+        """Copy each group's ``slots`` back into its device ``blocks``, pair by pair, in one gather and one copy per
+        host tensor (a shared tier: one for all groups); blocks distinct. Call :meth:`sync` before the slots are
+        freed."""
+        for name, slots, blocks in self._batches(moves):
+            move_pages(self._by_block(name), blocks, self.tensors[name], slots, self.pinned)
+            self.bytes_loaded += self.pools.groups[name].bytes_per_block * len(slots)
 
-    def _batches(self, moves: dict[str, tuple[list[int], list[int]]]) -> list[tuple[list[str], list[int], list[int]]]:
-        """``moves`` as (groups, slots, blocks) per host tensor: a shared tier's groups (one host tensor, one device
-        arena) joined into one batch, in the order given."""
+    def _batches(self, moves: dict[str, tuple[list[int], list[int]]]) -> list[tuple[str, list[int], list[int]]]:
+        """``moves`` as (group, slots, blocks) per host tensor, the empty ones left out: a shared tier's groups joined
+        into one, named by the first (every group's page has the same bytes)."""
         if not self.shared:
-            return [([name], slots, blocks) for name, (slots, blocks) in moves.items() if slots]
+            return [(name, slots, blocks) for name, (slots, blocks) in moves.items() if slots]
         names = [name for name, (slots, _) in moves.items() if slots]
         if len(names) < 2:
-            return [(names, *moves[names[0]])] if names else []
-        return [(names, [s for n in names for s in moves[n][0]], [b for n in names for b in moves[n][1]])]
+            return [(names[0], *moves[names[0]])] if names else []
+        return [(names[0], [s for n in names for s in moves[n][0]], [b for n in names for b in moves[n][1]])]
+
+    def _by_block(self, group: str) -> torch.Tensor:
+        """The group's device pages block-major (``[b]`` is block ``b``), built once and kept with the pools' views."""
+        key = ("host tier: block-major", group)
+        view = self.pools.views.get(key)
+        if view is None:
+            view = self.pools.views[key] = self.pools.tensors[group].transpose(0, 1)
+        return view
 
     def free(self, group: str, slots: list[int]) -> None:
         """Give slots back."""

@@ -2003,7 +2003,7 @@ class KVCacheManagerV2:
                     of.append(b)
                     del cache.reclaim[group][j]
             if slots:
-                self.host.write_many({group: (slots, of)})  # type: ignore[union-attr]  # one copy for them all
+                self.host.write(group, slots, of)  # type: ignore[union-attr]  # one copy for them all
                 self.host.sync()  # type: ignore[union-attr]  # on the host before the block changes hands
         if self.kv_events is not None:
             key, pool = self._tree.key, self._pool[group]
