@@ -81,6 +81,7 @@ from operator import add, attrgetter, eq, getitem, itemgetter, not_, or_, sub, t
 from typing import Any
 
 import attrs
+import torch
 
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
@@ -134,7 +135,7 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
 def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
     """``pages[:, dst] = pages[:, src]`` for distinct ``dst`` blocks none of which is in ``src``: one strided copy where
     both lists step evenly (a partial hit's usual source run and fresh blocks: consecutive ids), else one gather and
-    one scatter by index tensors."""
+    one scatter by index tensors (in host memory, page by page: :func:`cache_backends.pools.move_pages`)."""
     # ``pages[:, dst] = pages[:, src]`` as written costs ~65 us of torch's Python decompositions on unbacked pools (a
     # simulation): a tenth of a Gemma 3 27B multi-turn run's KV time; the same gather and scatter as ``index_select``
     # and ``index_copy_`` ~20-27 us; a slice copy ~4 us, checks included
@@ -151,8 +152,12 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
     elif n == 1:
         pages[:, dst[0]].copy_(pages[:, src[0]])
         return
-    by_block = pages.transpose(0, 1)  # (a gather and a scatter; float8 through byte views: CPU has no float8 scatter)
-    move_pages(by_block, dst, by_block, src)
+    if pages.device.type == "cpu":  # in host memory page by page: no temporary, and float8 has no CPU index_copy
+        by_block = pages.transpose(0, 1)
+        move_pages(by_block, dst, by_block, src)
+        return
+    index = {"dtype": torch.long, "device": pages.device}
+    pages.index_copy_(1, torch.tensor(dst, **index), pages.index_select(1, torch.tensor(src, **index)))
 
 
 _SALT = attrgetter("salt")
