@@ -146,6 +146,19 @@ def test_arena_calls_bench_times_each_call_on_an_arena_shaped_as_a_finish_finds_
     assert refused.value.code == 2 and "--groups must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_host_copies_bench_counts_a_suspend_a_resume_and_a_fork_on_a_31_group_arena(capsys):
+    from bench import bench_host_copies
+
+    model = "tests/data/configs/gemma-3-27b-it"
+    for count in (bench_host_copies._timed, bench_host_copies._opcodes):
+        figures = bench_host_copies._run(model, "meta", 20, 2, count)  # the suspend and resume assert they happened
+        assert list(figures) == list(bench_host_copies.CALLS)
+        assert all(len(runs) == 2 and min(runs) > 0 for runs in figures.values())
+    with pytest.raises(SystemExit) as refused:
+        bench_host_copies.main(["--tokens", "32"])
+    assert refused.value.code == 2 and "a multiple of 16 ends on a block" in capsys.readouterr().err
+
+
 def test_opcode_counter_counts_the_kv_work_alike_every_run_and_only_inside_its_block():
     """The deterministic measure quoted beside CPU times: the same run counts the same once module-level memos are
     warm (the first run fills a few), work outside the KV calls counts nothing, and the patched methods are

@@ -4,7 +4,8 @@ One tensor per layer group, block-major — ``tensors[g]`` has shape
 ``(slots, len(group.layers), entries_per_block, entry_elems)`` so each slot is one contiguous page —
 and a free list of slots. A shared layout (one device arena for every group) gets one host tensor and
 one free list too, which every group's ``tensors[g]`` / slots name, sized for the arena once. Copies
-are whole blocks, every layer, so a round trip is byte-exact.
+are whole blocks, every layer, so a round trip is byte-exact; :meth:`write`, :meth:`write_many` and :meth:`load_many`
+move many blocks in one gather and one copy per host tensor (:func:`cache_backends.pools.move_pages`).
 On CUDA the copies are ``non_blocking`` from/to pinned memory and :meth:`sync` waits for them;
 callers sync before a slot or a device block is handed to anyone else.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from cache_backends.budget import AUTO_HOST_FRACTION, host_available_bytes, host_tier_slots
-from cache_backends.pools import BlockPools
+from cache_backends.pools import BlockPools, move_pages
 
 __all__ = ["AUTO_HOST_FRACTION", "HostTier", "available_host_bytes", "host_slots"]
 
@@ -91,27 +92,51 @@ class HostTier:
         """Free slots of a group (0 for a group without a tier)."""
         return len(self._free.get(group, ()))
 
-    def store(self, group: str, block: int) -> int:
-        """Copy device ``block`` into a free slot and return the slot (call :meth:`sync` before reuse)."""
-        slot = self.reserve(group)
-        self.write(group, slot, block)
-        return slot
-
     def reserve(self, group: str) -> int:
-        """Take a free slot for a page :meth:`write` copies later (write-back: when its device block is evicted)."""
+        """Take a free slot for a page :meth:`write` copies (at once, or on write-back: when its device block is
+        evicted)."""
         slot = self._free[group].pop()
         self._used[group] += 1
         return slot
 
-    def write(self, group: str, slot: int, block: int) -> None:
-        """Copy device ``block`` into reserved ``slot`` (call :meth:`sync` before the block is reused)."""
-        self.tensors[group][slot].copy_(self.pools.tensors[group][:, block], non_blocking=self.pinned)
-        self.bytes_stored += self.pools.groups[group].bytes_per_block
+    def write(self, group: str, slots: list[int], blocks: list[int]) -> None:
+        """Copy device ``blocks`` of ``group`` into reserved ``slots``, pair by pair, in one gather and one copy
+        (:func:`cache_backends.pools.move_pages`); slots distinct, a block may repeat. Call :meth:`sync` before the
+        blocks are reused."""
+        move_pages(self.tensors[group], slots, self._by_block(group), blocks, self.pinned)
+        self.bytes_stored += self.pools.groups[group].bytes_per_block * len(slots)
 
-    def load(self, group: str, slot: int, block: int) -> None:
-        """Copy ``slot`` back into device ``block`` (call :meth:`sync` before the slot is freed)."""
-        self.pools.tensors[group][:, block].copy_(self.tensors[group][slot], non_blocking=self.pinned)
-        self.bytes_loaded += self.pools.groups[group].bytes_per_block
+    def write_many(self, moves: dict[str, tuple[list[int], list[int]]]) -> None:
+        """:meth:`write` for each group's ``(slots, blocks)``; a shared tier's groups (one host tensor, one device
+        arena) in one call for all of them."""
+        for name, slots, blocks in self._batches(moves):
+            self.write(name, slots, blocks)
+
+    def load_many(self, moves: dict[str, tuple[list[int], list[int]]]) -> None:
+        """Copy each group's ``slots`` back into its device ``blocks``, pair by pair, in one gather and one copy per
+        host tensor (a shared tier: one for all groups); blocks distinct. Call :meth:`sync` before the slots are
+        freed."""
+        for name, slots, blocks in self._batches(moves):
+            move_pages(self._by_block(name), blocks, self.tensors[name], slots, self.pinned)
+            self.bytes_loaded += self.pools.groups[name].bytes_per_block * len(slots)
+
+    def _batches(self, moves: dict[str, tuple[list[int], list[int]]]) -> list[tuple[str, list[int], list[int]]]:
+        """``moves`` as (group, slots, blocks) per host tensor, the empty ones left out: a shared tier's groups joined
+        into one, named by the first (every group's page has the same bytes)."""
+        if not self.shared:
+            return [(name, slots, blocks) for name, (slots, blocks) in moves.items() if slots]
+        names = [name for name, (slots, _) in moves.items() if slots]
+        if len(names) < 2:
+            return [(names[0], *moves[names[0]])] if names else []
+        return [(names[0], [s for n in names for s in moves[n][0]], [b for n in names for b in moves[n][1]])]
+
+    def _by_block(self, group: str) -> torch.Tensor:
+        """The group's device pages block-major (``[b]`` is block ``b``), built once and kept with the pools' views."""
+        key = ("host tier: block-major", group)
+        view = self.pools.views.get(key)
+        if view is None:
+            view = self.pools.views[key] = self.pools.tensors[group].transpose(0, 1)
+        return view
 
     def free(self, group: str, slots: list[int]) -> None:
         """Give slots back."""

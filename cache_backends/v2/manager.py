@@ -87,7 +87,7 @@ from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.kv_events import KvEventBuffer
 from cache_backends.layout import KvLayout, LayerGroup, longest
-from cache_backends.pools import BlockPools
+from cache_backends.pools import BlockPools, move_pages
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
 from cache_backends.stats import GroupStats, HostStats, ManagerStats, ReuseStats
@@ -135,7 +135,7 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
 def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
     """``pages[:, dst] = pages[:, src]`` for distinct ``dst`` blocks none of which is in ``src``: one strided copy where
     both lists step evenly (a partial hit's usual source run and fresh blocks: consecutive ids), else one gather and
-    one scatter by index tensors."""
+    one scatter by index tensors (in host memory, page by page: :func:`cache_backends.pools.move_pages`)."""
     # ``pages[:, dst] = pages[:, src]`` as written costs ~65 us of torch's Python decompositions on unbacked pools (a
     # simulation): a tenth of a Gemma 3 27B multi-turn run's KV time; the same gather and scatter as ``index_select``
     # and ``index_copy_`` ~20-27 us; a slice copy ~4 us, checks included
@@ -151,6 +151,10 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
             return
     elif n == 1:
         pages[:, dst[0]].copy_(pages[:, src[0]])
+        return
+    if pages.device.type == "cpu":  # in host memory page by page: no temporary, and float8 has no CPU index_copy
+        by_block = pages.transpose(0, 1)
+        move_pages(by_block, dst, by_block, src)
         return
     index = {"dtype": torch.long, "device": pages.device}
     pages.index_copy_(1, torch.tensor(dst, **index), pages.index_select(1, torch.tensor(src, **index)))
@@ -626,21 +630,25 @@ class KVCacheManagerV2:
             self._materialize(cache.pending)
         host: dict[str, list[int]] = {}
         reclaim: dict[str, dict[int, tuple[int, int]]] = {}
+        moves: dict[str, tuple[list[int], list[int]]] = {}  # the uncached pages, copied together below
         for g in self.groups:
             pool = self._pool[g.name]
             slots = [-1] * keep[g.name]
             marks: dict[int, tuple[int, int]] = {}
             later = self._write_back[g.name]
+            to, of = moves[g.name] = ([], [])
             for j, b in enumerate(cache.tables[g.name][: keep[g.name]]):
                 if b >= 0:
+                    slots[j] = self.host.reserve(g.name)
                     if pool.node[b] is not None:  # stays cached on the device: copied only if it is evicted first
-                        slots[j] = self.host.reserve(g.name)
                         marks[j] = (b, pool.gen[b])
                         later.setdefault(b, []).append((cache, j))
                     else:
-                        slots[j] = self.host.store(g.name, b)
+                        to.append(slots[j])
+                        of.append(b)
             host[g.name] = slots
             reclaim[g.name] = marks
+        self.host.write_many(moves)
         self.host.sync()  # the uncached pages are on the host before their device blocks change hands
         cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
         self._release_blocks(cache)
@@ -876,6 +884,7 @@ class KVCacheManagerV2:
         if src.pending is not None:  # keyed lazily: hang the prompt in the tree so the child's path can run through it
             self._materialize(src.pending)
         cache = self.create(child)
+        pages: dict[int, tuple[Any, list[int], list[int]]] = {}  # per pool tensor (a shared arena: one) its copies
         for g in self.groups:
             name, full = g.name, P // g.tokens_per_block
             pool, table = self._pool[name], src.tables[name]
@@ -885,12 +894,16 @@ class KVCacheManagerV2:
             if copies[name]:
                 b = pool.allocate(self._detach)
                 tensor = self.pools.tensors[name]
-                tensor[:, b].copy_(tensor[:, table[full]])
+                _, to, of = pages.setdefault(id(tensor), (tensor, [], []))
+                to.append(b)
+                of.append(table[full])
                 own.append(b)
             elif P % g.tokens_per_block:
                 own.append(-1)  # the window already let the partial block go
             cache.tables[name] = own
             cache.released[name] = min(src.released[name], len(own))
+        for tensor, to, of in pages.values():  # the parent holds every source: no allocation above reused one
+            _copy_pages(tensor, to, of)
         if self._reuse:
             keyed = P // self.T
             cache.keyed, cache.key_at = keyed, (keyed + 1) * self.T
@@ -2003,14 +2016,16 @@ class KVCacheManagerV2:
         caller's); a suspended cache's page among them is copied to its host slot first (write-back)."""
         later = self._write_back[group]
         if later:
-            written = False
+            slots: list[int] = []
+            of: list[int] = []
             for b in blocks:
                 for cache, j in later.pop(b, ()):
                     assert self.host is not None and cache.host is not None
-                    self.host.write(group, cache.host[group][j], b)
+                    slots.append(cache.host[group][j])
+                    of.append(b)
                     del cache.reclaim[group][j]
-                    written = True
-            if written:
+            if slots:
+                self.host.write(group, slots, of)  # type: ignore[union-attr]  # one copy for them all
                 self.host.sync()  # type: ignore[union-attr]  # on the host before the block changes hands
         if self.kv_events is not None:
             key, pool = self._tree.key, self._pool[group]
@@ -2979,18 +2994,24 @@ class KVCacheManagerV2:
                     if b is not None:
                         pool.incref(b)
                         table[j] = b
+        moves: dict[str, tuple[list[int], list[int]]] = {}  # copied together once every block is allocated
         for g in self.groups:
             pool, slots, table = self._pool[g.name], cache.host[g.name], tables[g.name]
+            of, to = moves[g.name] = ([], [])
             for j, slot in enumerate(slots):
                 if slot >= 0 and table[j] < 0:
+                    # (an eviction here copies the page it evicts to that page's own host slot now: before the
+                    # copy below overwrites the block)
                     b = pool.allocate(self._detach)
-                    self.host.load(g.name, slot, b)
+                    of.append(slot)
+                    to.append(b)
                     table[j] = b
                     end = (j + 1) * g.tokens_per_block
                     if self._reuse and end <= cache.committed and end % T == 0:
                         assert cache.last is not None
                         self._attach(*self._tree.position(cache.last, end // T - 1), g.name, b)
             cache.tables[g.name] = table
+        self.host.load_many(moves)
         self.host.sync()  # the copies are done before the slots can be overwritten
         self._forget_write_back(cache)
         for name, slots in cache.host.items():
