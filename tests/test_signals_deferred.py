@@ -140,3 +140,28 @@ def test_the_first_stop_signal_raises_and_the_next_ones_repeat_it():
                 signals.release_sigterm()
     finally:
         signal.signal(signal.SIGINT, own_sigint)
+
+
+def test_a_command_run_again_leaves_a_signal_ignored_since_the_first_one_ignored():
+    """``main()`` called twice in one process (tests do; a notebook): a SIGINT or SIGHUP the program ignored between
+    the two calls (a job put in the background, ``nohup``'s habit) is left alone by the second call, as its docstring
+    says, and must still be ignored once it returns. It was set back to the handler the first call had found."""
+    import signal
+
+    from pipeline import signals
+
+    own = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signals.handle_sigterm()
+        signals.release_sigterm()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signals.handle_sigterm()
+        signals.release_sigterm()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        for signum, handler in own.items():
+            signal.signal(signum, handler)
