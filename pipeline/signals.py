@@ -140,6 +140,10 @@ def handle_sigterm() -> None:
     SIGHUP or SIGINT stays ignored: ``nohup kvload ...`` and a job started with ``&`` asked for that."""
     if threading.current_thread() is threading.main_thread():
         _state["taken"] = None
+        if not _state["armed"]:
+            # what this command replaces, only: a signal skipped (ignored since an earlier command) keeps no handler
+            # of that command's to be put back when this one returns
+            _state["previous"] = {}
         for signum in (signal.SIGINT, *_HANDLED):
             if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
                 continue
