@@ -1357,6 +1357,55 @@ def test_a_stop_signal_again_while_the_first_one_is_cleaned_up_changes_nothing(t
     assert sorted(p.name for p in out.iterdir()) in ([], ["torchinductor_root"])
 
 
+#: ``kvload generate`` whose exit hangs once its command ended on a stop (an exit callback that takes a minute: the
+#: process group's end, a call on another thread waited for); ``REPEAT_S`` 0: every later stop signal is past the window
+_HUNG_EXIT = """
+import atexit, sys, time
+from pipeline import signals
+signals.REPEAT_S = 0.0
+def hang():
+    print("exiting", file=sys.stderr, flush=True)
+    time.sleep(60)
+atexit.register(hang)
+from kvload.__main__ import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("again", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_past_the_repeat_window_still_ends_a_hung_exit(tmp_path, again):
+    """A Ctrl-C, then the exit hangs: a kill (or Ctrl-C) more than ``REPEAT_S`` after the first one must end the
+    process, as it did before a repeated stop was ignored (a later one acts as before: the teardown's words). It was
+    ignored for the whole exit, and only SIGKILL ended it. Ended by the signal's default action, nothing printed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_EXIT, "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                             "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                               "TMPDIR": str(out)},
+                            preexec_fn=signals_as_a_terminal_gives_them)
+    try:
+        assert proc.stdout.read(1)  # a token printed: generating
+        proc.send_signal(signal.SIGINT)
+        err = []
+        while not err or err[-1] != "exiting\n":  # the command returned: the exit callback hangs
+            line = proc.stderr.readline()
+            assert line, "".join(err)
+            err.append(line)
+        proc.send_signal(again)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=40)  # within the minute the callback sleeps
+        err.append(proc.stderr.read() if proc.poll() is not None else "(still running)")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -again, "".join(err)
+    assert [x for x in "".join(err).splitlines() if x.strip()] == \
+        ["error: interrupted; the --audit-log file was not written", "exiting"], "".join(err)
+
+
 def _read_terminal(master: int, until: Any, timeout: float = 240.0) -> bytes:
     """What a process wrote to the terminal ``master`` until ``until(seen)`` or the terminal closed (bounded)."""
     import select
