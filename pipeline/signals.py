@@ -14,7 +14,7 @@ signal's exit status. torchrun passes a terminal's Ctrl-C on to ranks the termin
 it twice), and a second Ctrl-C pressed at once raised into the cleanup of the first (a traceback from a finalizer,
 exit -15 from a SIGTERM in the exit, an unpublished audit). One later than that acts as before (raised: a teardown
 that long is cut short as the user asks). A process that ends with its command (:func:`ends_process`) ignores them
-for its exit.
+for its exit within ``REPEAT_S`` (later, one ends it: its default action).
 
 A stop signal whose exception Python swallows is sent again. The handler raises where the main thread is, and when
 that is a finalizer (a ``__del__``, a generator closed by the garbage collector, a weakref callback) Python only
@@ -61,7 +61,9 @@ class HungUp(Terminated):
 #: ``armed``: the signals raise; ``previous``: the handlers :func:`handle_sigterm` replaced; ``unraisable``: the
 #: :func:`sys.unraisablehook` it replaced (``None`` while not armed); ``taken``: when the stop under way was taken
 #: (``time.monotonic()``; ``None``: none); ``ends_process``: :func:`ends_process` was called.
-_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "taken": None, "ends_process": False}
+#: ``exit_taken``: the ``taken`` of the stop a process that ends with its command exits on.
+_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "taken": None, "ends_process": False,
+                          "exit_taken": 0.0}
 
 
 def _stop_exception(signum: int) -> KeyboardInterrupt:
@@ -109,6 +111,14 @@ def _repeated_stop(signum: int, frame: Any) -> None:
     taken = _state["taken"]
     if _state["armed"] and (taken is None or time.monotonic() - taken > REPEAT_S):
         raise _stop_exception(signum)
+
+
+def _exiting_stop(signum: int, frame: Any) -> None:
+    """A stop signal while a process that ended on a stop exits: nothing within ``REPEAT_S`` of that stop; later the
+    signal's default action, at once (an exit that hangs is ended as asked, nothing printed)."""
+    if time.monotonic() - _state["exit_taken"] > REPEAT_S:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _take(replacing: Mapping[int, Any] | None = None) -> None:
@@ -174,17 +184,20 @@ def release_sigterm() -> None:
     a launcher's SIGTERM then (torchrun stopping the ranks left after one failed) raised ``Terminated`` inside them
     and Python printed "Exception ignored in atexit callback" with a traceback. Now such a signal acts as it would
     without kvload: by default it ends the process, with nothing printed. Unless the command ended on a stop (one was
-    taken) and the process ends with it (:func:`ends_process`): then it is ignored.
+    taken) and the process ends with it (:func:`ends_process`): then it is ignored within ``REPEAT_S`` of that stop,
+    and ends the process by its default action later (an exit that hangs can still be stopped without SIGKILL).
     """
     if threading.current_thread() is threading.main_thread() and _state["armed"]:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
         taken, _state["taken"] = _state["taken"], None
         if taken is not None and _state["ends_process"]:
             # the command ended on a stop and the process ends with it: another one while it exits (torchrun passing
-            # the terminal's Ctrl-C on, a second kill) would only trade the first one's status for a kill
+            # the terminal's Ctrl-C on, a second kill) would only trade the first one's status for a kill; one past
+            # REPEAT_S ends an exit that hangs (an ignored one stays ignored)
+            _state["exit_taken"] = taken
             for signum in (signal.SIGINT, *_HANDLED):
                 if signal.getsignal(signum) != signal.SIG_IGN:
-                    signal.signal(signum, signal.SIG_IGN)
+                    signal.signal(signum, _exiting_stop)
         else:
             for signum, previous in _state["previous"].items():
                 signal.signal(signum, previous)
@@ -195,7 +208,7 @@ def release_sigterm() -> None:
 
 def ends_process() -> None:
     """The process ends when the command returns (``python -m kvload``, the ``kvload`` script): once a command that
-    ended on a stop returns, :func:`release_sigterm` ignores further stop signals for the exit."""
+    ended on a stop returns, :func:`release_sigterm` ignores further stop signals for the exit (within ``REPEAT_S``)."""
     _state["ends_process"] = True
 
 
