@@ -195,9 +195,12 @@ def release_sigterm() -> None:
             # the terminal's Ctrl-C on, a second kill) would only trade the first one's status for a kill; one past
             # REPEAT_S ends an exit that hangs (an ignored one stays ignored)
             _state["exit_taken"] = taken
+            # past the window already: the default action itself, which also ends an exit hung inside a C call
+            # (where no Python handler runs)
+            exiting = _exiting_stop if time.monotonic() - taken <= REPEAT_S else signal.SIG_DFL
             for signum in (signal.SIGINT, *_HANDLED):
                 if signal.getsignal(signum) != signal.SIG_IGN:
-                    signal.signal(signum, _exiting_stop)
+                    signal.signal(signum, exiting)
         else:
             for signum, previous in _state["previous"].items():
                 signal.signal(signum, previous)

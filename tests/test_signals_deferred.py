@@ -165,3 +165,36 @@ def test_a_command_run_again_leaves_a_signal_ignored_since_the_first_one_ignored
     finally:
         for signum, handler in own.items():
             signal.signal(signum, handler)
+
+
+_EXITING = textwrap.dedent("""
+    import os, signal, sys, time
+    from pipeline import signals
+
+    signals.REPEAT_S = 60.0
+    signals.ends_process()  # python -m kvload
+    signals.handle_sigterm()
+    signals.stopping()  # the command ends on a stop ...
+    signals.release_sigterm()  # ... and returned: the process exits
+    os.kill(os.getpid(), signal.SIGTERM)  # within the window: ignored
+    os.kill(os.getpid(), signal.SIGINT)
+    print("alive", flush=True)
+    signals.REPEAT_S = 0.0  # (the window over)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    time.sleep(30)
+    print("not ended", flush=True)
+""")
+
+
+@pytest.mark.parametrize("again", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_process_exiting_on_a_stop_ignores_a_repeat_then_ends_on_a_later_one(again):
+    """``python -m kvload`` whose command ended on a stop: another stop signal while it exits is ignored within
+    ``REPEAT_S`` (the first one's status stands), and one later ends it by its default action (an exit that hangs is not
+    left to SIGKILL: they were ignored for the whole exit)."""
+    import signal
+
+    r = subprocess.run([sys.executable, "-c", _EXITING, again], capture_output=True, text=True, timeout=60,
+                       env={**ENV, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                       preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL)
+                                           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])
+    assert (r.returncode, r.stdout, r.stderr) == (-getattr(signal, again), "alive\n", "")
