@@ -61,9 +61,10 @@ class HungUp(Terminated):
 #: ``armed``: the signals raise; ``previous``: the handlers :func:`handle_sigterm` replaced; ``unraisable``: the
 #: :func:`sys.unraisablehook` it replaced (``None`` while not armed); ``taken``: when the stop under way was taken
 #: (``time.monotonic()``; ``None``: none); ``ends_process``: :func:`ends_process` was called.
-#: ``exit_taken``: the ``taken`` of the stop a process that ends with its command exits on.
+#: ``exit_taken``: the ``taken`` of the stop a process that ends with its command exits on. ``raised``: the stop's
+#: exception until the command took it (:func:`stopping`); one only this module still holds was dropped unseen.
 _state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "taken": None, "ends_process": False,
-                          "exit_taken": 0.0}
+                          "exit_taken": 0.0, "raised": None}
 
 
 def _stop_exception(signum: int) -> KeyboardInterrupt:
@@ -94,7 +95,9 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     """SIGINT, SIGTERM and SIGHUP while armed: the stop is taken and its exception raised where the main thread is."""
     if _state["armed"]:
         _take()
-        raise _stop_exception(signum)
+        # kept here, in no local of this frame (its traceback holds the frame): see _repeated_stop
+        _state["raised"] = _stop_exception(signum)
+        raise _state["raised"]
     # released (the command is over) but not yet swapped out: act as the handler kvload replaced would, never
     # raising into atexit callbacks or finalizers
     previous = _state["previous"].get(signum, signal.SIG_DFL)
@@ -109,7 +112,14 @@ def _repeated_stop(signum: int, frame: Any) -> None:
     """A stop signal while a stop is under way: nothing raised into its cleanup within ``REPEAT_S`` of it; later, as
     before (a teardown that long is cut short as asked)."""
     taken = _state["taken"]
-    if _state["armed"] and (taken is None or time.monotonic() - taken > REPEAT_S):
+    if not _state["armed"]:
+        return
+    if _state["raised"] is not None and sys.getrefcount(_state["raised"]) <= 2:  # (this dict's reference, the call's)
+        # the stop's exception is gone and the command never took it: code that drops every error cleared it (torch's
+        # C start-up does so with whatever its numpy import raised); nobody is stopping, so this one is a first stop
+        _state["taken"] = None
+        _raise_terminated(signum, frame)
+    if taken is None or time.monotonic() - taken > REPEAT_S:
         raise _stop_exception(signum)
 
 
@@ -138,7 +148,7 @@ def _take(replacing: Mapping[int, Any] | None = None) -> None:
 
 def _untake() -> None:
     """No stop under way after all (its exception was dropped): the stop signals raise again."""
-    _state["taken"] = None
+    _state["taken"] = _state["raised"] = None
     for signum in (signal.SIGINT, *_HANDLED):
         if signal.getsignal(signum) is _repeated_stop:
             signal.signal(signum, _raise_terminated)
@@ -149,7 +159,7 @@ def handle_sigterm() -> None:
     thread (a no-op elsewhere) until :func:`release_sigterm`, one stop at a time (the module's docstring). An ignored
     SIGHUP or SIGINT stays ignored: ``nohup kvload ...`` and a job started with ``&`` asked for that."""
     if threading.current_thread() is threading.main_thread():
-        _state["taken"] = None
+        _state["taken"] = _state["raised"] = None
         if not _state["armed"]:
             # what this command replaces, only: a signal skipped (ignored since an earlier command) keeps no handler
             # of that command's to be put back when this one returns
@@ -173,6 +183,7 @@ def stopping(replacing: Mapping[int, Any] | None = None) -> bool:
     :func:`handle_sigterm`: a program that runs the server itself keeps its own handlers."""
     if threading.current_thread() is not threading.main_thread() or not _state["armed"]:
         return False
+    _state["raised"] = None  # the stop reached the command (and this module lets its exception go)
     _take(replacing)
     return True
 
@@ -189,7 +200,7 @@ def release_sigterm() -> None:
     """
     if threading.current_thread() is threading.main_thread() and _state["armed"]:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
-        taken, _state["taken"] = _state["taken"], None
+        taken, _state["taken"], _state["raised"] = _state["taken"], None, None
         if taken is not None and _state["ends_process"]:
             # the command ended on a stop and the process ends with it: another one while it exits (torchrun passing
             # the terminal's Ctrl-C on, a second kill) would only trade the first one's status for a kill; one past
