@@ -14,7 +14,7 @@ signal's exit status. torchrun passes a terminal's Ctrl-C on to ranks the termin
 it twice), and a second Ctrl-C pressed at once raised into the cleanup of the first (a traceback from a finalizer,
 exit -15 from a SIGTERM in the exit, an unpublished audit). One later than that acts as before (raised: a teardown
 that long is cut short as the user asks). A process that ends with its command (:func:`ends_process`) ignores them
-for its exit.
+for its exit within ``REPEAT_S`` (later, one ends it: its default action).
 
 A stop signal whose exception Python swallows is sent again. The handler raises where the main thread is, and when
 that is a finalizer (a ``__del__``, a generator closed by the garbage collector, a weakref callback) Python only
@@ -61,7 +61,10 @@ class HungUp(Terminated):
 #: ``armed``: the signals raise; ``previous``: the handlers :func:`handle_sigterm` replaced; ``unraisable``: the
 #: :func:`sys.unraisablehook` it replaced (``None`` while not armed); ``taken``: when the stop under way was taken
 #: (``time.monotonic()``; ``None``: none); ``ends_process``: :func:`ends_process` was called.
-_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "taken": None, "ends_process": False}
+#: ``exit_taken``: the ``taken`` of the stop a process that ends with its command exits on. ``raised``: the stop's
+#: exception until the command took it (:func:`stopping`); one only this module still holds was dropped unseen.
+_state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "taken": None, "ends_process": False,
+                          "exit_taken": 0.0, "raised": None}
 
 
 def _stop_exception(signum: int) -> KeyboardInterrupt:
@@ -92,7 +95,9 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     """SIGINT, SIGTERM and SIGHUP while armed: the stop is taken and its exception raised where the main thread is."""
     if _state["armed"]:
         _take()
-        raise _stop_exception(signum)
+        # kept here, in no local of this frame (its traceback holds the frame): see _repeated_stop
+        _state["raised"] = _stop_exception(signum)
+        raise _state["raised"]
     # released (the command is over) but not yet swapped out: act as the handler kvload replaced would, never
     # raising into atexit callbacks or finalizers
     previous = _state["previous"].get(signum, signal.SIG_DFL)
@@ -107,8 +112,23 @@ def _repeated_stop(signum: int, frame: Any) -> None:
     """A stop signal while a stop is under way: nothing raised into its cleanup within ``REPEAT_S`` of it; later, as
     before (a teardown that long is cut short as asked)."""
     taken = _state["taken"]
-    if _state["armed"] and (taken is None or time.monotonic() - taken > REPEAT_S):
+    if not _state["armed"]:
+        return
+    if _state["raised"] is not None and sys.getrefcount(_state["raised"]) <= 2:  # (this dict's reference, the call's)
+        # the stop's exception is gone and the command never took it: code that drops every error cleared it (torch's
+        # C start-up does so with whatever its numpy import raised); nobody is stopping, so this one is a first stop
+        _state["taken"] = None
+        _raise_terminated(signum, frame)
+    if taken is None or time.monotonic() - taken > REPEAT_S:
         raise _stop_exception(signum)
+
+
+def _exiting_stop(signum: int, frame: Any) -> None:
+    """A stop signal while a process that ended on a stop exits: nothing within ``REPEAT_S`` of that stop; later the
+    signal's default action, at once (an exit that hangs is ended as asked, nothing printed)."""
+    if time.monotonic() - _state["exit_taken"] > REPEAT_S:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _take(replacing: Mapping[int, Any] | None = None) -> None:
@@ -128,7 +148,7 @@ def _take(replacing: Mapping[int, Any] | None = None) -> None:
 
 def _untake() -> None:
     """No stop under way after all (its exception was dropped): the stop signals raise again."""
-    _state["taken"] = None
+    _state["taken"] = _state["raised"] = None
     for signum in (signal.SIGINT, *_HANDLED):
         if signal.getsignal(signum) is _repeated_stop:
             signal.signal(signum, _raise_terminated)
@@ -139,7 +159,11 @@ def handle_sigterm() -> None:
     thread (a no-op elsewhere) until :func:`release_sigterm`, one stop at a time (the module's docstring). An ignored
     SIGHUP or SIGINT stays ignored: ``nohup kvload ...`` and a job started with ``&`` asked for that."""
     if threading.current_thread() is threading.main_thread():
-        _state["taken"] = None
+        _state["taken"] = _state["raised"] = None
+        if not _state["armed"]:
+            # what this command replaces, only: a signal skipped (ignored since an earlier command) keeps no handler
+            # of that command's to be put back when this one returns
+            _state["previous"] = {}
         for signum in (signal.SIGINT, *_HANDLED):
             if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
                 continue
@@ -159,6 +183,7 @@ def stopping(replacing: Mapping[int, Any] | None = None) -> bool:
     :func:`handle_sigterm`: a program that runs the server itself keeps its own handlers."""
     if threading.current_thread() is not threading.main_thread() or not _state["armed"]:
         return False
+    _state["raised"] = None  # the stop reached the command (and this module lets its exception go)
     _take(replacing)
     return True
 
@@ -170,17 +195,23 @@ def release_sigterm() -> None:
     a launcher's SIGTERM then (torchrun stopping the ranks left after one failed) raised ``Terminated`` inside them
     and Python printed "Exception ignored in atexit callback" with a traceback. Now such a signal acts as it would
     without kvload: by default it ends the process, with nothing printed. Unless the command ended on a stop (one was
-    taken) and the process ends with it (:func:`ends_process`): then it is ignored.
+    taken) and the process ends with it (:func:`ends_process`): then it is ignored within ``REPEAT_S`` of that stop,
+    and ends the process by its default action later (an exit that hangs can still be stopped without SIGKILL).
     """
     if threading.current_thread() is threading.main_thread() and _state["armed"]:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
-        taken, _state["taken"] = _state["taken"], None
+        taken, _state["taken"], _state["raised"] = _state["taken"], None, None
         if taken is not None and _state["ends_process"]:
             # the command ended on a stop and the process ends with it: another one while it exits (torchrun passing
-            # the terminal's Ctrl-C on, a second kill) would only trade the first one's status for a kill
+            # the terminal's Ctrl-C on, a second kill) would only trade the first one's status for a kill; one past
+            # REPEAT_S ends an exit that hangs (an ignored one stays ignored)
+            _state["exit_taken"] = taken
+            # past the window already: the default action itself, which also ends an exit hung inside a C call
+            # (where no Python handler runs)
+            exiting = _exiting_stop if time.monotonic() - taken <= REPEAT_S else signal.SIG_DFL
             for signum in (signal.SIGINT, *_HANDLED):
                 if signal.getsignal(signum) != signal.SIG_IGN:
-                    signal.signal(signum, signal.SIG_IGN)
+                    signal.signal(signum, exiting)
         else:
             for signum, previous in _state["previous"].items():
                 signal.signal(signum, previous)
@@ -191,7 +222,7 @@ def release_sigterm() -> None:
 
 def ends_process() -> None:
     """The process ends when the command returns (``python -m kvload``, the ``kvload`` script): once a command that
-    ended on a stop returns, :func:`release_sigterm` ignores further stop signals for the exit."""
+    ended on a stop returns, :func:`release_sigterm` ignores further stop signals for the exit (within ``REPEAT_S``)."""
     _state["ends_process"] = True
 
 

@@ -185,11 +185,11 @@ def _shared_weights(ctx: Context, dtype: str, seed: int) -> Iterator[Path | None
         return
     tmp = None
     if ctx.checkpoint.kind == "preset":
-        if ranks.is_first:
-            tmp = Path(tempfile.mkdtemp(prefix="kvload-tp-"))
-            save_random_model(ctx.hf_config, tmp, dtype=dtype, seed=seed)
-        shared = ranks.broadcast(str(tmp) if tmp is not None else None)
-        try:
+        try:  # from the folder's creation: a save or a send cut short (a rank lost, a signal) removes it too
+            if ranks.is_first:
+                tmp = Path(tempfile.mkdtemp(prefix="kvload-tp-"))
+                save_random_model(ctx.hf_config, tmp, dtype=dtype, seed=seed)
+            shared = ranks.broadcast(str(tmp) if tmp is not None else None)
             yield Path(shared)
             ranks.barrier()  # every rank has read its shard
         finally:

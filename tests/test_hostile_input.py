@@ -1357,6 +1357,93 @@ def test_a_stop_signal_again_while_the_first_one_is_cleaned_up_changes_nothing(t
     assert sorted(p.name for p in out.iterdir()) in ([], ["torchinductor_root"])
 
 
+#: ``kvload generate`` whose exit hangs once its command ended on a stop (an exit callback that takes a minute: the
+#: process group's end, a call on another thread waited for); ``REPEAT_S`` 0: every later stop signal is past the window
+_HUNG_EXIT = """
+import atexit, sys, time
+from pipeline import signals
+signals.REPEAT_S = 0.0
+def hang():
+    print("exiting", file=sys.stderr, flush=True)
+    time.sleep(60)
+atexit.register(hang)
+from kvload.__main__ import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("again", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_past_the_repeat_window_still_ends_a_hung_exit(tmp_path, again):
+    """A Ctrl-C, then the exit hangs: a kill (or Ctrl-C) more than ``REPEAT_S`` after the first one must end the
+    process, as it did before a repeated stop was ignored (a later one acts as before: the teardown's words). It was
+    ignored for the whole exit, and only SIGKILL ended it. Ended by the signal's default action, nothing printed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_EXIT, "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                             "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                               "TMPDIR": str(out)},
+                            preexec_fn=signals_as_a_terminal_gives_them)
+    try:
+        assert proc.stdout.read(1)  # a token printed: generating
+        proc.send_signal(signal.SIGINT)
+        err = []
+        while not err or err[-1] != "exiting\n":  # the command returned: the exit callback hangs
+            line = proc.stderr.readline()
+            assert line, "".join(err)
+            err.append(line)
+        proc.send_signal(again)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=40)  # within the minute the callback sleeps
+        err.append(proc.stderr.read() if proc.poll() is not None else "(still running)")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -again, "".join(err)
+    assert [x for x in "".join(err).splitlines() if x.strip()] == \
+        ["error: interrupted; the --audit-log file was not written", "exiting"], "".join(err)
+
+
+#: ``kvload run`` sending itself SIGTERM inside torch's import of numpy (torch's C start-up clears whatever that import
+#: raises), then SIGINT at a later import
+_STOP_IN_NUMPY_IMPORT = """
+import os, signal, sys, time
+class Sender:
+    sent = set()
+    def find_spec(self, fullname, path=None, target=None):
+        sig = {"numpy._core._add_newdocs": signal.SIGTERM, "tqdm": signal.SIGINT}.get(fullname)
+        if sig is not None and fullname not in Sender.sent:
+            Sender.sent.add(fullname)
+            os.kill(os.getpid(), sig)
+            time.sleep(0.05)  # its handler runs here: raised into this import
+        return None
+sys.meta_path.insert(0, Sender())
+from kvload.__main__ import main
+sys.exit(main())
+"""
+
+
+def test_a_stop_signal_after_one_lost_in_torchs_start_up_still_stops_the_run(tmp_path):
+    """A SIGTERM landing in torch's import of numpy is cleared there (torch goes on without numpy), so the stop
+    never reaches kvload; a Ctrl-C right after it was then taken as that stop's repeat and dropped too, and the run
+    finished: exit 0, its audit published, after two stop signals. The second one stops it now."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-c", _STOP_IN_NUMPY_IMPORT, "run", "tiny-llama", "--max_tokens", "4096",
+                        "--audit-log", out / "a.jsonl"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       stdin=subprocess.DEVNULL, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                                      "TMPDIR": str(out)},
+                       preexec_fn=signals_as_a_terminal_gives_them)
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "kv_budget_short" not in x]
+    # 130: the SIGTERM was lost in torch (as today); 143: it was not (numpy imported elsewhere first)
+    assert (r.returncode, lines) in ((130, ["error: interrupted; the --audit-log file was not written"]),
+                                     (143, ["error: terminated (SIGTERM); the --audit-log file was not written"])), \
+        (r.returncode, r.stderr[-2000:])
+    assert sorted(p.name for p in out.iterdir()) in ([], ["torchinductor_root"])
+
+
 def _read_terminal(master: int, until: Any, timeout: float = 240.0) -> bytes:
     """What a process wrote to the terminal ``master`` until ``until(seen)`` or the terminal closed (bounded)."""
     import select

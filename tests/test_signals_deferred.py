@@ -140,3 +140,88 @@ def test_the_first_stop_signal_raises_and_the_next_ones_repeat_it():
                 signals.release_sigterm()
     finally:
         signal.signal(signal.SIGINT, own_sigint)
+
+
+def test_a_command_run_again_leaves_a_signal_ignored_since_the_first_one_ignored():
+    """``main()`` called twice in one process (tests do; a notebook): a SIGINT or SIGHUP the program ignored between
+    the two calls (a job put in the background, ``nohup``'s habit) is left alone by the second call, as its docstring
+    says, and must still be ignored once it returns. It was set back to the handler the first call had found."""
+    import signal
+
+    from pipeline import signals
+
+    own = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signals.handle_sigterm()
+        signals.release_sigterm()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signals.handle_sigterm()
+        signals.release_sigterm()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        for signum, handler in own.items():
+            signal.signal(signum, handler)
+
+
+_EXITING = textwrap.dedent("""
+    import os, signal, sys, time
+    from pipeline import signals
+
+    signals.REPEAT_S = 60.0
+    signals.ends_process()  # python -m kvload
+    signals.handle_sigterm()
+    signals.stopping()  # the command ends on a stop ...
+    signals.release_sigterm()  # ... and returned: the process exits
+    os.kill(os.getpid(), signal.SIGTERM)  # within the window: ignored
+    os.kill(os.getpid(), signal.SIGINT)
+    print("alive", flush=True)
+    signals.REPEAT_S = 0.0  # (the window over)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    time.sleep(30)
+    print("not ended", flush=True)
+""")
+
+
+@pytest.mark.parametrize("again", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_process_exiting_on_a_stop_ignores_a_repeat_then_ends_on_a_later_one(again):
+    """``python -m kvload`` whose command ended on a stop: another stop signal while it exits is ignored within
+    ``REPEAT_S`` (the first one's status stands), and one later ends it by its default action (an exit that hangs is not
+    left to SIGKILL: they were ignored for the whole exit)."""
+    import signal
+
+    r = subprocess.run([sys.executable, "-c", _EXITING, again], capture_output=True, text=True, timeout=60,
+                       env={**ENV, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                       preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL)
+                                           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])
+    assert (r.returncode, r.stdout, r.stderr) == (-getattr(signal, again), "alive\n", "")
+
+
+def test_a_stop_signal_after_one_swallowed_unseen_still_stops():
+    """The first stop's exception cleared by code that drops every error (torch's C start-up clears whatever its
+    numpy import raised: a SIGTERM landing there was lost and ``kvload run`` finished, exit 0): further stop signals
+    within ``REPEAT_S`` repeated a stop nobody was carrying out, and were lost too. One that finds the stop's
+    exception gone, never taken by kvload's handler, raises as a first one."""
+    import contextlib
+    import os
+    import signal
+
+    from pipeline import signals
+
+    own_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        signals.handle_sigterm()
+        try:
+            with contextlib.suppress(BaseException):  # what a C caller clearing the error does
+                os.kill(os.getpid(), signal.SIGTERM)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+            signals.stopping()  # taken by the command (kvload.cli.entry's handler says so) ...
+            os.kill(os.getpid(), signal.SIGTERM)  # ... and this one is that stop's repeat: nothing raised
+        finally:
+            signals.release_sigterm()
+    finally:
+        signal.signal(signal.SIGINT, own_sigint)

@@ -582,3 +582,26 @@ def test_a_quantization_config_transformers_would_skip_is_refused(capsys, tmp_pa
     r = run_cli(capsys, "generate", ckpt, "--prompt-ids", "1,2", "--max_new_tokens", "1", "--max_tokens", "1024",
                 "--audit-log", out / "a.jsonl")
     assert_refused(r, f"{ckpt}/config.json: {words}", folder=out)
+
+
+def test_rank_0_leaves_no_shared_weights_folder_when_the_ranks_part_before_it_is_shared(tmp_path, monkeypatch):
+    """Tensor parallel over a preset: rank 0 saves random weights to a temporary folder, then sends its path to the
+    other ranks. A rank lost then (``tp_fault_sweep.py``'s ``llm.kill1_loading``: rank 1 killed 2 s in) raised out of
+    that send, before the ``try`` that removes the folder: the model's files stayed in ``TMPDIR``."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import stages.load_weights as lw
+    from pipeline.errors import RankLostError
+
+    def broadcast(value):
+        raise RankLostError("rank 1 (pid 1) was killed by SIGKILL")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(lw, "save_random_model", lambda config, folder, **_: (folder / "config.json").write_text("{}"))
+    ranks = SimpleNamespace(distributed=True, is_first=True, broadcast=broadcast, barrier=lambda: None)
+    ctx = SimpleNamespace(ranks=ranks, args=SimpleNamespace(tensor_parallel_size=2),
+                          checkpoint=SimpleNamespace(kind="preset"), hf_config=None)
+    with pytest.raises(RankLostError), lw._shared_weights(ctx, "float32", 0):
+        pass
+    assert list(tmp_path.iterdir()) == []

@@ -17,7 +17,9 @@ from kvload.cli.parser import typed_spelling, typed_value
 from kvload.cli.values import number
 from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import short_text
-from pipeline.signals import Terminated, handle_sigterm, release_sigterm  # at import: main's first line is in its try
+
+# at import: main's first line is in its try
+from pipeline.signals import Terminated, handle_sigterm, release_sigterm, stopping
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | None) -> int:
     """The one line for a stop signal, printed once however many arrive, and its exit status (128 + its number)."""
+    stopping()  # the stop reached the command: a stop signal from here on repeats it (pipeline.signals)
     term = isinstance(exc, Terminated)  # SIGTERM, or SIGHUP (HungUp)
     _say(f"{exc.describe if term else 'interrupted'}{_unwritten(ns)}", said)
     return 128 + exc.signal_number if term else 130
