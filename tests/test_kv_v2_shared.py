@@ -908,30 +908,34 @@ def test_a_turn_s_claims_and_tails_in_one_pass_over_the_groups_leave_the_arena_a
         assert got == want, f"step {step}"
 
 
-def test_a_hits_claim_interrupted_on_a_shared_arena_leaves_no_claim_behind():
-    """A stop signal (KeyboardInterrupt) inside a prefix hit's claim loop, on a shared arena, after some groups' blocks
-    were gathered: the request is freed as ``LLM.generate`` frees it on its way out, and the same manager serves the
-    next hit with every invariant holding. The gathered claims were kept on the manager and made again by the next hit
-    (a "block is not one of its used or cached blocks" error, then "ref 1 but 0 owners"); a table could also name a
-    block not yet claimed."""
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_a_hits_claim_interrupted_on_a_shared_arena_leaves_no_claim_behind(one_pass):
+    """A stop signal (KeyboardInterrupt) inside a prefix hit's claim, on a shared arena, after some groups' blocks
+    were gathered (the per-group loop) or all of them (the one pass, just before they are claimed): the request is
+    freed as ``LLM.generate`` frees it on its way out, and the same manager serves the next hit with every invariant
+    holding. The gathered claims were kept on the manager and made again by the next hit (a "block is not one of its
+    used or cached blocks" error, then "ref 1 but 0 owners"); a table could also name a block not yet claimed."""
     m = make_manager(gemma_like(window=8), 14)
+    if not one_pass:  # the per-group loop (a shared arena of one-block spans takes the one pass)
+        m._unit_spans = False
     prompt = list(range(1, 21))
     first = Request("a", prompt, 2)
     prefill(m, first)
     m.free(first)
-    path_blocks, calls = m._tree.path_blocks, [0]
+    owner, attr = (m._arena, "incref_groups") if one_pass else (m._tree, "path_blocks")
+    real, calls = getattr(owner, attr), [0]
 
     def interrupted(*args: object) -> list[int]:
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] == (1 if one_pass else 3):
             raise KeyboardInterrupt
-        return path_blocks(*args)
+        return real(*args)
 
-    m._tree.path_blocks = interrupted  # type: ignore[method-assign]
+    setattr(owner, attr, interrupted)
     second = Request("b", [*prompt, 99], 2)
     with pytest.raises(KeyboardInterrupt):
         admit(m, second)
-    m._tree.path_blocks = path_blocks  # type: ignore[method-assign]
+    setattr(owner, attr, real)
     m.free(second)
     m.check_invariants()
     third = Request("c", [*prompt, 98], 2)
@@ -956,6 +960,58 @@ def test_a_keyed_finish_releasing_a_block_more_often_than_held_raises_naming_it(
     given = [(0, [*taken, taken[1]])] if twice else [(0, list(taken)), (0, list(taken))]
     with pytest.raises(RuntimeError, match=r"^group g0: block \d+ released more often than held$"):
         pool.release_tables(given, 1)
+
+
+def _hits_on_paths(one_pass: bool) -> tuple[KVCacheManagerV2, list[Request], list[int]]:
+    """Hits on a shared arena of one-block spans whose claimed paths are one run from the root or several (a prompt
+    split by a shorter one), with sliding windows that start past position 0: claimed in one pass over the groups
+    (``one_pass``) or by the per-group loop. Returns the manager, the hits (still running) and the path lengths (in
+    runs) each claimed."""
+    m = make_manager(gemma_like(window=8), 40)
+    if not one_pass:
+        m._unit_spans = False
+    runs: list[int] = []
+    claim = m._claim_arena_path
+
+    def counted(cache, last, tokens):  # type: ignore[no-untyped-def]
+        node, k = last, 1
+        while node.parent is not None and node.parent.parent is not None:
+            node, k = node.parent, k + 1
+        runs.append(k)
+        claim(cache, last, tokens)
+
+    m._claim_arena_path = counted  # type: ignore[method-assign]
+    prompt = list(range(1, 26))  # 6 full blocks and a token
+    for rid, tokens in (("a", prompt), ("b", [*prompt[:12], 70, 71, 72, 73, 74])):  # b splits a's run after 3 blocks
+        first = Request(rid, tokens, 0)
+        prefill(m, first)
+        m.free(first)
+    hits = [Request("c", [*prompt, 90, 91], 0),  # a's 6 blocks across two runs, windows past position 0
+            Request("d", [*prompt[:12], 80], 0),  # 3 blocks of the first run alone
+            Request("e", [*prompt[:8], 81, 82], 0)]  # 2 of them (a split), two hits on one run
+    for r in hits:
+        admit(m, r)
+        m.check_invariants()
+    return m, hits, runs
+
+
+def test_a_hits_claim_in_one_pass_over_the_groups_is_the_per_group_loops():
+    """A shared arena of one-block spans claims a hit's blocks of every group in one pass (``_claim_arena_path``):
+    the same tables (a window's released positions as -1), the same reference counts, eviction queue and tree as
+    the per-group loop, on paths of one run and of several."""
+    fast, hits, runs = _hits_on_paths(True)
+    slow, again, loop_runs = _hits_on_paths(False)
+    assert sorted(runs) == [1, 1, 1, 2] and loop_runs == []  # (b hits a too) both path shapes took the one pass
+    for r, s in zip(hits, again, strict=True):
+        assert r.num_computed_tokens == s.num_computed_tokens > 0
+        a, b = fast.cache(r), slow.cache(s)
+        assert a.tables == b.tables and a.released == b.released
+        assert a.last.start == b.last.start and a.last.users == b.last.users
+    assert any(-1 in fast.cache(hits[0]).tables[name] for name in fast._names)  # a window started past 0
+    assert fast._arena.ref == slow._arena.ref and fast._arena.used == slow._arena.used
+    assert fast._arena.cached == slow._arena.cached
+    assert fast._arena.evictable.blocks() == slow._arena.evictable.blocks()
+    assert fast._tree.num_nodes == slow._tree.num_nodes
 
 
 def _grow_own_run(bulk: bool) -> tuple[KVCacheManagerV2, Request]:
