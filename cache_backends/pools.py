@@ -183,7 +183,7 @@ _BYTE_SCATTERED = (torch.float8_e4m3fn, torch.float8_e5m2)
 HOST_PAGE_BY_PAGE = True
 
 
-def _even_run(ids: list[int]) -> slice | None:
+def even_run(ids: list[int]) -> slice | None:
     """``ids`` (two or more) as one slice when they step evenly upwards, else None."""
     a, s = ids[0], ids[1] - ids[0]
     if s > 0 and ids == list(range(a, a + len(ids) * s, s)):
@@ -209,7 +209,7 @@ def move_pages(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids
         return
     if dst_ids[0] > dst_ids[-1]:  # a descending run read backwards: the same pairs
         dst_ids, src_ids = dst_ids[::-1], src_ids[::-1]
-    take, put = _even_run(src_ids), _even_run(dst_ids)
+    take, put = even_run(src_ids), even_run(dst_ids)
     if take is not None and put is not None:
         dst[put].copy_(src[take], non_blocking=non_blocking)
         return

@@ -87,7 +87,7 @@ from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.kv_events import KvEventBuffer
 from cache_backends.layout import KvLayout, LayerGroup, longest
-from cache_backends.pools import BlockPools, move_pages
+from cache_backends.pools import BlockPools, even_run, move_pages
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
 from cache_backends.stats import GroupStats, HostStats, ManagerStats, ReuseStats
@@ -141,13 +141,11 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
     # and ``index_copy_`` ~20-27 us; a slice copy ~4 us, checks included
     n = len(dst)
     if n > 1:
-        d, s = dst[1] - dst[0], src[1] - src[0]
-        if d < 0 and s < 0:  # both descending: the same pairs, read backwards
-            dst, src, d, s = dst[::-1], src[::-1], -d, -s
-        a, b = dst[0], src[0]
-        if (d > 0 and s > 0 and dst == list(range(a, a + n * d, d))
-                and src == list(range(b, b + n * s, s))):
-            pages[:, a:a + (n - 1) * d + 1:d].copy_(pages[:, b:b + (n - 1) * s + 1:s])
+        if dst[0] > dst[-1]:  # a descending run read backwards: the same pairs
+            dst, src = dst[::-1], src[::-1]
+        put, take = even_run(dst), even_run(src)
+        if put is not None and take is not None:
+            pages[:, put].copy_(pages[:, take])
             return
     elif n == 1:
         pages[:, dst[0]].copy_(pages[:, src[0]])
