@@ -520,11 +520,12 @@ class KVCacheV2Scheduler(SchedulerBase):
         # than they save (the median step, BENCHMARKS.md "relook44")
         relook = not now % LPM_RELOOK
         memo: dict | None = {} if relook or len(hinted) > 1 else None
+        floors = (LPM_MIN_HIT, min(LPM_BRANCH_HIT, LPM_MIN_HIT))  # by whether a prefix others went on from
         for i, may in zip(hinted, m.may_find_prefix([window[i] for i in hinted]) if len(hinted) > 1
                           else itertools.repeat(True, len(hinted)), strict=True):
             r = window[i]
             hit, branch = m.cached_prefix(r, memo) if may else (0, False)
-            floor = min(LPM_BRANCH_HIT, LPM_MIN_HIT) if branch else LPM_MIN_HIT  # a prefix others went on from
+            floor = floors[branch]
             if r.cached_hint < 0:  # joined the queue: looked up once
                 ranks[i] = r.cached_hint = hit if hit >= floor else 0
                 if r.first_reused_tokens is None:  # a first join (a preempted request's hit is its own blocks)
@@ -542,13 +543,13 @@ class KVCacheV2Scheduler(SchedulerBase):
             waited = map(le, queued, itertools.repeat(now - LPM_RELOOK_WAIT))
             # a prompt of LPM_BRANCH_HIT tokens or fewer finds no hit that ranks: not looked up (on mixed traffic most
             # misses are such prompts; their lookups were a tenth of V2's KV work under pressure, BENCHMARKS.md)
-            long = map(lt, itertools.repeat(min(LPM_MIN_HIT, LPM_BRANCH_HIT)), map(len, map(_PROMPT, window)))
+            long = map(lt, itertools.repeat(floors[True]), map(len, map(_PROMPT, window)))
             again = list(itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)))
             # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
             for i in itertools.compress(again, m.may_find_prefix([window[i] for i in again]) if again else ()):
                 hit, branch = m.cached_prefix(window[i], memo)
                 # from now on looked up every step, as a hit found on joining is
-                if hit >= (min(LPM_BRANCH_HIT, LPM_MIN_HIT) if branch else LPM_MIN_HIT):
+                if hit >= floors[branch]:
                     ranks[i] = window[i].cached_hint = hit
         aged: list[Request] = []
         old = now - LPM_AGE
