@@ -49,6 +49,35 @@ def signals_as_a_terminal_gives_them() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
 
 
+def signal_again_script(patched: str) -> str:
+    """``python -c`` code running ``python -m kvload``'s main on its arguments that sends itself the signal named by
+    ``$AGAIN`` once more (0.2 s for its handler to run there): from inside ``patched`` (``"module:name"`` or
+    ``"module:Class.name"``, a function the command calls once it is stopping), or, with ``$WHERE`` ``exit``, from an
+    exit callback once the command returned. A repeated stop signal that lands there every time."""
+    module, _, name = patched.partition(":")
+    *owner, attr = name.split(".")
+    return f"""
+import atexit, importlib, os, signal, sys, time
+again = getattr(signal, os.environ["AGAIN"])
+def send_again():
+    os.kill(os.getpid(), again)
+    time.sleep(0.2)  # its handler runs here
+if os.environ["WHERE"] == "exit":
+    atexit.register(send_again)
+else:
+    owner = importlib.import_module({module!r})
+    for part in {owner!r}:
+        owner = getattr(owner, part)
+    patched = getattr(owner, {attr!r})
+    def inside(*args, **kw):
+        send_again()
+        return patched(*args, **kw)
+    setattr(owner, {attr!r}, inside)
+from kvload.__main__ import main
+sys.exit(main())
+"""
+
+
 def _signals_as_a_terminal_gives_them() -> None:  # runs in the child before exec
     signals_as_a_terminal_gives_them()
     _limits()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.cli_support import ENV, REPO, imports_after, kvload, ready_url, reap, run_cli, served_with, until_ready
-from tests.hostile_support import signals_as_a_terminal_gives_them
+from tests.hostile_support import signal_again_script, signals_as_a_terminal_gives_them
 
 
 def test_serve_process_answers_then_stops_cleanly_on_sigterm(tmp_path):
@@ -164,29 +164,6 @@ def test_a_signal_sent_as_the_ready_line_appears_stops_the_server(signum, tmp_pa
         reap(proc)
 
 
-#: ``kvload serve`` (as ``python -m kvload`` runs it) sending itself the stop signal again first thing in the engine's
-#: stop, or in an exit callback once the command returned: a second Ctrl-C (or torchrun passing the terminal's on)
-#: that lands in the teardown or in the exit, every time
-_SIGNAL_AGAIN = """
-import atexit, os, signal, sys, time
-from engine.serving import ServingEngine
-again = getattr(signal, os.environ["AGAIN"])
-def send_again():
-    os.kill(os.getpid(), again)
-    time.sleep(0.2)  # its handler runs here
-stop = ServingEngine.stop
-def stop_again(self, *args, **kw):
-    if os.environ["WHERE"] == "teardown":
-        send_again()
-    return stop(self, *args, **kw)
-ServingEngine.stop = stop_again
-if os.environ["WHERE"] == "exit":
-    atexit.register(send_again)
-from kvload.__main__ import main
-sys.exit(main())
-"""
-
-
 @pytest.mark.parametrize("where", ["teardown", "exit"])
 @pytest.mark.parametrize("first, again", [(signal.SIGINT, "SIGINT"), (signal.SIGTERM, "SIGINT"),
                                           (signal.SIGINT, "SIGTERM")])
@@ -198,7 +175,9 @@ def test_a_stop_signal_repeated_while_the_server_stops_still_stops_it_cleanly(fi
     is repeated instead: exit 0, the audit published."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_AGAIN, "serve", "tiny-llama", "--port", "0",
+    # the repeat sent from inside the engine's stop (the teardown) or from an exit callback
+    script = signal_again_script("engine.serving:ServingEngine.stop")
+    proc = subprocess.Popen([sys.executable, "-c", script, "serve", "tiny-llama", "--port", "0",
                              "--audit-log", str(out / "audit.jsonl")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "AGAIN": again,
                                             "WHERE": where},

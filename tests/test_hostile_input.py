@@ -49,6 +49,7 @@ from tests.hostile_support import (
     exit_signal_name,
     interrupt,
     limited_kvload,
+    signal_again_script,
     signals_as_a_terminal_gives_them,
     start_kvload,
     wait_for_temporary,
@@ -1306,26 +1307,15 @@ def test_a_signal_during_run_leaves_nothing(tmp_path, signum, code, line):
     assert_refused(r, f"{line}; the --audit-log file was not written", folder=out, code=code)
 
 
-#: ``kvload generate`` (as ``python -m kvload`` runs it) sending itself a stop signal again once it is stopping: from
-#: the audit's discard (the cleanup the first one started) or from an exit callback (the process ending), every time
-_STOP_AGAIN = """
-import atexit, os, signal, sys, time
-import kvload.cli.entry as entry
-again = getattr(signal, os.environ["AGAIN"])
-def send_again():
-    os.kill(os.getpid(), again)
-    time.sleep(0.2)  # its handler runs here
-close = entry._close_audit
-def close_again(ns, ok):
-    if not ok and os.environ["WHERE"] == "cleanup":
-        send_again()
-    return close(ns, ok)
-entry._close_audit = close_again
-if os.environ["WHERE"] == "exit":
-    atexit.register(send_again)
-from kvload.__main__ import main
-sys.exit(main())
-"""
+def _start_generate(script: str, tmp_path: Path, out: Path, **env: str) -> subprocess.Popen[str]:
+    """``kvload generate`` of a 4,000-token reply run by ``python -c script`` (code that patches the process, then runs
+    kvload's main), its audit log and temporaries in ``out``, ``env`` added to its environment."""
+    return subprocess.Popen([sys.executable, "-c", script, "generate", "tiny-llama", "--prompt-ids", "1,2,3",
+                             "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                               "TMPDIR": str(out), **env},
+                            preexec_fn=signals_as_a_terminal_gives_them)
 
 
 @pytest.mark.parametrize("where", ["cleanup", "exit"])
@@ -1338,12 +1328,9 @@ def test_a_stop_signal_again_while_the_first_one_is_cleaned_up_changes_nothing(t
     signum, code, line = first
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", _STOP_AGAIN, "generate", "tiny-llama", "--prompt-ids", "1,2,3",
-                             "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-                                               "TMPDIR": str(out), "AGAIN": again, "WHERE": where},
-                            preexec_fn=signals_as_a_terminal_gives_them)
+    # the repeat sent from inside the audit's discard (the cleanup the first one started) or from an exit callback
+    proc = _start_generate(signal_again_script("kvload.cli.entry:_close_audit"), tmp_path, out, AGAIN=again,
+                           WHERE=where)
     try:
         assert proc.stdout.read(1)  # a token printed: generating
         r = interrupt(proc, signum)
@@ -1379,12 +1366,7 @@ def test_a_stop_signal_past_the_repeat_window_still_ends_a_hung_exit(tmp_path, a
     ignored for the whole exit, and only SIGKILL ended it. Ended by the signal's default action, nothing printed."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", _HUNG_EXIT, "generate", "tiny-llama", "--prompt-ids", "1,2,3",
-                             "--max_new_tokens", "4000", "--max_tokens", "65536", "--audit-log", out / "a.jsonl"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-                                               "TMPDIR": str(out)},
-                            preexec_fn=signals_as_a_terminal_gives_them)
+    proc = _start_generate(_HUNG_EXIT, tmp_path, out)
     try:
         assert proc.stdout.read(1)  # a token printed: generating
         proc.send_signal(signal.SIGINT)
