@@ -871,8 +871,9 @@ class ServingEngine:
             while not ended.wait(0.1):  # in slices: a signal's handler runs in between
                 pass
         except KeyboardInterrupt:
-            # the stop under way: another signal (torchrun passes the terminal's Ctrl-C on to this rank too) repeats
-            # it, rather than ending this wait at once, with the steps mid-collective and rank 0 left without this rank
+            # the stop reached this wait (its exception is let go if rank 0 stops in time, so pipeline.signals must not
+            # take it for one dropped unseen): another signal (torchrun passes the terminal's Ctrl-C on to this rank
+            # too) repeats it, rather than ending this wait at once, with the steps mid-collective
             stopping()
             if not ended.wait(grace_s) or failed:  # rank 0 did not stop in time (or the ranks parted): the signal wins
                 # ... once the steps left their collective (at rank 0's next order, within its heartbeat): exiting
