@@ -1055,3 +1055,90 @@ def test_a_run_grown_by_several_blocks_is_keyed_for_all_groups_at_once_as_group_
     follow = Request("t3", [*turn.all_token_ids, 7, 7], 0)
     admit(m, follow)
     assert follow.num_computed_tokens >= 24
+
+
+def _turn_after_history(opening: list[int]) -> tuple[KVCacheManagerV2, Request]:
+    """A Gemma-3-like arena holding a finished first turn of 18 tokens (4 blocks and a partial block kept for the
+    next turn's copy), and a request starting with ``opening`` (not yet admitted)."""
+    m = make_manager(gemma_like(window=8), 40, enable_partial_reuse=True)
+    history = list(range(1, 19))
+    prefill(m, h := Request("t0", history, 0))
+    m.free(h)
+    return m, Request("t1", opening, 4)
+
+
+def _counted(m: KVCacheManagerV2, names: tuple[str, ...]) -> dict[str, int]:
+    """How often each of the manager's methods ``names`` runs from now on."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(m, name)
+
+        def call(*args, name=name, real=real):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return real(*args)
+
+        setattr(m, name, call)
+    return calls
+
+
+@pytest.mark.parametrize("opening", [[*range(1, 19), 50, 51], [1, 2, 99, 98, 97]],
+                         ids=["follow-up turn: 4 blocks and the tail's copy", "a block's first tokens only"])
+def test_a_probe_that_builds_a_copying_hit_looks_it_up_once_and_ends_as_probe_then_build(opening):
+    """On a shared arena a hit that copies a partial block is not probed (the copy allocates): with ``build`` the
+    probe builds it in the same call from its own lookup (the match, the split path, the partial source), which
+    create + resume after the probe made again. The same cache, pages, queue and tree as that, the lookup made
+    once."""
+    a, r = _turn_after_history(opening)
+    b, again = _turn_after_history(opening)
+    names = ("_match", "_partial_source")
+    once, twice = _counted(a, names), _counted(b, names)
+    assert a.probe_hit(r, build=True) is None and a.has_cache(r)
+    assert b.probe_hit(again) is None and not b.has_cache(again)
+    admit(b, again)
+    assert once == {"_match": 1, "_partial_source": 1} and twice == {"_match": 2, "_partial_source": 2}
+    ours, theirs = a.cache(r), b.cache(again)
+    assert ours.partial_hit and theirs.partial_hit
+    assert r.num_computed_tokens == again.num_computed_tokens == (18 if len(opening) > 5 else 2)
+    assert (ours.tables, ours.released, ours.keyed, ours.key_at, _last_of(ours)) == \
+        (theirs.tables, theirs.released, theirs.keyed, theirs.key_at, _last_of(theirs))
+    assert _arena_state(a) == _arena_state(b) and a.counters == b.counters
+    assert a._tree.num_nodes == b._tree.num_nodes and a._tree.latent == b._tree.latent
+    for m, req in ((a, r), (b, again)):
+        m.check_invariants()
+        check_kv(m, req)  # the copied partial block's pages hold the history's tokens
+
+
+def _last_of(cache) -> tuple[int, int] | None:  # type: ignore[no-untyped-def]
+    return None if cache.last is None else (cache.last.start, len(cache.last.held))
+
+
+def _arena_state(m: KVCacheManagerV2) -> tuple:
+    """:func:`_pool_state` of the manager's arena, each block's owner as its kind, start and length (two managers'
+    runs compared)."""
+    def run(node: object) -> tuple | None:
+        return None if node is None else (type(node).__name__, node.start, len(node.held))  # type: ignore[attr-defined]
+
+    state = _pool_state(m._arena)
+    return (*state[:5], [run(node) for node in state[5]], *state[6:], list(m._arena.pos))
+
+
+def test_a_probe_answered_none_leaves_nothing_a_later_build_reuses_after_the_tree_changed():
+    """A probe that answers None without building (the copying hit above) keeps nothing of its lookup: a build after
+    the tree changed looks it up again. Here a sibling turn, finished between the probe and the build, caches the
+    turn's fifth block whole where the probe found 4 blocks and the history's tail to copy (2 tokens): the build
+    claims 5 blocks (as a manager that never probed), not the stale 4 and a copy."""
+    opening = [*range(1, 19), 50, 51, 52]
+    probed, r = _turn_after_history(opening)
+    fresh, again = _turn_after_history(opening)
+    assert probed.probe_hit(r) is None and not probed.has_cache(r)
+    for m in (probed, fresh):
+        prefill(m, sibling := Request("t0b", [*range(1, 19), 50, 51, 60, 61, 62], 0))
+        m.free(sibling)
+        m.check_invariants()
+    admit(probed, r)
+    admit(fresh, again)
+    assert r.num_computed_tokens == again.num_computed_tokens == 20  # the stale lookup: 16 + 2
+    assert not probed.cache(r).partial_hit
+    assert probed.cache(r).tables == fresh.cache(again).tables
+    probed.check_invariants()
+    check_kv(probed, r)
