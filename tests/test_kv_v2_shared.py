@@ -567,7 +567,22 @@ def test_the_group_tuple_memo_answers_each_shape_exactly_and_stays_bounded():
     for groups, lens in shapes:
         expect = tuple(g for g, k in zip(groups, lens, strict=True) for _ in range(k))
         assert shared_pool._groups_along(groups, lens) == expect
+        # along the tables interleaved (a finish's queue order): position by position, while each table reaches it
+        mixed = tuple(g for p in range(max(lens)) for g, k in zip(groups, lens, strict=True) if p < k)
+        assert shared_pool._groups_along(groups, lens, True) == mixed
         assert shared_pool._along_size[0] == sum(map(len, shared_pool._along.values())) <= shared_pool._ALONG_LIMIT
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(-1, 50), max_size=9), min_size=1, max_size=7), st.data())
+def test_tables_interleaved_from_their_ends_are_their_reversed_tails_interleaved(tables, data):
+    # a finish queues each table's blocks past its window mark, tail first, position by position: read straight from
+    # the tables, they must be what reversing each tail, then interleaving, gives (ragged lengths, empty tails)
+    from cache_backends.v2 import shared_pool
+
+    lens = [data.draw(st.integers(0, len(t))) for t in tables]
+    want = interleave([t[len(t) - k:][::-1] for t, k in zip(tables, lens, strict=True)])
+    assert shared_pool._interleave_tails(tables, lens) == want
 
 
 def test_a_claim_of_a_page_not_queued_sets_every_reference_and_takes_out_the_ones_before_it():
