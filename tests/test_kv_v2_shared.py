@@ -1157,3 +1157,50 @@ def test_a_probe_answered_none_leaves_nothing_a_later_build_reuses_after_the_tre
     assert probed.cache(r).tables == fresh.cache(again).tables
     probed.check_invariants()
     check_kv(probed, r)
+
+
+@pytest.mark.parametrize("pages", [14, 40], ids=["evicting", "roomy"])
+@pytest.mark.parametrize("window", [4, 8])
+@pytest.mark.parametrize("unit", [None, 8], ids=["unit T", "unit 2T"])
+def test_a_keyed_finish_requeues_its_window_s_last_leavings_a_set_at_once_as_group_by_group(pages, window, unit,
+                                                                                           monkeypatch):
+    """At a keyed cache's finish on a shared arena, the blocks its window let go that the next turn's hit reads are
+    requeued as the youngest (``_refresh_window_head``): looked up once for the window set and read for all its groups
+    in one pass, in the per-group loop's order (groups, then positions tail first). Every step's arena and queue must
+    be the loop's, and the one pass must have requeued blocks of keyed finishes. (A reuse unit of two token blocks,
+    as a group spanning two would make it, has a finish requeue two positions of each group.)"""
+    import tests.test_kv_v2_shared as here
+
+    convs = [([5, 6, 7, 8, 9, 10, 11], [[21, 22], [23, 24, 25, 26, 27], [28]], 3),
+             ([5, 6, 7, 8, 9, 12], [[31, 32, 33], [34]], 2),
+             ([40 + t for t in range(10)], [[41, 42, 43, 44, 45, 46], [47, 48], [49, 50, 51]], 5)]
+    made = here.make_manager
+    requeued = [0]
+
+    def one_pass(*args, **kwargs):  # type: ignore[no-untyped-def]
+        m = made(*args, **kwargs)
+        assert m._arena_refresh is not None
+        m.reuse_unit = unit or m.reuse_unit
+        refresh = m._refresh_window_head
+
+        def counted(cache, pending):  # type: ignore[no-untyped-def]
+            before = m._arena.evictable._clock
+            refresh(cache, pending)
+            requeued[0] += pending is None and m._arena.evictable._clock != before
+        m._refresh_window_head = counted  # type: ignore[method-assign]
+        return m
+
+    def per_group(*args, **kwargs):  # type: ignore[no-untyped-def]
+        m = made(*args, **kwargs)
+        m._arena_refresh = None  # the loop over the sliding groups
+        m.reuse_unit = unit or m.reuse_unit
+        return m
+
+    monkeypatch.setattr(here, "make_manager", one_pass)
+    fast, _ = _turns_run(convs, True, pages, window)
+    monkeypatch.setattr(here, "make_manager", per_group)
+    slow, _ = _turns_run(convs, True, pages, window)
+    assert requeued[0] > 0
+    assert len(fast) == len(slow)
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
+        assert got == want, f"step {step}"
