@@ -502,7 +502,7 @@ def _probe_case(seed: int, build: bool, compressed: bool = False,
     layers = rng.choice(COMPRESSED if compressed else [FULL, full_sliding_layers(8), split_sliding_layers(8)])
     m = make_manager(layers, rng.randint(10, 30), enable_partial_reuse=rng.random() < .5)
     if build:  # the path the probe stands for: create + resume, estimate, cancel_admission when refused
-        m.probe_hit = lambda request: None
+        m.probe_hit = lambda request, build=False: None
     if built_cancels is not None:
         cancel = m.cancel_admission
 
@@ -598,7 +598,7 @@ def _refused_turn_with_a_copy(other_len: int, build: bool) -> tuple[list, list, 
     when it was refused); ``build``: the turn built and cancelled (no probe)."""
     m = make_manager(FULL, 11, enable_partial_reuse=True)
     if build:
-        m.probe_hit = lambda request: None  # type: ignore[method-assign]
+        m.probe_hit = lambda request, build=False: None  # type: ignore[method-assign]
     history = list(range(1, 19))  # four blocks and two tokens: the finish keeps the partial block for the next turn
     prefill(m, h := Request("turn0", history, 0))
     m.free(h)

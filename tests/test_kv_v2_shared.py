@@ -567,7 +567,22 @@ def test_the_group_tuple_memo_answers_each_shape_exactly_and_stays_bounded():
     for groups, lens in shapes:
         expect = tuple(g for g, k in zip(groups, lens, strict=True) for _ in range(k))
         assert shared_pool._groups_along(groups, lens) == expect
+        # along the tables interleaved (a finish's queue order): position by position, while each table reaches it
+        mixed = tuple(g for p in range(max(lens)) for g, k in zip(groups, lens, strict=True) if p < k)
+        assert shared_pool._groups_along(groups, lens, True) == mixed
         assert shared_pool._along_size[0] == sum(map(len, shared_pool._along.values())) <= shared_pool._ALONG_LIMIT
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(-1, 50), max_size=9), min_size=1, max_size=7), st.data())
+def test_tables_interleaved_from_their_ends_are_their_reversed_tails_interleaved(tables, data):
+    # a finish queues each table's blocks past its window mark, tail first, position by position: read straight from
+    # the tables, they must be what reversing each tail, then interleaving, gives (ragged lengths, empty tails)
+    from cache_backends.v2 import shared_pool
+
+    lens = [data.draw(st.integers(0, len(t))) for t in tables]
+    want = interleave([t[len(t) - k:][::-1] for t, k in zip(tables, lens, strict=True)])
+    assert shared_pool._interleave_tails(tables, lens) == want
 
 
 def test_a_claim_of_a_page_not_queued_sets_every_reference_and_takes_out_the_ones_before_it():
@@ -1055,3 +1070,137 @@ def test_a_run_grown_by_several_blocks_is_keyed_for_all_groups_at_once_as_group_
     follow = Request("t3", [*turn.all_token_ids, 7, 7], 0)
     admit(m, follow)
     assert follow.num_computed_tokens >= 24
+
+
+def _turn_after_history(opening: list[int]) -> tuple[KVCacheManagerV2, Request]:
+    """A Gemma-3-like arena holding a finished first turn of 18 tokens (4 blocks and a partial block kept for the
+    next turn's copy), and a request starting with ``opening`` (not yet admitted)."""
+    m = make_manager(gemma_like(window=8), 40, enable_partial_reuse=True)
+    history = list(range(1, 19))
+    prefill(m, h := Request("t0", history, 0))
+    m.free(h)
+    return m, Request("t1", opening, 4)
+
+
+def _counted(m: KVCacheManagerV2, names: tuple[str, ...]) -> dict[str, int]:
+    """How often each of the manager's methods ``names`` runs from now on."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(m, name)
+
+        def call(*args, name=name, real=real):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return real(*args)
+
+        setattr(m, name, call)
+    return calls
+
+
+@pytest.mark.parametrize("opening", [[*range(1, 19), 50, 51], [1, 2, 99, 98, 97]],
+                         ids=["follow-up turn: 4 blocks and the tail's copy", "a block's first tokens only"])
+def test_a_probe_that_builds_a_copying_hit_looks_it_up_once_and_ends_as_probe_then_build(opening):
+    """On a shared arena a hit that copies a partial block is not probed (the copy allocates): with ``build`` the
+    probe builds it in the same call from its own lookup (the match, the split path, the partial source), which
+    create + resume after the probe made again. The same cache, pages, queue and tree as that, the lookup made
+    once."""
+    a, r = _turn_after_history(opening)
+    b, again = _turn_after_history(opening)
+    names = ("_match", "_partial_source")
+    once, twice = _counted(a, names), _counted(b, names)
+    assert a.probe_hit(r, build=True) is None and a.has_cache(r)
+    assert b.probe_hit(again) is None and not b.has_cache(again)
+    admit(b, again)
+    assert once == {"_match": 1, "_partial_source": 1} and twice == {"_match": 2, "_partial_source": 2}
+    ours, theirs = a.cache(r), b.cache(again)
+    assert ours.partial_hit and theirs.partial_hit
+    assert r.num_computed_tokens == again.num_computed_tokens == (18 if len(opening) > 5 else 2)
+    assert (ours.tables, ours.released, ours.keyed, ours.key_at, _last_of(ours)) == \
+        (theirs.tables, theirs.released, theirs.keyed, theirs.key_at, _last_of(theirs))
+    assert _arena_state(a) == _arena_state(b) and a.counters == b.counters
+    assert a._tree.num_nodes == b._tree.num_nodes and a._tree.latent == b._tree.latent
+    for m, req in ((a, r), (b, again)):
+        m.check_invariants()
+        check_kv(m, req)  # the copied partial block's pages hold the history's tokens
+
+
+def _last_of(cache) -> tuple[int, int] | None:  # type: ignore[no-untyped-def]
+    return None if cache.last is None else (cache.last.start, len(cache.last.held))
+
+
+def _arena_state(m: KVCacheManagerV2) -> tuple:
+    """:func:`_pool_state` of the manager's arena, each block's owner as its kind, start and length (two managers'
+    runs compared)."""
+    def run(node: object) -> tuple | None:
+        return None if node is None else (type(node).__name__, node.start, len(node.held))  # type: ignore[attr-defined]
+
+    state = _pool_state(m._arena)
+    return (*state[:5], [run(node) for node in state[5]], *state[6:], list(m._arena.pos))
+
+
+def test_a_probe_answered_none_leaves_nothing_a_later_build_reuses_after_the_tree_changed():
+    """A probe that answers None without building (the copying hit above) keeps nothing of its lookup: a build after
+    the tree changed looks it up again. Here a sibling turn, finished between the probe and the build, caches the
+    turn's fifth block whole where the probe found 4 blocks and the history's tail to copy (2 tokens): the build
+    claims 5 blocks (as a manager that never probed), not the stale 4 and a copy."""
+    opening = [*range(1, 19), 50, 51, 52]
+    probed, r = _turn_after_history(opening)
+    fresh, again = _turn_after_history(opening)
+    assert probed.probe_hit(r) is None and not probed.has_cache(r)
+    for m in (probed, fresh):
+        prefill(m, sibling := Request("t0b", [*range(1, 19), 50, 51, 60, 61, 62], 0))
+        m.free(sibling)
+        m.check_invariants()
+    admit(probed, r)
+    admit(fresh, again)
+    assert r.num_computed_tokens == again.num_computed_tokens == 20  # the stale lookup: 16 + 2
+    assert not probed.cache(r).partial_hit
+    assert probed.cache(r).tables == fresh.cache(again).tables
+    probed.check_invariants()
+    check_kv(probed, r)
+
+
+@pytest.mark.parametrize("pages", [14, 40], ids=["evicting", "roomy"])
+@pytest.mark.parametrize("window", [4, 8])
+@pytest.mark.parametrize("unit", [None, 8], ids=["unit T", "unit 2T"])
+def test_a_keyed_finish_requeues_its_window_s_last_leavings_a_set_at_once_as_group_by_group(pages, window, unit,
+                                                                                           monkeypatch):
+    """At a keyed cache's finish on a shared arena, the blocks its window let go that the next turn's hit reads are
+    requeued as the youngest (``_refresh_window_head``): looked up once for the window set and read for all its groups
+    in one pass, in the per-group loop's order (groups, then positions tail first). Every step's arena and queue must
+    be the loop's, and the one pass must have requeued blocks of keyed finishes. (A reuse unit of two token blocks,
+    as a group spanning two would make it, has a finish requeue two positions of each group.)"""
+    import tests.test_kv_v2_shared as here
+
+    convs = [([5, 6, 7, 8, 9, 10, 11], [[21, 22], [23, 24, 25, 26, 27], [28]], 3),
+             ([5, 6, 7, 8, 9, 12], [[31, 32, 33], [34]], 2),
+             ([40 + t for t in range(10)], [[41, 42, 43, 44, 45, 46], [47, 48], [49, 50, 51]], 5)]
+    made = here.make_manager
+    requeued = [0]
+
+    def one_pass(*args, **kwargs):  # type: ignore[no-untyped-def]
+        m = made(*args, **kwargs)
+        assert m._arena_refresh is not None
+        m.reuse_unit = unit or m.reuse_unit
+        refresh = m._refresh_window_head
+
+        def counted(cache, pending):  # type: ignore[no-untyped-def]
+            before = m._arena.evictable._clock
+            refresh(cache, pending)
+            requeued[0] += pending is None and m._arena.evictable._clock != before
+        m._refresh_window_head = counted  # type: ignore[method-assign]
+        return m
+
+    def per_group(*args, **kwargs):  # type: ignore[no-untyped-def]
+        m = made(*args, **kwargs)
+        m._arena_refresh = None  # the loop over the sliding groups
+        m.reuse_unit = unit or m.reuse_unit
+        return m
+
+    monkeypatch.setattr(here, "make_manager", one_pass)
+    fast, _ = _turns_run(convs, True, pages, window)
+    monkeypatch.setattr(here, "make_manager", per_group)
+    slow, _ = _turns_run(convs, True, pages, window)
+    assert requeued[0] > 0
+    assert len(fast) == len(slow)
+    for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
+        assert got == want, f"step {step}"

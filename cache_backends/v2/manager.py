@@ -799,15 +799,24 @@ class KVCacheManagerV2:
         if not m or (pending is None and cache.last is None):
             return
         T, released = self.T, cache.released
-        if pending is not None and self._arena_refresh is not None:  # at C speed: every finish on Gemma 3 comes here
-            by_group, arena = pending.blocks, self._arena
+        if self._arena_refresh is not None:  # a window set at once: every finish on Gemma 3 comes here
+            arena = self._arena
             got: list[int] = []
             for window, tpb, first, names in self._arena_refresh:
                 lo, hi = max(0, m - window + 1) // tpb, released[first]  # (a set's groups release in lockstep)
                 if lo < hi:
                     step = tpb // T
-                    cut = itemgetter(slice((lo + 1) * step - 1, hi * step, step))
-                    got += chain.from_iterable(map(reversed, map(cut, map(by_group.get, names, repeat(())))))
+                    if pending is not None:  # at C speed
+                        cut = itemgetter(slice((lo + 1) * step - 1, hi * step, step))
+                        got += chain.from_iterable(map(reversed, map(cut, map(pending.blocks.get, names,
+                                                                               repeat(())))))
+                        continue
+                    # keyed: the set's positions looked up on the path once, then every group's block at each in one
+                    # comprehension (the loop below made one a group: 26 on Gemma 3 27B, at a third of its finishes)
+                    tree, keyed, last = self._tree, cache.keyed, cache.last
+                    at = [tree.position(last, p) for j in range(hi - 1, lo - 1, -1)  # type: ignore[arg-type]
+                          if (p := (j + 1) * step - 1) < keyed]
+                    got += [run.blocks[name][i] for name in names for run, i in at]
             if got:
                 got = list(filter((0).__le__, got))
                 got = list(compress(got, map(not_, map(arena.ref.__getitem__, got))))  # type: ignore[union-attr]
@@ -1209,11 +1218,13 @@ class KVCacheManagerV2:
         may = map(runs.__contains__, firsts)
         return list(map(or_, may, map(pending.__contains__, firsts)) if pending else may)
 
-    def probe_hit(self, request: Request) -> HitProbe | None:
+    def probe_hit(self, request: Request, build: bool = False) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
         without claiming it, for the estimates (``start``/``probe`` arguments) and :meth:`refuse_hit`; None where
         only building it answers: a partial block to copy (it allocates, and may evict), a whole-block hit on a
-        shared arena whose groups' blocks span several token blocks, reuse off. A request whose first token starts a
+        shared arena whose groups' blocks span several token blocks, reuse off. With ``build``, a None comes with
+        the request's cache built (:meth:`create` + :meth:`resume`, in this call), reusing the lookup just made
+        where it found a partial block to copy. A request whose first token starts a
         cached run but which can use no whole block (and copies none) is probed on any layout: its claim is empty
         (``tokens`` 0). Pools per group whose blocks span several token blocks (DeepSeek V4's compressed groups)
         are probed too: such a block is kept at the last position it spans.
@@ -1226,23 +1237,24 @@ class KVCacheManagerV2:
         of 31 groups, twice, every step; BENCHMARKS.md "V2 refuses a hit without building it"); an empty claim
         was built and cancelled too, its lookup done twice (DeepSeek V4 mixed at a quarter of the budget: 8.8%)."""
         if not self._reuse or request.skip_prefix_read or request in self._caches:
-            return None
+            return self._unprobed(request, build)
         T, tree = self.T, self._tree
         first = _first_packed(request)
         prefix = tree.pending_prefix(request.salt, first)
         if prefix is not None:  # as the build's lookup does before anything else
             self._materialize(prefix)
         if self._cheap_miss(request, first):
-            return None
+            return self._unprobed(request, build)
         m, run, _ = self._match(request)
         if not m:  # the build would claim nothing whole; a partial block only where one is copied
-            if (self._partial and self._prefix_check is None
-                    and self._partial_source(request, tree.root(request.salt), 0)[0] is not None):
-                return None
+            if self._partial and self._prefix_check is None:
+                source = self._partial_source(request, tree.root(request.salt), 0)
+                if source[0] is not None:
+                    return self._unprobed(request, build, (0, None, source))
             sets, groups = len(self._pool_sets), len(self.groups)
             return HitProbe(0, None, [([], [], 0)] * groups, [0] * sets, [0] * groups, [0] * sets)
         if not self._probes:
-            return None
+            return self._unprobed(request, build)
         assert run is not None
         last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
         tree.leave(last)
@@ -1256,7 +1268,8 @@ class KVCacheManagerV2:
             # step (tiny-llama multi-turn at a quarter of the budget: a quarter of V2's work)
             if partial is not None and (partial is not last.tail or not self._tail_probes
                                         or self.kv_events is not None):
-                return None
+                # (a leave that trimmed the path's last position would leave it ending elsewhere: looked up again)
+                return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
         path = [last]  # the path's runs, root side last: walked once, not once per group (tree.path_blocks)
         while path[-1].parent is not None and path[-1].parent.parent is not None:
             path.append(path[-1].parent)  # type: ignore[arg-type]
@@ -1312,6 +1325,18 @@ class KVCacheManagerV2:
         if partial is not None:
             return HitProbe(m + k, last, claimed, taken, taken_groups, shared_taken, partial)
         return HitProbe(m, last, claimed, taken, taken_groups, shared_taken)
+
+    def _unprobed(self, request: Request, build: bool,
+                  found: tuple[int, RadixNode | None, tuple[RadixNode | None, int]] | None = None) -> None:
+        """:meth:`probe_hit`'s None; with ``build``, the request's cache built first (:meth:`create` + :meth:`resume`),
+        its admission given ``found`` (the probe's lookup: :meth:`_admit`) where there is one.
+
+        Why: a follow-up turn on a shared arena (every Gemma 3 27B one) copies its history's partial last block, so
+        its probe answers None and the scheduler builds it at once; built apart, its lookup (the match, the path's
+        split, the partial source) ran twice. Here nothing runs between the probe's lookup and the build's."""
+        if build:
+            self._admit(self.create(request), found)
+        return None
 
     def admit_hit(self, probe: HitProbe, request: Request) -> None:
         """:meth:`create` + :meth:`resume` for the request ``probe`` was made for, claiming what the probe found (the
@@ -2495,10 +2520,15 @@ class KVCacheManagerV2:
         # before it
         return ((gap + 1) * tpb - 1) // unit * unit
 
-    def _admit(self, cache: SequenceCache) -> None:
+    def _admit(self, cache: SequenceCache,
+               found: tuple[int, RadixNode | None, tuple[RadixNode | None, int]] | None = None) -> None:
         """First resume: claim the longest usable cached prefix (plus a partial block), activate. A request that
         reads no cached prefix (``skip_prefix_read``) claims nothing but is keyed as any other: its full blocks join
-        the tree where no block of the same prefix is cached yet (``_key_full_blocks`` keeps one that is)."""
+        the tree where no block of the same prefix is cached yet (``_key_full_blocks`` keeps one that is).
+
+        ``found``: what :meth:`probe_hit` looked up for this request in the same call, nothing changed since (the
+        usable prefix, the run its path ends at, already split there, and the partial block's source): not looked
+        up again (:meth:`_unprobed`)."""
         request, T = cache.request, self.T
         m = 0
         if self._reuse:
@@ -2506,10 +2536,10 @@ class KVCacheManagerV2:
             if not skip:  # one that reads nothing asked the cache nothing
                 self.counters["reuse_query_tokens"] += request.num_tokens
             first = _first_packed(request)
-            prefix = self._tree.pending_prefix(request.salt, first)
+            prefix = self._tree.pending_prefix(request.salt, first) if found is None else None
             if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup (and keying)
                 self._materialize(prefix)
-            miss = self._cheap_miss(request, first)
+            miss = found is None and self._cheap_miss(request, first)  # (the probe's lookup found something)
             if miss or skip:  # nothing to claim, whole or partial: skip the lookups
                 cache.last = None
                 cache.keyed = 0
@@ -2526,7 +2556,12 @@ class KVCacheManagerV2:
                         self._add_latent(cache, first)
                 self._activate(cache, 0)
                 return
-            m, run, i = self._match(request)
+            if found is None:
+                m, run, i = self._match(request)
+                source = None
+            else:  # the probe's: its path's last run ends at the prefix's last position
+                m, run, source = found
+                i = 0
             cache.last = None
             if m:  # else nothing matched: the tables stay as create() left them
                 assert run is not None
@@ -2560,7 +2595,7 @@ class KVCacheManagerV2:
             if self._lazy and not cache.keyed and first:
                 self._add_latent(cache, first)
             if self._partial and self._prefix_check is None:  # a limited prefix ends where its caller's state does
-                m += self._claim_partial_fn(self, cache, m)
+                m += self._claim_partial_fn(self, cache, m, source)
         self._activate(cache, m)
 
     def _claim_arena_path(self, cache: SequenceCache, last: RadixNode, m: int) -> None:
@@ -2878,11 +2913,13 @@ class KVCacheManagerV2:
             self.counters["reuse_hit_tokens"] += m
         self._release_window(cache)
 
-    def _claim_partial(self, cache: SequenceCache, m: int) -> int:
+    def _claim_partial(self, cache: SequenceCache, m: int, source: tuple[RadixNode | None, int] | None = None) -> int:
         """Copy the best partially matching next block into fresh blocks (copy-on-write); tokens gained. Pools of
-        their own (a shared arena takes :meth:`_claim_partial_arena`)."""
+        their own (a shared arena takes :meth:`_claim_partial_arena`). ``source``: :meth:`_partial_source`'s answer,
+        where the caller has it."""
         request = cache.request
-        best, best_k = self._partial_source(request, cache.last if m else self._tree.root(request.salt), m)
+        best, best_k = (self._partial_source(request, cache.last if m else self._tree.root(request.salt), m)
+                        if source is None else source)
         if best is None:
             return 0
         src_of = {g.name: best.blocks[g.name][0] for g in self.groups}
@@ -2903,14 +2940,16 @@ class KVCacheManagerV2:
             pool.decref(src, pool.priority[src], True, self._detach)
         return gained
 
-    def _claim_partial_arena(self, cache: SequenceCache, m: int) -> int:
+    def _claim_partial_arena(self, cache: SequenceCache, m: int,
+                             source: tuple[RadixNode | None, int] | None = None) -> int:
         """:meth:`_claim_partial` on a shared arena (``_claim_partial_fn``): the source's block of every group held and
         let go in one pass each (:meth:`SharedPool.incref_each`, :meth:`SharedPool.decref_each`), the room check one
         comparison (a page a group against the arena's free or evictable: one pool set), the pages taken in one
         :meth:`SharedPool.take_one_each`. The same blocks, counts and queue order as the per-group calls (on Gemma 3
         27B, 31 of each a partial hit)."""
         request = cache.request
-        best, best_k = self._partial_source(request, cache.last if m else self._tree.root(request.salt), m)
+        best, best_k = (self._partial_source(request, cache.last if m else self._tree.root(request.salt), m)
+                        if source is None else source)
         if best is None:
             return 0
         arena, blocks, index = self._arena, best.blocks, self._share_index

@@ -710,8 +710,9 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # tokens start a cached run): a refusal, step after step under
                 # pressure, then builds and cancels nothing (priority's displacement asks the built cache)
                 new = m.claims_nothing(r)
-                probe = None if new or self.by_priority else m.probe_hit(r)
-                if not new and probe is None:
+                # (a None from the probe comes with the cache built, its lookup made once: probe_hit's build)
+                probe = None if new or self.by_priority else m.probe_hit(r, build=True)
+                if not new and probe is None and not m.has_cache(r):
                     m.create(r)
                     m.resume(r)
                 start = probe.tokens if probe is not None else 0  # what the claim would hold (built: it holds it)
