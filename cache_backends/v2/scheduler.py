@@ -175,7 +175,7 @@ from operator import and_, attrgetter, gt, is_, itemgetter, le, lt, not_, or_
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
 from cache_backends.scheduler_base import SchedulerBase
-from cache_backends.v2.manager import HitProbe, KVCacheManagerV2
+from cache_backends.v2.manager import KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
 _STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrgetter("cached_hint")
@@ -259,13 +259,6 @@ def _pending(request: Request) -> int:
 #: V1's 23.2%, a half 22.5% (``python -m bench.bench_mixed``, 8 seeds; at half the budget both 32.7%); on 4 seeds 0.3
 #: kept 22.0% and anything from a half up 22.6%.
 SHARED_HOLD = 0.5
-#: Prototype (branch v2stepA49, measured, not kept: BENCHMARKS.md "The hold gives way to V1's room"): a request the
-#: hold refuses is admitted anyway when it and every running request fit at their worst cases with the held blocks
-#: counted as room. 0 off; 1 the growth bound (every active request's worst-case blocks); 2 the growth estimate at
-#: ratio 1; 3 the same plus one block per active request in each windowed cycle (a window's block boundary, crossed
-#: in step by equal-length requests, holds one block more each). HOLD_PRIO 0: under "fcfs" only.
-HOLD_WORST = 3
-HOLD_PRIO = 0
 
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
 INIT_RATIO, MIN_RATIO, RATIO_DECAY, RATIO_BUMP = 0.7, 0.1, 0.001, 0.1
@@ -688,23 +681,6 @@ class KVCacheV2Scheduler(SchedulerBase):
         n = m.fit_tokens_new(request, min(_pending(request), budget))
         return n > 0 and m.short_of(m.cycle_growth_new(request, 1.0, n), m.cycle_headroom(running, 1.0))
 
-    def _worst_cases_fit(self, request: Request, running: list[Request], probe: HitProbe | None, asked: bool,
-                         start: int, want: int) -> bool:
-        """Whether ``request`` and every running request would fit at their worst cases (V1's admission) with the
-        cached shared prefixes counted as room (no hold)."""
-        m = self.manager
-        extra = None if probe is None else probe.less(None)
-        n = m.fit_tokens_new(request, want, extra, start) if asked else m.fit_tokens(request, want, extra)
-        if n == 0:
-            return False
-        if HOLD_WORST >= 2:
-            own = m.cycle_growth_new(request, 1.0, n, start) if asked else m.cycle_growth(request, 1.0, n)
-            if HOLD_WORST == 3:
-                k = len(running) + 1
-                own = [x + (k if g.window else 0) for x, (g, _) in zip(own, m._cycles, strict=True)]
-            return not m.short_of(own, m.cycle_headroom(running, 1.0), extra=extra)
-        return not m.short_of(extra=extra, sets=m.growth_bound_sets(request if asked else None, probe))
-
     def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
                out: SchedulerOutput, chunks: dict[Request, ScheduledChunk], budget: int,
                reasons: list[str]) -> tuple[int, bool]:
@@ -743,25 +719,19 @@ class KVCacheV2Scheduler(SchedulerBase):
                 want = min(_pending(r) - start, budget)
                 # kept for the next hits on their prefixes
                 hold = m.held_back(SHARED_HOLD, max(self._longest, r.num_tokens), probe) if running else None
+                extra = hold if probe is None else probe.less(hold)  # built, the claim took blocks from the pools
                 asked = new or probe is not None
-                while True:
-                    extra = hold if probe is None else probe.less(hold)  # built, the claim took blocks from the pools
-                    n = m.fit_tokens_new(r, want, extra, start) if asked else m.fit_tokens(r, want, extra)
-                    refused, own = n == 0, []
-                    if not refused and running and ratio:
-                        own = m.cycle_growth_new(r, ratio, n, start) if asked else m.cycle_growth(r, ratio, n)
-                        # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the
-                        # estimate refused last step goes straight to it (the bound failed then, and most likely
-                        # fails again)
-                        if headroom is None and (r is self._refused or m.short_of(
-                                own, extra=extra, sets=m.growth_bound_sets(r if asked else None, probe))):
-                            headroom = m.cycle_headroom(running, ratio)
-                        refused = headroom is not None and m.short_of(own, headroom, extra=extra)
-                    # the hold never refuses what the worst cases leave room for (module docstring, "... V1's room")
-                    if not (refused and hold is not None and HOLD_WORST and (HOLD_PRIO or not self.by_priority)
-                            and self._worst_cases_fit(r, running, probe, asked, start, want)):
-                        break
-                    hold = None
+                n = m.fit_tokens_new(r, want, extra, start) if asked else m.fit_tokens(r, want, extra)
+                refused, own = n == 0, []
+                if not refused and running and ratio:
+                    own = m.cycle_growth_new(r, ratio, n, start) if asked else m.cycle_growth(r, ratio, n)
+                    # cheap: when even the bound (>= the estimate) fits, the estimate is not needed; a head the
+                    # estimate refused last step goes straight to it (the bound failed then, and most likely fails
+                    # again)
+                    if headroom is None and (r is self._refused or m.short_of(
+                            own, extra=extra, sets=m.growth_bound_sets(r if asked else None, probe))):
+                        headroom = m.cycle_headroom(running, ratio)
+                    refused = headroom is not None and m.short_of(own, headroom, extra=extra)
                 victim = self._displaceable(r, running) if refused else None
                 if victim is not None and not displacing and (
                         not self._fits_without(r, new, running, chunks, budget, ratio)
