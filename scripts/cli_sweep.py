@@ -44,7 +44,13 @@ SERVE_FLAGS = {"--port", "--host", "--uds", "--ssl-certfile", "--ssl-keyfile", "
                "--max-request-bytes", "--request-read-timeout", "--max-concurrent-requests", "--responses-store-max",
                "--chat-template", "--tool-call-parser", "--reasoning-parser", "--default-chat-template-kwargs",
                "--max-log-len", "--allowed-origins", "--served-model-name", "--root-path", "--api-key",
-               "--response-role"}
+               "--response-role",
+               # serve's flags the first list lacked (sweep49: serve's value flags against this set)
+               "--allowed-headers", "--allowed-methods", "--chat-template-content-format",
+               "--guided-decoding-backend", "--metrics-name-prefix", "--middleware", "--uvicorn-log-level"}
+#: serve's flags that take a JSON value: also given JSON of the wrong shape (each run a load when taken)
+SERVE_JSON_FLAGS = {"--allowed-origins", "--allowed-methods", "--allowed-headers", "--default-chat-template-kwargs"}
+SERVE_JSON = ["[1]", '{"a": 1}', '["x\\ny"]', '["\\ud800"]', "[", "null", '["*", 5]']
 #: Flags of every command swept on the others too (the rest are read by one shared parser: swept on plan).
 SHARED = {"--max_tokens", "--max_seq_len", "--tokens_per_block", "--config", "--audit-log", "--device", "--dtype",
           "--kv_cache_dtype"}
@@ -152,6 +158,7 @@ def cases(fix: Path) -> Iterator[dict[str, Any]]:
                 if flag not in SERVE_FLAGS:
                     continue
                 values = ["", "-1", "0", "9" * 5000, "abc", "\x1b[31m", "nan"] + (paths if flag in PATH_FLAGS else [])
+                values += SERVE_JSON if flag in SERVE_JSON_FLAGS else []
             elif cmd != "plan" and flag in ("--audit-log", "--chart", "--config"):
                 values = [*paths, ""]
             for value in values:
