@@ -405,7 +405,11 @@ LLM_KWARGS = ["seed", "max_seq_len", "max_model_len", "max_num_seqs", "max_num_t
               "kv_cache_config", "tensor_parallel_size", "gpu_memory_utilization", "max_beam_width", "block_size",
               "enable_prefix_caching", "config_file", "audit_log", "log", "subscribers", "tokenizer", "revision",
               "trust_remote_code", "enforce_eager", "scheduling_policy", "generation_config",
-              "kv_events_config", "quantization"]
+              "kv_events_config", "quantization",
+              # LlmArgs fields the first list lacked (sweep49: pipeline.config.LlmArgs against this list)
+              "max_batch_size", "weights_seed", "attention_backend", "linear_backend", "max_draft_len",
+              "max_matching_ngram_size", "speculation_max_batch_size", "override_generation_config",
+              "reasoning_parser"]
 
 
 def llm_cases(kvload: Any, ckpt: Path, kinds: list[str]) -> Iterator[tuple[str, Callable[[], Any]]]:

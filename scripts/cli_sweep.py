@@ -5,10 +5,11 @@ types, edge numbers, control characters, odd paths: missing, a folder, a FIFO, a
 line, bytes that are not UTF-8), ``--config`` odd YAML files, ``audit``/``explain`` odd files, and the environment
 variables kvload reads junk. Each run is one JSON line: exit status, a traceback on stderr, stderr's line count,
 time, a hang (killed past ``--timeout``), processes of its group left, files left in its working folder, its
-``$TMPDIR`` and the fixtures folder. A ``serve`` is stopped with SIGINT once its ready line is out (its exit is
-recorded too). The suspects: a traceback, a hang, processes or files left, an exit other than 0 or 2, a refusal of
-more than one line. Files a successful run leaves on purpose (``intended``: the ``--audit-log`` file asked for, a
-cache where a relative ``KVLOAD_CACHE`` put it) are listed apart, not as suspects.
+``$TMPDIR`` and the fixtures folder. A ``serve`` is sent a CORS preflight and two GETs once its ready line is out
+(``PROBES``), then stopped with SIGINT (its exit is recorded too). The suspects: a traceback, a hang, processes or
+files left, an exit other than 0 or 2, a refusal of more than one line, a probe not answered or answered 5xx.
+Files a successful run leaves on purpose (``intended``: the ``--audit-log`` file asked for, a cache where a relative
+``KVLOAD_CACHE`` put it) are listed apart, not as suspects.
 
     python scripts/cli_sweep.py --work /tmp/sweep --only plan --jobs 2   # the runs whose name starts "plan"
     python scripts/cli_sweep.py --work /tmp/sweep --summary              # the suspects of every results file
@@ -44,7 +45,13 @@ SERVE_FLAGS = {"--port", "--host", "--uds", "--ssl-certfile", "--ssl-keyfile", "
                "--max-request-bytes", "--request-read-timeout", "--max-concurrent-requests", "--responses-store-max",
                "--chat-template", "--tool-call-parser", "--reasoning-parser", "--default-chat-template-kwargs",
                "--max-log-len", "--allowed-origins", "--served-model-name", "--root-path", "--api-key",
-               "--response-role"}
+               "--response-role",
+               # serve's flags the first list lacked (sweep49: serve's value flags against this set)
+               "--allowed-headers", "--allowed-methods", "--chat-template-content-format",
+               "--guided-decoding-backend", "--metrics-name-prefix", "--middleware", "--uvicorn-log-level"}
+#: serve's flags that take a JSON value: also given JSON of the wrong shape (each run a load when taken)
+SERVE_JSON_FLAGS = {"--allowed-origins", "--allowed-methods", "--allowed-headers", "--default-chat-template-kwargs"}
+SERVE_JSON = ["[1]", '{"a": 1}', '["x\\ny"]', '["\\ud800"]', "[", "null", '["*", 5]']
 #: Flags of every command swept on the others too (the rest are read by one shared parser: swept on plan).
 SHARED = {"--max_tokens", "--max_seq_len", "--tokens_per_block", "--config", "--audit-log", "--device", "--dtype",
           "--kv_cache_dtype"}
@@ -152,6 +159,7 @@ def cases(fix: Path) -> Iterator[dict[str, Any]]:
                 if flag not in SERVE_FLAGS:
                     continue
                 values = ["", "-1", "0", "9" * 5000, "abc", "\x1b[31m", "nan"] + (paths if flag in PATH_FLAGS else [])
+                values += SERVE_JSON if flag in SERVE_JSON_FLAGS else []
             elif cmd != "plan" and flag in ("--audit-log", "--chart", "--config"):
                 values = [*paths, ""]
             for value in values:
@@ -220,9 +228,11 @@ def run_case(case: dict[str, Any], work: Path, fix: Path, timeout: float) -> dic
     for t in readers:
         t.start()
     hang = stopped = False
+    probed: dict[str, Any] = {}
     while proc.poll() is None:
         if ready.is_set():
             time.sleep(0.5)
+            probed = probe_served(err)
             os.kill(proc.pid, signal.SIGINT)
             stopped = True
             try:
@@ -249,11 +259,42 @@ def run_case(case: dict[str, Any], work: Path, fix: Path, timeout: float) -> dic
     left = sorted(_files(cwd) | _files(tmp) | _files(own) | (_files(fix) - fix_before))
     subprocess.run(["rm", "-rf", str(cwd), str(tmp), str(own)], check=False)
     return {"name": case["name"], "argv": [a[:80] for a in argv], "env": case.get("env", {}),
-            "rc": proc.returncode, "traceback": "Traceback" in stderr, "err_lines": len(stderr.splitlines()),
+            "rc": proc.returncode, "traceback": "Traceback" in stderr, "probed": probed,
+            "err_lines": len(stderr.splitlines()),
             "seconds": round(time.monotonic() - start, 2), "hang": hang, "stopped": stopped, "children": children,
             "left": [x[:160] for x in left], "out_bytes": sum(map(len, out)),
             "cache_warned": "field=KVLOAD_CACHE" in stderr,  # kvload's cache cannot be made (``intended``)
             "err_tail": [line[:300] for line in stderr.splitlines()[-3:]]}
+
+
+#: A served run's requests once it is ready (``probe_served``): a browser's CORS preflight and a plain one from
+#: another origin, a GET. A flag whose value is taken at start but breaks every such answer (``--allowed-methods
+#: '["x\\ny"]'``: h11 dropped each preflight) is found only by asking.
+PROBES = (("OPTIONS", "/v1/completions", {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                                          "Access-Control-Request-Headers": "content-type, authorization"}),
+          ("GET", "/health", {"Origin": "https://ui.example"}), ("GET", "/v1/models", {}))
+
+
+def probe_served(err: list[bytes]) -> dict[str, Any]:
+    """Each of ``PROBES`` sent to the server whose ready line is in ``err``: its status, or the exception (a
+    connection dropped)."""
+    import http.client
+
+    line = next((x.decode("utf-8", "replace") for x in err if b"Ctrl-C stops" in x), "")
+    if " at http://" not in line:  # --uds, TLS: not probed
+        return {}
+    host, _, port = line.split(" at http://", 1)[1].split(" ", 1)[0].split("/", 1)[0].rpartition(":")
+    got: dict[str, Any] = {}
+    for method, path, headers in PROBES:
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request(method, path, headers=headers)
+            got[f"{method} {path}"] = conn.getresponse().status
+        except Exception as e:
+            got[f"{method} {path}"] = f"{type(e).__name__}: {e}"[:120]
+        finally:
+            conn.close()
+    return got
 
 
 #: Environment variables naming kvload's cache (``models.gguf_cache.cache_root``).
@@ -307,8 +348,10 @@ def suspect(r: dict[str, Any]) -> bool:
     """A run the sweep flags: traceback, hang, leftovers (but the ``intended`` ones), an odd exit, a refusal of
     more than one line."""
     left = set(r["left"]) - set(intended(r)[0])
+    # a served run's probes: answered (a refused preflight's 400 included), never a 5xx or a dropped connection
+    broken = [v for v in r.get("probed", {}).values() if not isinstance(v, int) or v >= 500]
     return bool(r["traceback"] or r["hang"] or r["children"] or left or r["rc"] not in (0, 2)
-                or (r["rc"] == 2 and r["err_lines"] > 1))
+                or (r["rc"] == 2 and r["err_lines"] > 1) or broken)
 
 
 def main() -> None:
@@ -332,7 +375,8 @@ def main() -> None:
                 print(f"  (intended) {r['name']}: {intended(r)[1]}: {intended(r)[0][:1]}")
             for r in flagged:
                 print(f"  {r['name']}: exit {r['rc']}, {r['seconds']} s, traceback {r['traceback']}, hang {r['hang']},"
-                      f" children {r['children']}, left {r['left'][:2]}, {r['err_lines']} lines: {r['err_tail'][-1:]}")
+                      f" children {r['children']}, left {r['left'][:2]}, probed {r.get('probed')}, {r['err_lines']} "
+                      f"lines: {r['err_tail'][-1:]}")
         return
     runs.mkdir(parents=True, exist_ok=True)
     chosen = [c for c in cases(fix) if c["name"].startswith(a.only)]

@@ -7,6 +7,12 @@ the process shows as a file written into the kernel cache after the process ende
 the exit status must be 143. Compare two checkouts side by side:
 
     python scripts/kernel_build_stop_fuzz.py /work/main 400 & python scripts/kernel_build_stop_fuzz.py . 400; wait
+
+``repeat`` as a third argument sends SIGINT 0-0.15 s after the SIGTERM (a second Ctrl-C, torchrun passing one on
+again): one stop at a time (``pipeline.signals``), so the repeat lands inside the first one's cleanup (the compiler's
+group killed, its files removed) and must change nothing: status 143, no file left. The driver ends as ``python -m
+kvload`` does (``ends_process``, ``release_sigterm``, ``kvload.process_end.leave``): a repeat reaching CPython's
+own teardown, which kvload skips, found the handlers reset to SIG_DFL there (exit -2 in 10 of 100).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ DRIVER = """
 import sys, threading, time
 from pathlib import Path
 from cache_backends import cpu_kernel_build
-from pipeline.signals import Terminated, handle_sigterm
+from kvload.process_end import leave
+from pipeline.signals import Terminated, ends_process, handle_sigterm, release_sigterm
+ends_process()  # and ended as `python -m kvload` ends: with leave(), not CPython's teardown
 handle_sigterm()
 for _ in range(3):
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
@@ -40,12 +48,16 @@ try:
         i += 1
         cpu_kernel_build.build_kernel(Path(sys.argv[1]) / str(i))
 except Terminated:
-    sys.exit(143)
+    status = 143
+finally:
+    release_sigterm()
+leave(status)
 """
 
 
 def main() -> None:
     repo, trials = os.path.abspath(sys.argv[1]), int(sys.argv[2])
+    repeat = sys.argv[3:] == ["repeat"]
     root = Path(tempfile.mkdtemp(prefix="kernel_build_stop_fuzz-"))
     cc = root / "cc"
     cc.write_text(FAKE_CC)
@@ -61,6 +73,10 @@ def main() -> None:
         proc.stdout.readline()
         time.sleep(rng.uniform(0.05, 0.6))
         proc.send_signal(signal.SIGTERM)
+        if repeat:
+            time.sleep(rng.uniform(0.0, 0.15))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         ended = time.time()
         if proc.returncode != 143:
@@ -72,7 +88,8 @@ def main() -> None:
             left += 1
             print("left", [(str(f.relative_to(cache)), f"{f.stat().st_mtime - ended:+.3f} s") for f in files])
     shutil.rmtree(root, ignore_errors=True)
-    print(f"{repo}: {trials} trials, {left} left a file in the kernel cache, {bad_status} exit status not 143")
+    print(f"{repo}: {trials} trials{' (SIGINT repeated)' if repeat else ''}, {left} left a file in the kernel cache, "
+          f"{bad_status} exit status not 143")
 
 
 if __name__ == "__main__":

@@ -269,8 +269,8 @@ def serve_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
         rec["ranks"] = ranks
         killed = None
         expect: tuple[int, ...] = (0,)
-        if fault in ("sigterm", "sigint"):
-            c.proc.send_signal(signal.SIGTERM if fault == "sigterm" else signal.SIGINT)
+        if fault in ("sigterm", "sigint", "sighup"):  # SIGHUP: the terminal closed (armed like the others)
+            c.proc.send_signal({"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sighup": signal.SIGHUP}[fault])
         elif fault == "sigint_group":  # a terminal's Ctrl-C: the command and its ranks at once
             os.killpg(c.proc.pid, signal.SIGINT)
         elif fault in ("sigint_twice", "sigint_sigterm"):  # Ctrl-C pressed again (or kill) while the ranks stop
@@ -333,6 +333,15 @@ def generate_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
         elif fault == "sigint_group":
             os.killpg(c.proc.pid, signal.SIGINT)
             expect = (130,)
+        elif fault == "sighup":
+            c.proc.send_signal(signal.SIGHUP)
+            expect = (129,)
+        elif fault in ("sigint_twice", "sigint_sigterm"):  # Ctrl-C pressed again (or kill) while the ranks stop:
+            c.proc.send_signal(signal.SIGINT)  # one stop, the first signal's status (a repeat within 3 s repeats it)
+            time.sleep(0.1)
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGINT if fault == "sigint_twice" else signal.SIGTERM)
+            expect = (130,)
         else:
             c.proc.send_signal(signal.SIGINT)
             expect = (130,)
@@ -380,11 +389,12 @@ def llm_case(tmp: Path, name: str, fault: str) -> dict[str, Any]:
 
 CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     **{f"serve.{f}": (lambda t, f=f: serve_case(t, f"serve.{f}", f))
-       for f in ("sigterm", "sigint", "sigint_group", "sigint_twice", "sigint_sigterm", "sigterm_streaming",
-                 "kill1_idle", "kill1_streaming", "kill0_streaming", "sigterm_rank1", "kill_parent", "kill1_loading",
-                 "sigterm_loading")},
+       for f in ("sigterm", "sigint", "sighup", "sigint_group", "sigint_twice", "sigint_sigterm",
+                 "sigterm_streaming", "kill1_idle", "kill1_streaming", "kill0_streaming", "sigterm_rank1",
+                 "kill_parent", "kill1_loading", "sigterm_loading")},
     **{f"generate.{f}": (lambda t, f=f: generate_case(t, f"generate.{f}", f))
-       for f in ("kill1", "sigterm", "sigint", "sigint_group", "kill_parent")},
+       for f in ("kill1", "sigterm", "sigint", "sighup", "sigint_group", "sigint_twice", "sigint_sigterm",
+                 "kill_parent")},
     **{f"llm.{f}": (lambda t, f=f: llm_case(t, f"llm.{f}", f)) for f in ("kill1", "kill1_again", "sigterm", "sigint",
                                                                           "sigint_group", "kill_parent",
                                                                           "kill1_loading")},

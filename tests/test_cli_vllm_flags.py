@@ -208,6 +208,27 @@ def test_cors_takes_vllms_defaults_and_flags(monkeypatch, capsys):
     assert r.code == 2 and "--allowed-origins: expected a JSON list of strings" in r.err, r.err
 
 
+
+@pytest.mark.parametrize("flag", ["--allowed-origins", "--allowed-methods", "--allowed-headers"])
+@pytest.mark.parametrize("value", ['["x\\ny"]', '["\\ud800"]', '["GET", "\\u00e9"]', '["a\\tb"]', '["a b"]'])
+def test_a_cors_value_no_http_header_can_carry_is_refused_at_start_naming_the_flag(monkeypatch, capsys, flag,
+                                                                                   value):
+    """A method or header name that is no HTTP token (a newline, a lone surrogate, a space), or an origin that is not
+    printable ASCII, was taken at start-up; every browser preflight then failed: Starlette writes the methods and
+    headers into its answer (h11 dropped the connection on a newline, a lone surrogate was a 500 with a traceback),
+    and such an origin matches no request's. Now refused in one line naming the flag."""
+    from kvload.serve import server
+
+    def served(*args: object, **kwargs: object) -> None:  # a value taken: the command ends there, not serving
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server, "build_state", served)
+    r = run_cli(capsys, "serve", "tiny-llama", "--port", "0", flag, value)
+    lines = r.err.strip().splitlines()
+    assert r.code == 2 and len(lines) == 1, r.err
+    assert lines[0].startswith(f"error: {flag}: expected a JSON list of ") and "Traceback" not in r.err, r.err
+    assert "HTTP" in lines[0] or "ASCII" in lines[0], lines[0]  # what is accepted
+
 def test_a_browser_preflight_passes_the_api_key_gate_and_only_allowed_origins_get_the_header():
     from kvload.serve.state import CorsPolicy
     from tests.serve_support import serving

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
+import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from engine.reasoning import PARSERS
@@ -141,7 +144,7 @@ def add_serve_command(sub: Any) -> None:
     cors = p.add_argument_group("cross-origin requests from browsers (CORS; vLLM's flags and defaults)")
     for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
                        ("--allowed-headers", "headers")):
-        cors.add_argument(flag, _underscored(flag), default=None, metavar="JSON", type=_json_strings,
+        cors.add_argument(flag, _underscored(flag), default=None, metavar="JSON", type=_CORS_LISTS[what],
                           help=f"the {what} allowed, a JSON list of strings (default [\"*\"]: any)")
     cors.add_argument("--allow-credentials", "--allow_credentials", dest="allow_credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication (default: not)")
@@ -435,20 +438,50 @@ def _root_path(text: str) -> str:
     return text.rstrip("/")  # Starlette strips the prefix only before a "/": "/api/" would match nothing
 
 
-def _json_strings(text: str) -> tuple[str, ...]:
-    """A JSON list of strings (``'["https://a.example"]'``), as vLLM's CORS flags take."""
+def _json_strings(text: str, fits: Callable[[str], bool] = bool, what: str = "") -> tuple[str, ...]:
+    """A JSON list of strings (``'["https://a.example"]'``), as vLLM's CORS flags take; each one ``fits``, else the
+    refusal says it expected ``what``."""
     import json
+
+    from pipeline.limits import short_text
 
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) or len(value) > 1024:
-        from pipeline.limits import short_text
-
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got "
                                          f"{short_text(text)}")
+    if not all(map(fits, value)):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of {what}, got {short_text(text)}")
     return tuple(value)
+
+
+#: RFC 9110's token: what an HTTP method or header name is spelled with ("*" among them).
+_HTTP_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _http_token(value: str) -> bool:
+    """An HTTP method or header name (RFC 9110's token), or ``*``."""
+    return _HTTP_TOKEN.fullmatch(value) is not None
+
+
+def _origin(value: str) -> bool:
+    """An origin a browser can send (``https://ui.example``, ``null``) or ``*``: printable ASCII without spaces."""
+    return value.isascii() and value.isprintable() and " " not in value
+
+
+#: Each CORS flag's argparse type. Starlette writes the methods and header names into every preflight's answer: a
+#: newline there made h11 drop the connection, a character beyond Latin-1 a 500, at each preflight, after a start
+#: that took them; an origin no browser can send matches no request.
+_CORS_LISTS: dict[str, Callable[[str], tuple[str, ...]]] = {
+    "origins": functools.partial(_json_strings, fits=_origin, what="origins (printable ASCII without spaces, such "
+                                                                  "as \"https://ui.example\" or \"*\")"),
+    "methods": functools.partial(_json_strings, fits=_http_token, what="HTTP methods (tokens such as \"GET\" or "
+                                                                       "\"*\")"),
+    "headers": functools.partial(_json_strings, fits=_http_token, what="HTTP header names (tokens such as "
+                                                                       "\"content-type\" or \"*\")"),
+}
 
 
 def _cors(ns: argparse.Namespace) -> Any:
