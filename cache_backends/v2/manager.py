@@ -1073,6 +1073,9 @@ class KVCacheManagerV2:
                 for name, b in zip(self._names, arena.take_one_each(self._share_index, self._detach_mixed),
                                    strict=True):
                     tables[name].append(b)
+                # one span: the room below without the generator over the spans (a decode's boundary, every group)
+                cache.room = len(tables[self._span_first[0]]) * self._spans[0][0]
+                return True
             else:
                 self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
         tables = cache.tables
