@@ -740,6 +740,31 @@ def test_a_decode_slide_and_block_boundary_in_one_pass_leave_the_arena_as_the_pe
         assert got == want, f"step {step}"
 
 
+def test_a_decode_block_boundary_sets_the_room_every_group_s_table_holds():
+    """A decode's block boundary on an arena of one block span (a page for every group, then the room set from one
+    table, not a minimum over the spans) leaves ``room`` exactly the token slots every table holds: what
+    ``schedule_tokens`` and ``resize`` set it to, so a token past it takes the next pages and one short of it none."""
+    m = make_manager(gemma_like(window=8), 14)
+    assert len(m._spans) == 1
+    r = Request("r", list(range(1, 7)), 14)
+    prefill(m, r)
+    cache = m.cache(r)
+    boundaries = 0
+    for _ in range(14):
+        held = len(m._arena._free)
+        r.output_token_ids.append(next_token(r))
+        assert m.schedule_tokens(r, 1) == 1
+        boundaries += len(m._arena._free) < held
+        assert cache.room == min(len(table) * m.T for table in cache.tables.values())
+        assert {len(table) for table in cache.tables.values()} == {cache.room // m.T}
+        assert cache.room - m.T < cache.capacity <= cache.room  # the block a token lands in is the last one
+        write_kv(m, r, r.num_computed_tokens, 1)
+        m.commit(r, 1)
+        m.check_invariants()
+    assert boundaries >= 3
+    check_kv(m, r)
+
+
 def _finish_run(requests: list[tuple[str, list[int], int, int, int]], fast: bool, window: int, at_once: int,
                 scratch_reuse: bool = True) -> tuple[list, int]:
     """Requests (id, prompt, new tokens, priority, draft tokens reserved when it ends: an abort mid-step) through a

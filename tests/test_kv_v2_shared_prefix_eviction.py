@@ -41,6 +41,29 @@ def test_the_queue_evicts_every_leaf_before_a_shared_prefix_then_by_priority_the
     assert q.pop_many(1) == [1] and len(q) == 0 and q.num_shared == 0
 
 
+def test_a_whole_segment_popped_a_few_at_a_time_evicts_as_one_block_at_a_time():
+    """A released table's segment, every block queued, popped a few blocks at a time (a decode's block boundary
+    evicting a block of each group: the slice without a check per entry) evicts what single pops do, in order, each
+    popped block out of the queue, and the shared count kept; a segment with a block taken out passes it by."""
+    fast, slow = EvictionQueue([0] * 24), EvictionQueue([0] * 24)
+    for q in (fast, slow):
+        q.add_many(list(range(10)), 0)
+        q.add_many(list(range(10, 20)), 0, shared=True)
+        q.add_many([20, 21, 22, 23], 1)
+    got = [fast.pop_many(k) for k in (3, 4, 1, 5, 2)]  # the leaves by priority, then the shared prefix
+    assert got == [[0, 1, 2], [3, 4, 5, 6], [7], [8, 9, 20, 21, 22], [23, 10]]
+    assert [x for piece in got for x in piece] == [slow.pop() for _ in range(15)]
+    popped = {x for piece in got for x in piece}
+    assert [b in fast for b in range(24)] == [b not in popped for b in range(24)]
+    assert len(fast) == len(slow) == 9 and fast.num_shared == slow.num_shared == 9
+    assert fast.buckets() == slow.buckets()
+    for q in (fast, slow):
+        q.remove(13)  # a hit took one back: the rest of the segment is popped past it
+    assert fast.pop_many(3) == [11, 12, 14] and fast.pop_many(3) == [15, 16, 17]
+    assert [slow.pop() for _ in range(6)] == [11, 12, 14, 15, 16, 17]
+    assert fast.blocks() == slow.blocks() == [18, 19] and fast.num_shared == slow.num_shared == 2
+
+
 def test_a_shared_block_no_hit_took_back_for_eight_pools_of_releases_goes_to_the_front_of_the_leaves():
     from cache_backends.v2.group_pool import STALE_POOLS
 

@@ -1073,6 +1073,9 @@ class KVCacheManagerV2:
                 for name, b in zip(self._names, arena.take_one_each(self._share_index, self._detach_mixed),
                                    strict=True):
                     tables[name].append(b)
+                # one span: the room below without the generator over the spans (a decode's boundary, every group)
+                cache.room = len(tables[self._span_first[0]]) * self._spans[0][0]
+                return True
             else:
                 self._take_shared(cache.tables, [-(-target // tpb) + capacity // -tpb for tpb, _ in self._spans])
         tables = cache.tables
@@ -2315,12 +2318,15 @@ class KVCacheManagerV2:
                 self._tree.num_nodes += 1
                 if owner is not None:  # one block per group at one position: checked at C speed, hung in bulk
                     names = self._names
-                    got = [table[first] for table in map(tables.__getitem__, names)]
+                    # (a comprehension's subscripts, and one store loop over the groups: ~25% less than reading the
+                    # tables and the run's lists through map(dict.__getitem__) and storing in two loops, on Python
+                    # 3.11 with Gemma 3 27B's 31 groups)
+                    got = [tables[name][first] for name in names]
                     if -1 not in got and list(map(owner.__getitem__, got)).count(None) == len(got):
                         pos = self._arena.pos  # type: ignore[union-attr]
-                        for blocks, b in zip(map(last.blocks.__getitem__, names), got, strict=True):
-                            blocks.append(b)
-                        for b in got:
+                        run_blocks = last.blocks
+                        for name, b in zip(names, got, strict=True):
+                            run_blocks[name].append(b)
                             owner[b] = last
                             pos[b] = first
                         last.held.append(len(got))
