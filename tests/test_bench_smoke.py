@@ -531,7 +531,8 @@ def test_the_v2_loss_search_patches_a_constant_and_reruns_a_recorded_search(tmp_
     rerun = tmp_path / "rerun.jsonl"
     capsys.readouterr()
     try:
-        s.main(["--patch", "cache_backends.v2.scheduler.HOLD_GIVES_WAY=0", "--against", str(base), "--json", str(rerun)])
+        s.main(["--patch", "cache_backends.v2.scheduler.HOLD_GIVES_WAY=0", "--against", str(base),
+                "--json", str(rerun)])
         assert scheduler.HOLD_GIVES_WAY == 0
     finally:
         scheduler.HOLD_GIVES_WAY = gives_way
