@@ -332,6 +332,8 @@ class KVCacheManagerV2:
             cycles.setdefault((g.tokens_per_block, g.window), []).append(i)
         self._cycles = [(self.groups[members[0]], members) for members in cycles.values()]
         self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self.groups]
+        #: per life cycle (the order of :meth:`cycle_growth`'s lists): whether its groups slide a window
+        self.cycle_windowed: tuple[bool, ...] = tuple(g.window is not None for g, _ in self._cycles)
         self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
         # per pool set: (a group of each life cycle in it, how many of the set's groups share that cycle)
         index = {g.name: i for i, g in enumerate(self.groups)}
