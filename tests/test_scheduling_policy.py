@@ -155,22 +155,6 @@ def test_v2_moves_nobody_out_when_a_finish_makes_room_next_step(host):
     assert [len(r.output_token_ids) for r in (lo, end, hi)] == [8, 2, 4]
 
 
-def test_v2_a_request_preempted_for_recompute_once_is_not_displaced_again():
-    """8 blocks of 4 tokens, no host tier. ``lo`` (8 + 20 tokens) is preempted for ``hi1`` (kvload priority 1, 16 + 4)
-    at step 10, comes back once ``hi1`` is done and recomputes what it had; ``hi2`` (the same size) arrives at step 20
-    and waits for ``lo`` to finish rather than have it recompute a second time (each preemption for recompute loses a
-    request's own KV: tiny-gemma3 ``mixed`` at a quarter of the budget moved one request out 9 times; BENCHMARKS.md,
-    "v2prio50")."""
-    m, s = _scheduler("v2", "priority", blocks=8, max_batch_size=8, host_cache_size=0)
-    lo = Request("lo", _prompt(0), 20)
-    hi1 = Request("hi1", _prompt(1, 16), 4, priority=1)
-    hi2 = Request("hi2", _prompt(2, 16), 4, priority=1)
-    admitted, finished, outputs = _drive("v2", m, s, [Arrival(lo, 0), Arrival(hi1, 10), Arrival(hi2, 20)])
-    assert [(i, r.req_id) for i, o in enumerate(outputs) for r in o.preempted] == [(10, "lo")]
-    assert admitted == ["lo", "hi1", "lo", "hi2"] and finished == ["hi1", "lo", "hi2"]
-    assert [len(r.output_token_ids) for r in (lo, hi1, hi2)] == [20, 4, 4]
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(-2, 2), st.integers(0, 12)),
                 min_size=2, max_size=10),

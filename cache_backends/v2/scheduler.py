@@ -647,12 +647,11 @@ class KVCacheV2Scheduler(SchedulerBase):
             self._forget(old)
 
     def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
-        """Under "priority": the worst-ranked running request ranked below ``request`` that was never moved out for
-        recompute, else None."""
+        """Under "priority": the worst-ranked running request when it ranks below ``request``, else None."""
         if not self.by_priority or not running:
             return None
-        victims = [v for v in running if v.rank > request.rank and v.first_reused_tokens is None]
-        return max(victims, key=_RANK) if victims else None
+        victim = max(running, key=_RANK)
+        return victim if victim.rank > request.rank else None
 
     def _fits_without(self, request: Request, new: bool, running: list[Request],
                       chunks: dict[Request, ScheduledChunk], budget: int, ratio: float,
@@ -665,8 +664,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         request that cannot fit even then (better-ranked requests hold the room) would move them all out for
         nothing, their room left idle while it waits (SGLang preempts only when the preemptible tokens suffice)."""
         m = self.manager
-        victims = ([v for v in running if v.rank > request.rank and v.first_reused_tokens is None] if leaving is None
-                   else leaving)
+        victims = [v for v in running if v.rank > request.rank] if leaving is None else leaving
         rest = [v for v in running if v not in victims]
         extra = m.freed_by(victims)
         want = min(_pending(request), budget + sum(chunks[v].num_tokens for v in victims if v in chunks))
