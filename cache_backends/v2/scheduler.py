@@ -276,9 +276,6 @@ SHARED_HOLD = 0.5
 #: docstring, "The hold gives way to V1's room"). A module constant so the searches can measure it off
 #: (``--patch cache_backends.v2.scheduler.HOLD_GIVES_WAY=0``).
 HOLD_GIVES_WAY = True
-#: Whether a stale hit counts among the first turns for the last chains (module docstring, "Stale turns"); a module
-#: constant so the searches can measure it off (``--patch cache_backends.v2.scheduler.STALE_COLD=0``).
-STALE_COLD = True
 
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
 INIT_RATIO, MIN_RATIO, RATIO_DECAY, RATIO_BUMP = 0.7, 0.1, 0.001, 0.1
@@ -580,10 +577,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         # short conversations (a waiting hit mostly its conversation's last turn, putting it behind delays no turn):
         # as many as run, after a wait of LPM_OWN times their own answer's length; only beside a hit (else the order
         # is arrival order anyway)
-        # a stale hit (rank 1: its history evicted while it waited) has its conversation's turns left to run as a first
-        # turn has: counted with them, it goes in among the last chains (module docstring, "Stale turns")
         cold = ranks.count(0)
-        stale = 0
         short = cold < n and self._joined_hit <= LPM_SHORT * self._joined_cold
         few, chains = running if short else LPM_FEW * running, False
         if cold and not short:
@@ -597,15 +591,13 @@ class KVCacheV2Scheduler(SchedulerBase):
             if chain > few:
                 few, chains = chain, True
         last = bool(cold) and cold + len(tail) <= few and m.held_back(0.0, self._longest) is None
-        if not cold and not tail and STALE_COLD and 1 in ranks and m.held_back(0.0, self._longest) is None:
-            last, chains, stale = True, True, 1
         if last or min(queued) <= old:  # waited LPM_AGE steps or longer: first, by their cached prefix, then arrival
             mask = list(map(le, queued, itertools.repeat(old)))
             if last and (short or chains):  # a wait of their own answer's length, not LPM_CARRY's
-                mask = [a or (k <= stale and q <= now - min(LPM_CARRY, LPM_OWN * r.max_new_tokens))
+                mask = [a or (not k and q <= now - min(LPM_CARRY, LPM_OWN * r.max_new_tokens))
                         for a, k, q, r in zip(mask, ranks, queued, window, strict=True)]
             elif last:
-                mask = list(map(or_, mask, map(and_, map(le, ranks, itertools.repeat(stale)),
+                mask = list(map(or_, mask, map(and_, map(not_, ranks),
                                                map(le, queued, itertools.repeat(now - LPM_CARRY)))))
             # but those that waited more than twice LPM_AGE go before them, in arrival order: a conversation's turns
             # join aged (the wait they carry), each with its history cached, and by prefix alone they overtook an aged
