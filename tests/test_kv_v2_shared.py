@@ -1162,6 +1162,36 @@ def _arena_state(m: KVCacheManagerV2) -> tuple:
     return (*state[:5], [run(node) for node in state[5]], *state[6:], list(m._arena.pos))
 
 
+@pytest.mark.parametrize("layers", [[LayerKV(0, "full", 4)], [LayerKV(0, "full", 2), LayerKV(1, "full", 4)]],
+                         ids=["one group", "a pool per group"])
+def test_a_probe_with_build_that_finds_no_block_for_the_copy_still_builds_the_hit(layers):
+    """Pools of their own (no arena): a follow-up turn whose history's partial last block would be copied, where no
+    block is left for the copy once the claim is out of the queue, is not probed (only building answers). With
+    ``build`` that None must come with the cache built, as documented and as the scheduler reads it: the turn's 4
+    whole blocks claimed (the copy skipped), the lookup made once. It came back without a cache, the lookup made
+    again by the caller's create + resume."""
+    def turn_after_history() -> tuple[KVCacheManagerV2, Request]:
+        m = make_manager(layers, 5, enable_partial_reuse=True)  # the history's 4 blocks and its tail: every block
+        prefill(m, h := Request("t0", list(range(1, 19)), 0))
+        m.free(h)
+        return m, Request("t1", [*range(1, 19), 50, 51], 4)
+
+    a, r = turn_after_history()
+    b, again = turn_after_history()
+    assert a._arena is None
+    lookups = _counted(a, ("_match", "_partial_source"))
+    assert a.probe_hit(r, build=True) is None
+    assert a.has_cache(r) and a.cache(r).is_active
+    assert lookups == {"_match": 1, "_partial_source": 1}
+    assert b.probe_hit(again) is None
+    admit(b, again)
+    assert r.num_computed_tokens == again.num_computed_tokens == 16 and not a.cache(r).partial_hit
+    assert a.cache(r).tables == b.cache(again).tables and a.counters == b.counters
+    assert a._tree.num_nodes == b._tree.num_nodes
+    a.check_invariants()
+    check_kv(a, r)
+
+
 def test_a_probe_answered_none_leaves_nothing_a_later_build_reuses_after_the_tree_changed():
     """A probe that answers None without building (the copying hit above) keeps nothing of its lookup: a build after
     the tree changed looks it up again. Here a sibling turn, finished between the probe and the build, caches the

@@ -1322,7 +1322,9 @@ class KVCacheManagerV2:
                     # what the copy finds available once the claim and its source are out of the queue; none: the
                     # build copies nothing (only building answers then)
                     if pool.available - t - (not pool.ref[partial.blocks[name][0]]) < 1:
-                        return None
+                        # (built with the lookup just made, as the tail's copy above: a None with ``build`` comes
+                        # with the cache built)
+                        return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
                 taken_groups = [t + 1 for t in taken_groups]
             taken = taken_groups
             shared_taken = [pool.evictable.count_shared(cached)
