@@ -699,9 +699,10 @@ class KVCacheV2Scheduler(SchedulerBase):
         return n > 0 and m.short_of(m.cycle_growth_new(request, 1.0, n), m.cycle_headroom(running, 1.0))
 
     def _worst_cases_fit(self, request: Request, running: list[Request], probe: HitProbe | None, asked: bool,
-                         start: int, want: int) -> bool:
+                         start: int, want: int, headroom: list[int] | None) -> bool:
         """Whether ``request`` and every running request fit at their worst cases with the cached shared prefixes
-        counted as room (no hold): V1's admission, plus one block a request in each windowed cycle."""
+        counted as room (no hold): V1's admission, plus one block a request in each windowed cycle. ``headroom``:
+        the running requests' estimate at the step's ratio where it was made (a lower bound of their worst cases)."""
         m = self.manager
         extra = None if probe is None else probe.less(None)
         n = m.fit_tokens_new(request, want, extra, start) if asked else m.fit_tokens(request, want, extra)
@@ -713,6 +714,10 @@ class KVCacheV2Scheduler(SchedulerBase):
         # to spare suspended a group's follower 6 steps later (BENCHMARKS.md v2stepA49, #345)
         k = len(running) + 1
         own = [x + k if w else x for x, w in zip(own, m.cycle_windowed, strict=True)]
+        # the estimate at a ratio <= 1 is at most the worst cases: short with it, short with them (under pressure
+        # the hold refuses the head every step, and the worst cases' pass over the running requests is the cost)
+        if headroom is not None and m.short_of(own, headroom, extra=extra):
+            return False
         return not m.short_of(own, m.cycle_headroom(running, 1.0), extra=extra)
 
     def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
@@ -769,7 +774,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                         refused = headroom is not None and m.short_of(own, headroom, extra=extra)
                     # the hold never refuses what the worst cases leave room for (module docstring, "... V1's room")
                     if not (refused and hold is not None and HOLD_GIVES_WAY and not self.by_priority
-                            and self._worst_cases_fit(r, running, probe, asked, start, want)):
+                            and self._worst_cases_fit(r, running, probe, asked, start, want, headroom)):
                         break
                     hold = None
                 victim = self._displaceable(r, running) if refused else None
