@@ -155,26 +155,6 @@ def test_v2_moves_nobody_out_when_a_finish_makes_room_next_step(host):
     assert [len(r.output_token_ids) for r in (lo, end, hi)] == [8, 2, 4]
 
 
-def test_v2_a_request_displaced_for_recompute_is_held_back_while_urgent_requests_arrive():
-    """14 blocks of 4 tokens, no host tier. ``other`` (4 + 24 tokens) and ``lo`` (8 + 20) run; at step 10 ``hi1``
-    (kvload priority 1, 16 + 1) arrives and ``lo``, the worst-ranked, is preempted for it. ``hi1`` finishes that step,
-    but ``lo`` is held back while an urgent request waited within the last ``HOLD_DISPLACED`` steps: ``hi2`` (the same
-    priority, 16 + 4) arrives at step 13 and takes the free room, instead of ``lo`` coming back at step 11 and being
-    preempted again, its prefill recomputed twice (BENCHMARKS.md, "v2prio51")."""
-    m, s = _scheduler("v2", "priority", blocks=14, max_batch_size=8, host_cache_size=0)
-    other = Request("other", _prompt(3, 4), 24)
-    lo = Request("lo", _prompt(0), 20)
-    hi1 = Request("hi1", _prompt(1, 16), 1, priority=1)
-    hi2 = Request("hi2", _prompt(2, 16), 4, priority=1)
-    _, finished, outputs = _drive("v2", m, s, [Arrival(other, 0), Arrival(lo, 0), Arrival(hi1, 10),
-                                                      Arrival(hi2, 13)])
-    assert [(i, r.req_id) for i, o in enumerate(outputs) for r in o.preempted] == [(10, "lo")]
-    assert [(i, r.req_id) for i, o in enumerate(outputs) for r in o.admitted] == [
-        (0, "other"), (0, "lo"), (10, "hi1"), (13, "hi2"), (17, "lo")]
-    assert finished == ["hi1", "hi2", "other", "lo"]
-    assert [len(r.output_token_ids) for r in (other, lo, hi1, hi2)] == [24, 20, 1, 4]
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(-2, 2), st.integers(0, 12)),
                 min_size=2, max_size=10),
