@@ -276,12 +276,6 @@ SHARED_HOLD = 0.5
 #: docstring, "The hold gives way to V1's room"). A module constant so the searches can measure it off
 #: (``--patch cache_backends.v2.scheduler.HOLD_GIVES_WAY=0``).
 HOLD_GIVES_WAY = True
-#: Under "priority": a request displaced for recompute is not readmitted (nor is anyone ranked below it) while a
-#: better-ranked priority waited for admission within the last ``HOLD_DISPLACED`` steps, for at most
-#: ``HOLD_DISPLACED_CAP`` steps after its displacement, and only while others run. Why: tiny-gemma3 ``mixed`` at a
-#: quarter of the budget readmitted a victim within a median 4 steps, recomputed 800-2,300 tokens of its prefill and
-#: moved it out again for the next urgent arrival (one request 9 times; BENCHMARKS.md v2prio50).
-HOLD_DISPLACED, HOLD_DISPLACED_CAP = 4, 64
 
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
 INIT_RATIO, MIN_RATIO, RATIO_DECAY, RATIO_BUMP = 0.7, 0.1, 0.001, 0.1
@@ -311,9 +305,6 @@ class KVCacheV2Scheduler(SchedulerBase):
         # requests that joined the queue with a cached prefix / without one, first joins only, each weighing the
         # earlier ones down by _DECAY (the "short conversations" estimate: the recent joins)
         self._joined_hit = self._joined_cold = 0.0
-        # "priority": requests displaced for recompute -> the step of their displacement (HOLD_DISPLACED)
-        self._displaced: dict[Request, int] = {}
-        self._urgent_seen: dict[int, int] = {}  # priority -> the last step a request of it waited for admission
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -494,17 +485,6 @@ class KVCacheV2Scheduler(SchedulerBase):
         """The "priority" policy: suspended and waiting requests as one queue, best-ranked first, each resumed or
         admitted in turn (runs of one state at a time) until one cannot be."""
         queue = sorted(waiting, key=_RANK)
-        now, seen, displaced = self._steps, self._urgent_seen, self._displaced
-        for r in queue:
-            if r.state is RequestState.WAITING and r not in displaced:
-                seen[r.priority] = now
-        if displaced and running:  # with nothing running, holding back would leave the pools idle (a stall)
-            for k, r in enumerate(queue):
-                since = displaced.get(r)
-                if since is not None and now - since < HOLD_DISPLACED_CAP and any(
-                        p > r.priority and now - t < HOLD_DISPLACED for p, t in seen.items()):
-                    queue = queue[:k]  # the room it would take stays free for the next better-ranked arrival
-                    break
         i = 0
         while i < len(queue):
             state, j = queue[i].state, i + 1
@@ -806,8 +786,6 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if victim in chunks:
                     budget += chunks.pop(victim).num_tokens
                 self._move_out(victim, waiting, running, out)
-                if victim.state is RequestState.WAITING:  # preempted for recompute (a suspended one keeps its KV)
-                    self._displaced[victim] = self._steps
                 headroom = None  # the running requests changed
             if refused:
                 self._refused = r if headroom is not None else None
@@ -833,7 +811,6 @@ class KVCacheV2Scheduler(SchedulerBase):
             running.append(r)
             self._longest = max(self._longest, r.num_tokens)  # running now: the next admission's hold counts it
             out.admitted.append(r)
-            self._displaced.pop(r, None)
             if not self.by_priority:
                 self._carry(r)
             cold = cold or new
