@@ -635,9 +635,9 @@ class SharedPool:
                 group_of[b] = -1
             free = self._free
             free += gone
-            # each such table's queue order starts a position later: interleaved again without its last block
-            blocks = interleave([row[len(row) - k:len(row) - u][::-1]
-                                 for row, k, u in zip(rows, lens, uncached, strict=True)])
+            # each such table's queue order starts a position later: the same order without its last block
+            blocks = _interleave_tails([row[:-1] if u else row for row, u in zip(rows, uncached, strict=True)],
+                                       [k - u for k, u in zip(lens, uncached, strict=True)])
             for g, k, u in zip(groups, lens, uncached, strict=True):
                 used[g] -= k
                 kept[g] += k - u
