@@ -264,6 +264,25 @@ def _pending(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
+def _waits_for(request: Request, flight: list[Request], T: int) -> bool:
+    """Whether ``request`` (waiting, reading cached prefixes) shares with one of ``flight`` (running, their prefill
+    pending) the first whole block that one has not computed yet, and every block before it: admitted a step or more
+    later, it finds that block cached instead of computing its own copy (module docstring, "Wait for the prefix in
+    flight")."""
+    if request.skip_prefix_read:
+        return False
+    p = request.prompt_token_ids
+    for s in flight:
+        done = s.num_computed_tokens // T * T  # its whole blocks computed: cached, claimed by a hit now
+        end = done + T
+        q = s.prompt_token_ids
+        # a hit claims whole blocks before a prompt's last token; the sharer's block is its prompt's
+        if end < len(p) and end <= len(q) and s.salt == request.salt and p[done:end] == q[done:end] \
+                and p[:done] == q[:done]:
+            return True
+    return False
+
+
 #: The most of a pool (a share of its blocks) that admission and prefill chunks, while requests run on a
 #: sliding-window layout, leave to cached shared prefixes rather than counting as room (module docstring, "Shared
 #: prefixes under pressure"). Half: tiny-gemma3's four 512-token system prompts fill 40% of its pool at a quarter of
@@ -276,6 +295,12 @@ SHARED_HOLD = 0.5
 #: docstring, "The hold gives way to V1's room"). A module constant so the searches can measure it off
 #: (``--patch cache_backends.v2.scheduler.HOLD_GIVES_WAY=0``).
 HOLD_GIVES_WAY = True
+
+#: Whether fcfs admission defers a waiting request whose prompt shares a whole block beyond what is cached with a
+#: running request whose prefill of it is still pending (admitted earlier in the step, or running): it waits until
+#: that block is cached (module docstring, "Wait for the prefix in flight"). A module constant so the searches can
+#: measure it off (``--patch cache_backends.v2.scheduler.DEFER_IN_FLIGHT=0``).
+DEFER_IN_FLIGHT = True
 
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
 INIT_RATIO, MIN_RATIO, RATIO_DECAY, RATIO_BUMP = 0.7, 0.1, 0.001, 0.1
@@ -729,11 +754,18 @@ class KVCacheV2Scheduler(SchedulerBase):
         # running requests' estimated growth, per life cycle (on first use): every group of a cycle needs the same
         headroom: list[int] | None = None
         others_run, cold = bool(running), False  # cold: a request that claims no cached prefix was admitted
+        # the running requests whose prompt has a whole block still to compute: a waiting prompt on that block waits
+        # for it (module docstring, "Wait for the prefix in flight"); the admitted join them
+        T = m.T
+        flight = ([s for s in running if s.num_computed_tokens + T <= len(s.prompt_token_ids)]
+                  if DEFER_IN_FLIGHT and not self.by_priority and m.reuse_off_reason is None else None)
         for r in candidates:
             if r.state is not RequestState.WAITING:
                 continue
             if len(running) >= self.max_batch_size or budget == 0:
                 return budget, False
+            if flight and _waits_for(r, flight, T):
+                continue
             # one whole prompt per step while the batch's worst cases overcommit the pools (module docstring, "Spread")
             if cold and others_run and m.claims_nothing(r) and self._overcommits(r, running, budget):
                 return budget, False
@@ -818,5 +850,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             out.admitted.append(r)
             if not self.by_priority:
                 self._carry(r)
+            if flight is not None and r.num_computed_tokens + T <= len(r.prompt_token_ids):
+                flight.append(r)
             cold = cold or new
         return budget, True
