@@ -941,6 +941,64 @@ def test_under_pressure_one_whole_prompt_is_admitted_per_step_and_cached_hits_jo
     assert s.step(waiting, running).admitted == [others[0]]
 
 
+def _system_prompt_in_flight(max_num_tokens: int) -> tuple[list[list[str]], Request, int]:
+    """Two prompts on a 20-token system prompt nobody has cached, then an unrelated one, all queued at once: who was
+    admitted each step, the second prompt and the steps taken."""
+    m = make_manager(FULL, 64)  # room for all three at once
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=max_num_tokens, init_ratio=0.0)
+    system = list(range(1, 21))  # 5 blocks
+    first = Request("first", [*system, 40, 41], 2, arrival=0)
+    second = Request("second", [*system, 50, 51], 2, arrival=1)
+    other = Request("other", list(range(60, 66)), 2, arrival=2)
+    res = drive(m, s, [first, second, other])
+    assert res.stalled is None and len(res.finished) == 3
+    return [[r.req_id for r in o.admitted] for o in res.outputs], second, res.steps
+
+
+@pytest.mark.parametrize(("max_num_tokens", "admitted", "without", "steps_saved"), [
+    (64, [["first"], ["second", "other"]], (0, [["first", "second", "other"]]), -1),  # in the same step
+    (12, [["first"], [], ["second", "other"]], (12, [["first"], ["second"], ["other"]]), 1),  # its prefill chunked
+])
+def test_a_prompt_on_a_system_prompt_in_flight_waits_until_it_is_cached(monkeypatch, max_num_tokens, admitted,
+                                                                         without, steps_saved):
+    import cache_backends.v2.scheduler as scheduler
+
+    # the first prompt's prefill computes the system prompt in one step, or in two (12 tokens, then 10): the second
+    # waits until all of it is cached and reuses its 5 whole blocks; the prompt behind it waits too (first come first
+    # served: admitted in its place, it would take the room the second needs next step)
+    got, second, steps = _system_prompt_in_flight(max_num_tokens)
+    assert got[:len(admitted)] == admitted and second.num_reused_tokens == 20
+    # without the rule the second is admitted beside the first's prefill and computes its own copy of the blocks
+    # still in flight (SGLang's in-batch prefix caching puts it behind the others)
+    monkeypatch.setattr(scheduler, "DEFER_IN_FLIGHT", False)
+    got_off, second_off, steps_off = _system_prompt_in_flight(max_num_tokens)
+    assert (second_off.num_reused_tokens, got_off[:len(without[1])]) == without
+    # with the whole prompt in one step and room to spare, the wait is a step of its own (the copy's compute saved);
+    # chunked, its own copy's prefill took the token budget's steps
+    assert steps_off - steps == steps_saved
+
+
+def test_a_prompt_waits_only_for_a_block_its_sharer_computes_in_this_step():
+    from cache_backends.interface import ScheduledChunk
+    from cache_backends.v2.scheduler import _waits_for
+
+    system = list(range(1, 21))
+    sharer = Request("sharer", [*system, 40, 41], 2)
+    sharer.num_computed_tokens = 9  # blocks 0-1 cached; block 2 (tokens 8-11) is next
+    on = Request("on", [*system, 50], 2)
+
+    def waits(request: Request, chunk: int | None) -> bool:
+        chunks = {} if chunk is None else {sharer: ScheduledChunk(sharer, chunk)}
+        return _waits_for(request, [sharer], chunks, 4)
+
+    assert waits(on, 3) and waits(on, 13)  # block 2 computed in this step: next step it is cached
+    assert not waits(on, 2) and not waits(on, None)  # not in this step (a stalled chunk): it may stay pending
+    assert not waits(Request("salted", [*system, 50], 2, salt="other"), 3)  # never shares blocks across salts
+    assert not waits(Request("parts", [*system[:4], 99, *system[5:], 50], 2), 3)  # a cached block differs
+    assert not waits(Request("short", system[:12], 2), 3)  # block 2 holds its last token: a hit never claims it
+    assert waits(Request("long", system[:13], 2), 3)
+
+
 def test_a_request_that_waited_lpm_age_steps_is_overtaken_by_no_younger_hit(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 
