@@ -436,7 +436,9 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if not any(r.state is RequestState.SUSPENDED for r in suspended):
                     order = (self._cache_aware(waiting, len(running)) if len(running) < self.max_batch_size and budget
                              else list(waiting))
-                    self._admit(order, waiting, running, out, chunks, budget, reasons)
+                    # only a prompt with chunks to go (or one resumed) can be in flight: decodes are not looked at
+                    self._admit(order, waiting, running, out, chunks, budget, reasons,
+                                prefilling=[r for r, _ in chunked] + out.resumed)
 
         out.scheduled = list(chunks.values())
         self.report_stall(out, reasons, waiting, running)
@@ -763,8 +765,9 @@ class KVCacheV2Scheduler(SchedulerBase):
 
     def _admit(self, candidates: list[Request], waiting: deque[Request], running: list[Request],
                out: SchedulerOutput, chunks: dict[Request, ScheduledChunk], budget: int,
-               reasons: list[str]) -> tuple[int, bool]:
-        """Admit ``candidates`` in order while they fit; the budget left, and whether none was refused."""
+               reasons: list[str], prefilling: list[Request] | None = None) -> tuple[int, bool]:
+        """Admit ``candidates`` in order while they fit; the budget left, and whether none was refused.
+        ``prefilling``: the running requests that may have a prompt block still to compute (every one if None)."""
         m = self.manager
         ratio = self.new_token_ratio
         # running requests' estimated growth, per life cycle (on first use): every group of a cycle needs the same
@@ -773,7 +776,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         # the running requests whose prompt has a whole block still to compute: a waiting prompt on that block waits
         # for it (module docstring, "Wait for the prefix in flight"); the admitted join them
         T = m.T
-        flight = ([s for s in running if s.num_computed_tokens + T <= len(s.prompt_token_ids)]
+        flight = ([s for s in (running if prefilling is None else prefilling)
+                   if s.num_computed_tokens + T <= len(s.prompt_token_ids) and s.state is RequestState.RUNNING]
                   if DEFER_IN_FLIGHT and not self.by_priority and m.reuse_off_reason is None else None)
         for r in candidates:
             if r.state is not RequestState.WAITING:
