@@ -496,7 +496,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if any(r.state is RequestState.SUSPENDED for r in run):
                     return
             else:
-                budget, done = self._admit(run, waiting, running, out, chunks, budget, reasons)
+                # within one priority level, fcfs's cache-aware order (longest cached prefix first, its floors and
+                # ages); a better priority still goes first (module docstring, "cache-aware within a priority")
+                ordered: list[Request] = []
+                if len(running) < self.max_batch_size and budget:
+                    for _, level in itertools.groupby(run, key=_PRIORITY):
+                        ordered += self._cache_aware(list(level), len(running))
+                else:
+                    ordered = run
+                budget, done = self._admit(ordered, waiting, running, out, chunks, budget, reasons)
                 if not done:
                     return
             i = j
@@ -816,7 +824,6 @@ class KVCacheV2Scheduler(SchedulerBase):
             running.append(r)
             self._longest = max(self._longest, r.num_tokens)  # running now: the next admission's hold counts it
             out.admitted.append(r)
-            if not self.by_priority:
-                self._carry(r)
+            self._carry(r)
             cold = cold or new
         return budget, True
