@@ -659,7 +659,9 @@ class KVCacheV2Scheduler(SchedulerBase):
         if not self.by_priority or not running:
             return None
         victim = max(running, key=_RANK)
-        return victim if victim.rank > request.rank else None
+        # within a priority level the order is cache-aware, not arrival: only a better priority displaces (else an
+        # earlier arrival moved out the later one just admitted for its hit, turn after turn)
+        return victim if victim.priority < request.priority else None
 
     def _fits_without(self, request: Request, new: bool, running: list[Request],
                       chunks: dict[Request, ScheduledChunk], budget: int, ratio: float,
@@ -672,7 +674,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         request that cannot fit even then (better-ranked requests hold the room) would move them all out for
         nothing, their room left idle while it waits (SGLang preempts only when the preemptible tokens suffice)."""
         m = self.manager
-        victims = [v for v in running if v.rank > request.rank] if leaving is None else leaving
+        victims = [v for v in running if v.priority < request.priority] if leaving is None else leaving
         rest = [v for v in running if v not in victims]
         extra = m.freed_by(victims)
         want = min(_pending(request), budget + sum(chunks[v].num_tokens for v in victims if v in chunks))
