@@ -743,16 +743,20 @@ def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_
     assert list(waiting) == [fresh] and running == [follow]
 
 
-@pytest.mark.parametrize(("fresh_priority", "first"), [(0, "turn1"), (1, "fresh")])
-def test_priority_ranks_equal_priorities_by_cached_prefix_and_a_better_priority_still_first(monkeypatch,
-                                                                                            fresh_priority, first):
-    # Under "priority" requests of one priority level are ordered as fcfs orders its queue: the follow-up whose
-    # history is cached goes ahead of an earlier fresh prompt (ranked by arrival alone, tiny-gemma3 ``mixed`` at a
-    # quarter of the budget reused fewer prompt tokens than V1 on 5 of 8 seeds); a better-ranked request still goes
-    # first, with or without a hit.
+@pytest.mark.parametrize(("waited", "fresh_priority", "first"), [(True, 0, "turn1"), (True, 1, "fresh"),
+                                                                  (False, 0, "fresh")])
+def test_priority_ranks_equal_priorities_by_cached_prefix_once_the_queue_waited(monkeypatch, waited, fresh_priority,
+                                                                                first):
+    # Under "priority" requests of one priority level are ordered as fcfs orders its queue once the level's first
+    # request has waited LPM_PRIORITY_WAIT steps: the follow-up whose history is cached goes ahead of an earlier fresh
+    # prompt (ranked by arrival alone, tiny-gemma3 ``mixed`` at a quarter of the budget reused fewer prompt tokens than
+    # V1 on 5 of 8 seeds); a better-ranked request still goes first, with or without a hit. Before that wait, arrival
+    # order: where the queue moves, hits stay cached anyway and reordering only moved the default budgets' tails.
     import cache_backends.v2.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)  # the floor at this test's scale: its 16 cached tokens count
+    if waited:
+        monkeypatch.setattr(scheduler, "LPM_PRIORITY_WAIT", 0)  # the first step's queue has waited long enough
     m = make_manager(FULL, 16)
     s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0, scheduling_policy="priority")
     fresh, follow = _cached_and_two_waiting(m)

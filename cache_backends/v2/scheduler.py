@@ -100,11 +100,22 @@ One :meth:`~KVCacheV2Scheduler.step`:
    conversations: 1.09-1.14x V1's steps, now 0.99-1.06x; BENCHMARKS.md, "The last chains").
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
-   request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
+   request refused for lack of room moves out the worst-ranked running request of a worse priority (suspended, or
    preempted for recompute, as under pressure), one at a time, until it fits — but only if moving out every running
-   request ranked below it would make it fit (their blocks no one else holds, the headroom of the rest: SGLang's
+   request of a worse priority would make it fit (their blocks no one else holds, the headroom of the rest: SGLang's
    rule), so nobody is moved out for a request that stays refused. A full batch (``max_batch_size``) displaces
    nobody (vLLM's rule).
+   **Cache-aware within a priority level**: the waiting requests of one priority go in arrival order until the first
+   of them has waited ``LPM_PRIORITY_WAIT`` steps, then in fcfs's cache-aware order (the longest cached prefix first,
+   its floors, ages and carried waits). Why: ranked by arrival alone, a turn whose history is cached waited behind
+   fresh prompts whose prefills evicted it; tiny-gemma3 ``mixed`` at a quarter of the budget (a quarter urgent)
+   reused 23.0% of prompt tokens against V1's 23.4% (5 of 8 seeds lower); ordered by cached prefix, 30.9% (none
+   lower) in 0.935x the steps, and the grid's tight ``mixed-urgent`` cells took 2-8% fewer steps. Only after a long
+   wait: while the queue moves, hits stay cached anyway and reordering only moved the default budgets' tails
+   (tiny-llama ``mixed-urgent`` 598 -> 600 steps, Gemma 2 9B's modeled time +0.15%: 38 -> 47 suspends as urgent
+   arrivals found a fuller pool). An equal priority displaces nobody: by arrival an earlier prompt moved out the turn
+   just admitted for its hit, step after step (tiny-gemma3 above: 296 -> 2,059 preemptions; BENCHMARKS.md,
+   "Cache-aware ranking within a priority level, once the queue waits").
    **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
    group keeps, beyond the new request's first chunk and its own estimated growth, room for the
    running requests' estimated growth (the groups of a shared arena together: ``shortfall``):
@@ -248,6 +259,13 @@ LPM_RECENT = 64
 #: look-up only after waits of 24, 48, 96, ... steps (a few per request) lost part of it: more steps on 6 of the 7
 #: samples the rule moves, fewer hits on the 7th (#50: 0.882x -> 0.959x V1's steps; seed 1 #302: 0.632x -> 0.720x).
 LPM_RELOOK, LPM_RELOOK_WAIT = 8, 24
+#: Under "priority", the requests of one priority level are ordered by cached prefix as fcfs's queue is once the
+#: level's first request (by arrival) has waited this many steps, in arrival order before (module docstring,
+#: "Cache-aware within a priority level"). Always on, the order took a quarter of the budget's cells 5-9% fewer steps
+#: but moved default-budget ones both ways (tiny-llama ``mixed-urgent`` 598 -> 600 steps, Gemma 2 9B's modeled time
+#: +0.15%); from a wait of 64 steps Gemma 2 9B +0.5%, 128 tiny-mistral's tight cell +0.2%, 256 no grid cell worse
+#: (BENCHMARKS.md, "Cache-aware ranking within a priority level, once the queue waits").
+LPM_PRIORITY_WAIT = 256
 _DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
@@ -497,11 +515,15 @@ class KVCacheV2Scheduler(SchedulerBase):
                     return
             else:
                 # within one priority level, fcfs's cache-aware order (longest cached prefix first, its floors and
-                # ages); a better priority still goes first (module docstring, "cache-aware within a priority")
+                # ages) once the level's first request has waited LPM_PRIORITY_WAIT steps, arrival order before; a
+                # better priority still goes first (module docstring, "Cache-aware within a priority level")
                 ordered: list[Request] = []
                 if len(running) < self.max_batch_size and budget:
-                    for _, level in itertools.groupby(run, key=_PRIORITY):
-                        ordered += self._cache_aware(list(level), len(running))
+                    waited = self._steps - LPM_PRIORITY_WAIT
+                    for _, group in itertools.groupby(run, key=_PRIORITY):
+                        level = list(group)
+                        order = self._cache_aware(level, len(running))  # looked up every step: hints, clocks
+                        ordered += order if 0 <= level[0].queued_at <= waited else level
                 else:
                     ordered = run
                 budget, done = self._admit(ordered, waiting, running, out, chunks, budget, reasons)
@@ -655,7 +677,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             self._forget(old)
 
     def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
-        """Under "priority": the worst-ranked running request when it ranks below ``request``, else None."""
+        """Under "priority": the worst-ranked running request if its priority is below ``request``'s, else None."""
         if not self.by_priority or not running:
             return None
         victim = max(running, key=_RANK)
@@ -666,7 +688,7 @@ class KVCacheV2Scheduler(SchedulerBase):
     def _fits_without(self, request: Request, new: bool, running: list[Request],
                       chunks: dict[Request, ScheduledChunk], budget: int, ratio: float,
                       leaving: list[Request] | None = None) -> bool:
-        """Whether ``request`` would be admitted once every running request ranked below it is moved out (their
+        """Whether ``request`` would be admitted once every running request of a worse priority is moved out (their
         blocks no one else holds freed, their chunks' tokens back in the budget, the headroom of the rest); with
         ``leaving``, once those requests are gone instead.
 
