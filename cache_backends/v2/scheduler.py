@@ -261,10 +261,11 @@ LPM_RECENT = 64
 LPM_RELOOK, LPM_RELOOK_WAIT = 8, 24
 #: Under "priority", the requests of one priority level are ordered by cached prefix as fcfs's queue is once the
 #: level's first request (by arrival) has waited this many steps, in arrival order before (module docstring,
-#: "Cache-aware within a priority level"). Always on, the order took a quarter of the budget's cells 5-9% fewer steps
-#: but moved default-budget ones both ways (tiny-llama ``mixed-urgent`` 598 -> 600 steps, Gemma 2 9B's modeled time
-#: +0.15%); from a wait of 64 steps Gemma 2 9B +0.5%, 128 tiny-mistral's tight cell +0.2%, 256 no grid cell worse
-#: (BENCHMARKS.md, "Cache-aware ranking within a priority level, once the queue waits").
+#: "Cache-aware within a priority level"). Always on, the order took the grid's tight ``mixed-urgent`` cells 5-6% fewer
+#: steps but moved default-budget ones both ways (tiny-llama 598 -> 600 steps, Gemma 2 9B's modeled time +0.15%);
+#: after a wait of 64 steps Gemma 2 9B's was +0.5%, of 128 tiny-mistral's tight cell's +0.2%, of 256 no grid cell is
+#: worse and the tight cells take 2-8% fewer steps (BENCHMARKS.md, "Cache-aware ranking within a priority level, once
+#: the queue waits").
 LPM_PRIORITY_WAIT = 256
 _DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
