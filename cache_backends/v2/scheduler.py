@@ -113,9 +113,11 @@ One :meth:`~KVCacheV2Scheduler.step`:
    lower) in 0.935x the steps, and the grid's tight ``mixed-urgent`` cells took 2-8% fewer steps. Only after a long
    wait: while the queue moves, hits stay cached anyway and reordering only moved the default budgets' tails
    (tiny-llama ``mixed-urgent`` 598 -> 600 steps, Gemma 2 9B's modeled time +0.15%: 38 -> 47 suspends as urgent
-   arrivals found a fuller pool). An equal priority displaces nobody: by arrival an earlier prompt moved out the turn
-   just admitted for its hit, step after step (tiny-gemma3 above: 296 -> 2,059 preemptions; BENCHMARKS.md,
-   "Cache-aware ranking within a priority level, once the queue waits").
+   arrivals found a fuller pool). Its cost: a fresh prompt overtaken by hits may start late and end the run alone
+   (tiny-gemma3 with a host tier at a quarter of the budget: a 211-token answer started 97 steps later, 978 -> 1,075
+   steps for 23.9% of prompt tokens reused against 18.4%). An equal priority displaces nobody: by arrival an earlier
+   prompt moved out the turn just admitted for its hit, step after step (tiny-gemma3 above: 296 -> 2,059
+   preemptions; BENCHMARKS.md, "Cache-aware ranking within a priority level, once the queue waits").
    **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
    group keeps, beyond the new request's first chunk and its own estimated growth, room for the
    running requests' estimated growth (the groups of a shared arena together: ``shortfall``):
