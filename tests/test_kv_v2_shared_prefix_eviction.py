@@ -286,16 +286,12 @@ def test_urgent_requests_do_not_cost_the_system_prompts_their_place_in_the_cache
 def test_resuming_a_request_moved_out_for_an_urgent_one_leaves_the_system_prompts_alone():
     """tiny-gemma3 at a quarter of the budget, a quarter of the requests urgent under the priority policy: V2 moves
     batch requests out for urgent ones, and resuming them used to evict the system prompts admission held (V2 reused
-    13.4% of prompt tokens against V1's 16.0%); a resume holds them too now, still in fewer steps than V1: 0.67x
-    V1's in arrival order within a priority level, 0.74x once the level is ordered by cached prefix after a long wait
-    (23.9% reused against 18.4%, but a fresh prompt with a 211-token answer, overtaken by hits, starts about 100 steps
-    later and ends the run alone: BENCHMARKS.md, "Cache-aware ranking within a priority level, once the queue
-    waits")."""
+    13.4% of prompt tokens against V1's 16.0%); a resume holds them too now, still in fewer steps than V1."""
     v1, v2 = _mixed("tiny-gemma3", 0.25, host_tier=True, urgent_percent=25, scheduling_policy="priority")
     assert v1.finished == v2.finished == 128
     assert v2.suspends > 0  # the case at hand: requests were moved out and resumed
     assert v2.hit_rate >= v1.hit_rate > 0.1
-    assert v2.steps <= 0.75 * v1.steps
+    assert v2.steps <= 0.7 * v1.steps
 
 
 def test_a_system_prompt_nobody_uses_any_more_stops_holding_room(monkeypatch):
