@@ -203,6 +203,7 @@ from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v2.manager import HitProbe, KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
+_ANSWER = attrgetter("max_new_tokens")
 _STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrgetter("cached_hint")
 _PROMPT = attrgetter("prompt_token_ids")
 
@@ -269,6 +270,10 @@ LPM_RELOOK, LPM_RELOOK_WAIT = 8, 24
 #: worse and the tight cells take 2-8% fewer steps (BENCHMARKS.md, "Cache-aware ranking within a priority level, once
 #: the queue waits").
 LPM_PRIORITY_WAIT = 256
+#: Under "priority", a waiting request that later requests of its level were admitted ahead of this many times goes
+#: first in its level, in arrival order (module docstring, "Cache-aware within a priority level"): the overtaking is
+#: bounded.
+LPM_PRIORITY_PASS = 12
 _DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
@@ -326,6 +331,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         # requests that joined the queue with a cached prefix / without one, first joins only, each weighing the
         # earlier ones down by _DECAY (the "short conversations" estimate: the recent joins)
         self._joined_hit = self._joined_cold = 0.0
+        # under "priority": waiting request -> how many later requests of its level were admitted ahead of it
+        self._passed: dict[Request, int] = {}
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -521,18 +528,52 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # ages) once the level's first request has waited LPM_PRIORITY_WAIT steps, arrival order before; a
                 # better priority still goes first (module docstring, "Cache-aware within a priority level")
                 ordered: list[Request] = []
+                levels: list[list[Request]] = []  # those in cache-aware order: their overtakes are counted
                 if len(running) < self.max_batch_size and budget:
                     waited = self._steps - LPM_PRIORITY_WAIT
+                    passed = self._passed
+                    if len(passed) > len(waiting):  # those admitted while their level went by arrival, or gone
+                        passed = self._passed = {r: c for r, c in passed.items() if r.state is RequestState.WAITING}
                     for _, group in itertools.groupby(run, key=_PRIORITY):
                         level = list(group)
                         order = self._cache_aware(level, len(running))  # looked up every step: hints, clocks
-                        ordered += order if 0 <= level[0].queued_at <= waited else level
+                        if not 0 <= level[0].queued_at <= waited:
+                            ordered += level
+                            continue
+                        levels.append(level)
+                        # overtaken LPM_PRIORITY_PASS times: first, in arrival order (else a fresh prompt with a long
+                        # answer, passed by every hit, started last and ended the run alone)
+                        due = [r for r in level if passed.get(r, 0) >= LPM_PRIORITY_PASS]
+                        first = set(due)
+                        # and the level's requests without a hit, behind the hits, longest answer first: the last of
+                        # them to start is the run's critical path (a 211-token answer started last ended it alone)
+                        k = len(order)
+                        while k and order[k - 1].cached_hint <= 0 and order[k - 1] not in first:
+                            k -= 1
+                        order = order[:k] + sorted(order[k:], key=_ANSWER, reverse=True)
+                        if due:
+                            order = due + [r for r in order if r not in first]
+                        ordered += order
                 else:
                     ordered = run
                 budget, done = self._admit(ordered, waiting, running, out, chunks, budget, reasons)
+                for level in levels:
+                    self._count_passes(level)
                 if not done:
                     return
             i = j
+
+    def _count_passes(self, level: list[Request]) -> None:
+        """Under "priority": count, for each request of ``level`` (arrival order) still waiting, the later ones of it
+        admitted in this step; forget the admitted."""
+        passed, later = self._passed, 0
+        for r in reversed(level):
+            if r.state is RequestState.WAITING:
+                if later:
+                    passed[r] = passed.get(r, 0) + later
+            else:
+                later += 1
+                passed.pop(r, None)
 
     def _cache_aware(self, waiting: deque[Request], running: int = 0) -> list[Request]:
         """The "fcfs" admission order: of the first ``LPM_WINDOW`` waiting requests, those waiting ``LPM_AGE`` steps
