@@ -743,30 +743,6 @@ def test_fcfs_admits_a_follow_up_whose_prefix_is_cached_before_an_earlier_fresh_
     assert list(waiting) == [fresh] and running == [follow]
 
 
-@pytest.mark.parametrize(("waited", "fresh_priority", "first"), [(True, 0, "turn1"), (True, 1, "fresh"),
-                                                                  (False, 0, "fresh")])
-def test_priority_ranks_equal_priorities_by_cached_prefix_once_the_queue_waited(monkeypatch, waited, fresh_priority,
-                                                                                first):
-    # Under "priority" requests of one priority level are ordered as fcfs orders its queue once the level's first
-    # request has waited LPM_PRIORITY_WAIT steps: the follow-up whose history is cached goes ahead of an earlier fresh
-    # prompt (ranked by arrival alone, tiny-gemma3 ``mixed`` at a quarter of the budget reused fewer prompt tokens than
-    # V1 on 5 of 8 seeds); a better-ranked request still goes first, with or without a hit. Before that wait, arrival
-    # order: where the queue moves, hits stay cached anyway and reordering only moved the default budgets' tails.
-    import cache_backends.v2.scheduler as scheduler
-
-    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)  # the floor at this test's scale: its 16 cached tokens count
-    if waited:
-        monkeypatch.setattr(scheduler, "LPM_PRIORITY_WAIT", 0)  # the first step's queue has waited long enough
-    m = make_manager(FULL, 16)
-    s = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64, init_ratio=0.0, scheduling_policy="priority")
-    fresh, follow = _cached_and_two_waiting(m)
-    fresh.priority = fresh_priority
-    waiting = deque([fresh, follow])
-    out = s.step(waiting, running := [])
-    assert [r.req_id for r in out.admitted] == [first] and [r.req_id for r in running] == [first]
-    assert follow.num_reused_tokens == (16 if first == "turn1" else 0)
-
-
 @pytest.mark.parametrize(("others", "waited", "first"), [(4, 3, "fresh"), (3, 3, "turn1"), (4, 2, "turn1")])
 def test_the_last_first_turn_goes_ahead_of_a_cached_history_once_few_wait_beside_the_batch(monkeypatch, others,
                                                                                           waited, first):

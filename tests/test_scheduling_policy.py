@@ -155,32 +155,6 @@ def test_v2_moves_nobody_out_when_a_finish_makes_room_next_step(host):
     assert [len(r.output_token_ids) for r in (lo, end, hi)] == [8, 2, 4]
 
 
-@pytest.mark.parametrize(("fresh_priority", "order"), [(0, ["turn0", "turn1", "fresh"]),
-                                                        (1, ["turn0", "fresh", "turn1"])])
-def test_v2_priority_admits_a_cached_turn_before_an_earlier_equal_priority_prompt_and_keeps_it(monkeypatch,
-                                                                                                fresh_priority, order):
-    """8 blocks of 4 tokens. ``turn0`` (16 tokens) finishes and leaves its blocks cached; at step 2 ``fresh`` (16
-    fresh tokens + 4) and then ``turn1`` (``turn0``'s 16 + 4, + 4) arrive, room for one of them (5 + 6 blocks). Of
-    one priority, once the queue has waited (``LPM_PRIORITY_WAIT``, 0 at this test's scale) ``turn1`` goes first with
-    its history cached, and ``fresh``, the earlier arrival, waits for its room without moving ``turn1`` out (only a
-    better priority displaces: by arrival, it moved out the turn just admitted for its hit). A better-priority
-    ``fresh`` still goes first."""
-    import cache_backends.v2.scheduler as scheduler
-
-    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 16)  # the floor at this test's scale: the 16 cached tokens count
-    monkeypatch.setattr(scheduler, "LPM_PRIORITY_WAIT", 0)
-    m, s = _scheduler("v2", "priority", blocks=8, max_batch_size=4)
-    turn0 = Request("turn0", _prompt(0, 16), 1)
-    fresh = Request("fresh", _prompt(1, 16), 4, priority=fresh_priority)
-    turn1 = Request("turn1", [*_prompt(0, 16), *_prompt(2, 4)], 4)
-    admitted, finished, outputs = _drive("v2", m, s, [Arrival(turn0, 0), Arrival(fresh, 2), Arrival(turn1, 2)])
-    assert admitted == order and finished == order
-    assert [r.req_id for o in outputs for r in o.suspended + o.preempted] == []
-    if fresh_priority == 0:
-        assert turn1.num_cached_tokens == 16
-    assert [len(r.output_token_ids) for r in (turn0, fresh, turn1)] == [1, 4, 4]
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.integers(-2, 2), st.integers(0, 12)),
                 min_size=2, max_size=10),

@@ -100,24 +100,11 @@ One :meth:`~KVCacheV2Scheduler.step`:
    conversations: 1.09-1.14x V1's steps, now 0.99-1.06x; BENCHMARKS.md, "The last chains").
    Under ``"priority"`` suspended and waiting requests form one queue, best-ranked first (vLLM's one priority
    queue for new and preempted requests): each is resumed or admitted in turn until one cannot be; and a waiting
-   request refused for lack of room moves out the worst-ranked running request of a worse priority (suspended, or
+   request refused for lack of room moves out the worst-ranked running request ranked below it (suspended, or
    preempted for recompute, as under pressure), one at a time, until it fits — but only if moving out every running
-   request of a worse priority would make it fit (their blocks no one else holds, the headroom of the rest: SGLang's
+   request ranked below it would make it fit (their blocks no one else holds, the headroom of the rest: SGLang's
    rule), so nobody is moved out for a request that stays refused. A full batch (``max_batch_size``) displaces
    nobody (vLLM's rule).
-   **Cache-aware within a priority level**: the waiting requests of one priority go in arrival order until the first
-   of them has waited ``LPM_PRIORITY_WAIT`` steps, then in fcfs's cache-aware order (the longest cached prefix first,
-   its floors, ages and carried waits). Why: ranked by arrival alone, a turn whose history is cached waited behind
-   fresh prompts whose prefills evicted it; tiny-gemma3 ``mixed`` at a quarter of the budget (a quarter urgent)
-   reused 23.0% of prompt tokens against V1's 23.4% (5 of 8 seeds lower); ordered by cached prefix, 30.9% (none
-   lower) in 0.935x the steps, and the grid's tight ``mixed-urgent`` cells took 2-8% fewer steps. Only after a long
-   wait: while the queue moves, hits stay cached anyway and reordering only moved the default budgets' tails
-   (tiny-llama ``mixed-urgent`` 598 -> 600 steps, Gemma 2 9B's modeled time +0.15%: 38 -> 47 suspends as urgent
-   arrivals found a fuller pool). Its cost: a fresh prompt overtaken by hits may start late and end the run alone
-   (tiny-gemma3 with a host tier at a quarter of the budget: a 211-token answer started 97 steps later, 978 -> 1,075
-   steps for 23.9% of prompt tokens reused against 18.4%). An equal priority displaces nobody: by arrival an earlier
-   prompt moved out the turn just admitted for its hit, step after step (tiny-gemma3 above: 296 -> 2,059
-   preemptions; BENCHMARKS.md, "Cache-aware ranking within a priority level, once the queue waits").
    **Headroom** (SGLang's new-token ratio): while others run, a request is admitted only if every
    group keeps, beyond the new request's first chunk and its own estimated growth, room for the
    running requests' estimated growth (the groups of a shared arena together: ``shortfall``):
@@ -203,7 +190,6 @@ from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v2.manager import HitProbe, KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
-_ANSWER = attrgetter("max_new_tokens")
 _STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrgetter("cached_hint")
 _PROMPT = attrgetter("prompt_token_ids")
 
@@ -262,18 +248,6 @@ LPM_RECENT = 64
 #: look-up only after waits of 24, 48, 96, ... steps (a few per request) lost part of it: more steps on 6 of the 7
 #: samples the rule moves, fewer hits on the 7th (#50: 0.882x -> 0.959x V1's steps; seed 1 #302: 0.632x -> 0.720x).
 LPM_RELOOK, LPM_RELOOK_WAIT = 8, 24
-#: Under "priority", the requests of one priority level are ordered by cached prefix as fcfs's queue is once the
-#: level's first request (by arrival) has waited this many steps, in arrival order before (module docstring,
-#: "Cache-aware within a priority level"). Always on, the order took the grid's tight ``mixed-urgent`` cells 5-6% fewer
-#: steps but moved default-budget ones both ways (tiny-llama 598 -> 600 steps, Gemma 2 9B's modeled time +0.15%);
-#: after a wait of 64 steps Gemma 2 9B's was +0.5%, of 128 tiny-mistral's tight cell's +0.2%, of 256 no grid cell is
-#: worse and the tight cells take 2-8% fewer steps (BENCHMARKS.md, "Cache-aware ranking within a priority level, once
-#: the queue waits").
-LPM_PRIORITY_WAIT = 256
-#: Under "priority", a waiting request that later requests of its level were admitted ahead of this many times goes
-#: first in its level, in arrival order (module docstring, "Cache-aware within a priority level"): the overtaking is
-#: bounded.
-LPM_PRIORITY_PASS = 12
 _DECAY = 1 - 1 / LPM_RECENT
 #: The rank above every cached prefix: a request waiting more than ``2 * LPM_AGE`` steps goes first (module docstring).
 _STARVED = float("inf")
@@ -331,8 +305,6 @@ class KVCacheV2Scheduler(SchedulerBase):
         # requests that joined the queue with a cached prefix / without one, first joins only, each weighing the
         # earlier ones down by _DECAY (the "short conversations" estimate: the recent joins)
         self._joined_hit = self._joined_cold = 0.0
-        # under "priority": waiting request -> how many later requests of its level were admitted ahead of it
-        self._passed: dict[Request, int] = {}
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -524,56 +496,10 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if any(r.state is RequestState.SUSPENDED for r in run):
                     return
             else:
-                # within one priority level, fcfs's cache-aware order (longest cached prefix first, its floors and
-                # ages) once the level's first request has waited LPM_PRIORITY_WAIT steps, arrival order before; a
-                # better priority still goes first (module docstring, "Cache-aware within a priority level")
-                ordered: list[Request] = []
-                levels: list[list[Request]] = []  # those in cache-aware order: their overtakes are counted
-                if len(running) < self.max_batch_size and budget:
-                    waited = self._steps - LPM_PRIORITY_WAIT
-                    passed = self._passed
-                    if len(passed) > len(waiting):  # those admitted while their level went by arrival, or gone
-                        passed = self._passed = {r: c for r, c in passed.items() if r.state is RequestState.WAITING}
-                    for _, group in itertools.groupby(run, key=_PRIORITY):
-                        level = list(group)
-                        order = self._cache_aware(level, len(running))  # looked up every step: hints, clocks
-                        if not 0 <= level[0].queued_at <= waited:
-                            ordered += level
-                            continue
-                        levels.append(level)
-                        # overtaken LPM_PRIORITY_PASS times: first, in arrival order (else a fresh prompt with a long
-                        # answer, passed by every hit, started last and ended the run alone)
-                        due = [r for r in level if passed.get(r, 0) >= LPM_PRIORITY_PASS]
-                        first = set(due)
-                        # and the level's requests without a hit, behind the hits, longest answer first: the last of
-                        # them to start is the run's critical path (a 211-token answer started last ended it alone)
-                        k = len(order)
-                        while k and order[k - 1].cached_hint <= 0 and order[k - 1] not in first:
-                            k -= 1
-                        order = order[:k] + sorted(order[k:], key=_ANSWER, reverse=True)
-                        if due:
-                            order = due + [r for r in order if r not in first]
-                        ordered += order
-                else:
-                    ordered = run
-                budget, done = self._admit(ordered, waiting, running, out, chunks, budget, reasons)
-                for level in levels:
-                    self._count_passes(level)
+                budget, done = self._admit(run, waiting, running, out, chunks, budget, reasons)
                 if not done:
                     return
             i = j
-
-    def _count_passes(self, level: list[Request]) -> None:
-        """Under "priority": count, for each request of ``level`` (arrival order) still waiting, the later ones of it
-        admitted in this step; forget the admitted."""
-        passed, later = self._passed, 0
-        for r in reversed(level):
-            if r.state is RequestState.WAITING:
-                if later:
-                    passed[r] = passed.get(r, 0) + later
-            else:
-                later += 1
-                passed.pop(r, None)
 
     def _cache_aware(self, waiting: deque[Request], running: int = 0) -> list[Request]:
         """The "fcfs" admission order: of the first ``LPM_WINDOW`` waiting requests, those waiting ``LPM_AGE`` steps
@@ -721,18 +647,16 @@ class KVCacheV2Scheduler(SchedulerBase):
             self._forget(old)
 
     def _displaceable(self, request: Request, running: list[Request]) -> Request | None:
-        """Under "priority": the worst-ranked running request if its priority is below ``request``'s, else None."""
+        """Under "priority": the worst-ranked running request when it ranks below ``request``, else None."""
         if not self.by_priority or not running:
             return None
         victim = max(running, key=_RANK)
-        # within a priority level the order is cache-aware, not arrival: only a better priority displaces (else an
-        # earlier arrival moved out the later one just admitted for its hit, turn after turn)
-        return victim if victim.priority < request.priority else None
+        return victim if victim.rank > request.rank else None
 
     def _fits_without(self, request: Request, new: bool, running: list[Request],
                       chunks: dict[Request, ScheduledChunk], budget: int, ratio: float,
                       leaving: list[Request] | None = None) -> bool:
-        """Whether ``request`` would be admitted once every running request of a worse priority is moved out (their
+        """Whether ``request`` would be admitted once every running request ranked below it is moved out (their
         blocks no one else holds freed, their chunks' tokens back in the budget, the headroom of the rest); with
         ``leaving``, once those requests are gone instead.
 
@@ -740,7 +664,7 @@ class KVCacheV2Scheduler(SchedulerBase):
         request that cannot fit even then (better-ranked requests hold the room) would move them all out for
         nothing, their room left idle while it waits (SGLang preempts only when the preemptible tokens suffice)."""
         m = self.manager
-        victims = [v for v in running if v.priority < request.priority] if leaving is None else leaving
+        victims = [v for v in running if v.rank > request.rank] if leaving is None else leaving
         rest = [v for v in running if v not in victims]
         extra = m.freed_by(victims)
         want = min(_pending(request), budget + sum(chunks[v].num_tokens for v in victims if v in chunks))
@@ -892,6 +816,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             running.append(r)
             self._longest = max(self._longest, r.num_tokens)  # running now: the next admission's hold counts it
             out.admitted.append(r)
-            self._carry(r)
+            if not self.by_priority:
+                self._carry(r)
             cold = cold or new
         return budget, True
