@@ -999,6 +999,32 @@ def test_a_prompt_waits_only_for_a_block_its_sharer_computes_in_this_step():
     assert waits(Request("long", system[:13], 2), 3)
 
 
+def test_a_prompt_waits_only_for_a_unit_a_hit_can_claim_next_step(monkeypatch):
+    import cache_backends.v2.scheduler as scheduler
+
+    # a compressed group whose blocks span 8 tokens (DeepSeek V4's): a hit claims multiples of 8, not of the 4-token
+    # block. The first prompt's 22 tokens take two steps (16, then 6); in the second, the shared 20-token system
+    # prompt's block 16-19 is computed, which completes no 8-token unit a hit claims: the second claims 16 tokens
+    # next step as it does now, so waiting for that block only delays it (and every prompt behind it) a step
+    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 4, window=8, compressed_elems=2, compress_rate=8)]
+    system = list(range(1, 21))
+
+    def run() -> tuple[list[list[str]], int]:
+        m = make_manager(layers, 64)
+        assert (m.T, m.reuse_unit) == (4, 8)
+        s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+        first = Request("first", [*system, 40, 41], 2, arrival=0)
+        second = Request("second", [*system, 50, 51], 2, arrival=1)
+        res = drive(m, s, [first, second])
+        assert res.stalled is None and len(res.finished) == 2 and second.num_reused_tokens == 16
+        return [[r.req_id for r in o.admitted] for o in res.outputs][:2], res.steps
+
+    got, steps = run()
+    monkeypatch.setattr(scheduler, "DEFER_IN_FLIGHT", False)
+    assert (got, steps) == run()
+    assert got == [["first"], ["second"]]
+
+
 def test_a_request_that_waited_lpm_age_steps_is_overtaken_by_no_younger_hit(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 

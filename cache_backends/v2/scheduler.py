@@ -153,16 +153,19 @@ One :meth:`~KVCacheV2Scheduler.step`:
    modeled time; spread, 1.009x; BENCHMARKS.md "Spread admissions"). Only under pressure: a burst into ample
    memory goes in at once, as on V1.
    **Wait for the prefix in flight** (under ``"fcfs"``): a waiting request whose prompt shares with a running request
-   whose prompt's prefill is pending (one admitted earlier in the step, or a chunked prompt) every block that one has
-   computed and the next whole block, which that one's chunk computes in this step, is not admitted this step, and
-   admission stops there (first come first served); next step the block is cached and the request claims it. Why:
+   whose prompt's prefill is pending (one admitted or resumed earlier in the step, or a chunked prompt) every reuse
+   unit that one has computed and the next, which that one's chunk computes in this step, is not admitted this step,
+   and admission stops there (first come first served); next step the unit is cached and the request claims it. The
+   unit is what a hit is a multiple of (``reuse_unit``): a block, or several where a group's blocks span several
+   (DeepSeek V4's compressed ones; a block that completes no unit adds nothing to the hit, so it is not waited for).
+   One that reads no cached prefix (``skip_prefix_read``) never waits. Why:
    admitted beside that prefill, it computed its own copy of the blocks in flight and held them while it ran
    (tiny-gemma3 ``shared-prefix``, groups of 6 on a 742-token prefix at 0.128 of the budget: three of a group went in
    a step before its first prompt's prefill ended, reusing 576 of its 736 tokens, and their copies kept the other two
    out for 10 steps: 194 steps against V1's 184, now 184; BENCHMARKS.md, "Wait for the prefix in flight"). SGLang's
    in-batch prefix caching puts such a request behind the others; here the others wait too: a later prompt let into
    the room took what the waiting ones needed next step (a single-prefix ``mixed`` sample: 1.05x V1's steps against
-   0.88x). Only a block computed in this step defers, so each step waited caches a block more of the prefix (a sharer
+   0.88x). Only a unit computed in this step defers, so each step waited caches a unit more of the prefix (a sharer
    whose chunk the hold stalled kept a prompt waiting 12 steps). With room to spare it costs the request a step (its
    copy's compute saved).
    A request that claims no cached prefix is asked about before its cache is built
@@ -277,20 +280,22 @@ def _pending(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, ScheduledChunk], T: int) -> bool:
+def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, ScheduledChunk], unit: int) -> bool:
     """Whether ``request`` (waiting) shares with one of ``flight`` (running, their prompt's prefill pending) every
-    block that one has computed and the next whole block, which that one computes in this step (its chunk in
-    ``chunks``): admitted next step, it finds that block cached instead of computing its own copy beside it (module
-    docstring, "Wait for the prefix in flight")."""
+    reuse unit that one has computed and the next, which that one computes in this step (its chunk in ``chunks``):
+    admitted next step, it finds that unit cached instead of computing its own copy beside it (module docstring,
+    "Wait for the prefix in flight"). ``unit``: the tokens a hit is a multiple of (the manager's ``reuse_unit``, a
+    block unless some group's blocks span several, as DeepSeek V4's compressed ones do)."""
     if request.skip_prefix_read:
         return False
     p = request.prompt_token_ids
     for s in flight:
         c = chunks.get(s)
-        done = s.num_computed_tokens // T * T  # its whole blocks computed: cached, what a hit claims now
-        end = done + T
-        # a hit claims whole blocks before a prompt's last token; the sharer's block is its prompt's; and it must be
+        done = s.num_computed_tokens // unit * unit  # its whole units computed: cached, what a hit claims now
+        end = done + unit
+        # a hit claims whole units before a prompt's last token; the sharer's unit is its prompt's; and it must be
         # computed now: a chunk the hold stalls, or one that stops short of it, may leave it pending for many steps
+        # (a block computed that completes no unit: the hit next step is the one now, so waiting only delays it)
         if c is None or s.num_computed_tokens + c.num_tokens < end or end >= len(p) or end > len(s.prompt_token_ids):
             continue
         q = s.prompt_token_ids
@@ -312,10 +317,11 @@ SHARED_HOLD = 0.5
 #: (``--patch cache_backends.v2.scheduler.HOLD_GIVES_WAY=0``).
 HOLD_GIVES_WAY = True
 
-#: Whether "fcfs" admission stops at a waiting request whose prompt shares the next whole block a running request's
-#: prefill computes in this step (one admitted earlier in the step, or a chunked prompt), and every block before it:
-#: it goes in once the block is cached (module docstring, "Wait for the prefix in flight"). A module constant so the
-#: searches can measure it off (``--patch cache_backends.v2.scheduler.DEFER_IN_FLIGHT=0``).
+#: Whether "fcfs" admission stops at a waiting request whose prompt shares the next reuse unit (a whole block, or the
+#: blocks a hit claims together) a running request's prefill computes in this step (one admitted or resumed earlier
+#: in the step, or a chunked prompt), and every unit before it: it goes in once the unit is cached (module docstring,
+#: "Wait for the prefix in flight"). A module constant so the searches can measure it off
+#: (``--patch cache_backends.v2.scheduler.DEFER_IN_FLIGHT=0``).
 DEFER_IN_FLIGHT = True
 
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
@@ -775,9 +781,9 @@ class KVCacheV2Scheduler(SchedulerBase):
         others_run, cold = bool(running), False  # cold: a request that claims no cached prefix was admitted
         # the running requests whose prompt has a whole block still to compute: a waiting prompt on that block waits
         # for it (module docstring, "Wait for the prefix in flight"); the admitted join them
-        T = m.T
+        U = m.reuse_unit or m.T  # a hit claims multiples of it: waiting for less gains nothing
         flight = ([s for s in (running if prefilling is None else prefilling)
-                   if s.num_computed_tokens + T <= len(s.prompt_token_ids) and s.state is RequestState.RUNNING]
+                   if s.num_computed_tokens + U <= len(s.prompt_token_ids) and s.state is RequestState.RUNNING]
                   if DEFER_IN_FLIGHT and not self.by_priority and m.reuse_off_reason is None else None)
         for r in candidates:
             if r.state is not RequestState.WAITING:
@@ -786,7 +792,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 return budget, False
             # a prompt on a prefix in flight waits for it, and (first come first served) so does everyone behind it:
             # admitted in its place, they took the room it needs next step (module docstring)
-            if flight and _waits_for(r, flight, chunks, T):
+            if flight and _waits_for(r, flight, chunks, U):
                 return budget, False
             # one whole prompt per step while the batch's worst cases overcommit the pools (module docstring, "Spread")
             if cold and others_run and m.claims_nothing(r) and self._overcommits(r, running, budget):
@@ -872,7 +878,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             out.admitted.append(r)
             if not self.by_priority:
                 self._carry(r)
-            if flight is not None and r.num_computed_tokens + T <= len(r.prompt_token_ids):
+            if flight is not None and r.num_computed_tokens + U <= len(r.prompt_token_ids):
                 flight.append(r)
             cold = cold or new
         return budget, True
