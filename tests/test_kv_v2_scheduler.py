@@ -1025,6 +1025,33 @@ def test_a_prompt_waits_only_for_a_unit_a_hit_can_claim_next_step(monkeypatch):
     assert got == [["first"], ["second"]]
 
 
+@pytest.mark.parametrize("layers", [full_sliding_layers(8), split_sliding_layers(8)])
+@pytest.mark.parametrize("scratch", [True, False])
+def test_a_prompt_waits_for_no_block_a_window_frees_before_it_is_claimed(monkeypatch, layers, scratch):
+    import cache_backends.v2.scheduler as scheduler
+
+    # 8-token windows. The first prompt's 28 tokens take two steps (16, then 12); in the second its chunk computes the
+    # rest of the shared 20-token system prompt and goes 8 past it. With enable_swa_scratch_reuse the blocks the
+    # windows let go stay cached: the second waits and claims all 20. Without, they are freed: a hit at 20 would read
+    # the windows' blocks at 13-19, gone once the first has computed 28, so waiting loses the 16 tokens it claims now
+    system = list(range(1, 21))
+
+    def run() -> tuple[list[list[str]], int, int]:
+        m = make_manager(layers, 64, enable_swa_scratch_reuse=scratch)
+        s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+        first = Request("first", [*system, *range(60, 68)], 2, arrival=0)
+        second = Request("second", [*system, 50, 51], 2, arrival=1)
+        res = drive(m, s, [first, second])
+        assert res.stalled is None and len(res.finished) == 2
+        return [[r.req_id for r in o.admitted] for o in res.outputs][:3], second.num_reused_tokens, res.steps
+
+    got = run()
+    monkeypatch.setattr(scheduler, "DEFER_IN_FLIGHT", False)
+    off = run()
+    assert off == ([["first"], ["second"], []], 16, 4)
+    assert got == (([["first"], [], ["second"]], 20, 4) if scratch else off)
+
+
 def test_a_request_that_waited_lpm_age_steps_is_overtaken_by_no_younger_hit(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 
