@@ -1052,6 +1052,23 @@ def test_a_prompt_waits_for_no_block_a_window_frees_before_it_is_claimed(monkeyp
     assert got == (([["first"], [], ["second"]], 20, 4) if scratch else off)
 
 
+def test_a_prompt_waits_for_no_block_it_finds_cached_already():
+    # a prompt scored (prompt_logprobs: skip_prefix_read) recomputes a system prompt another request left cached; its
+    # second chunk (12 of its 28 tokens) computes blocks 16-19 again. The prompt behind it claims them cached now: it
+    # and the unrelated one behind it go in beside that chunk, not a step later
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+    system = list(range(1, 21))
+    assert drive(m, s, [Request("warm", [*system, 90, 91], 2)]).stalled is None
+    scorer = Request("scorer", [*system, *range(60, 68)], 2, arrival=1, skip_prefix_read=True)
+    second = Request("second", [*system, 50, 51], 2, arrival=2)
+    other = Request("other", list(range(100, 104)), 2, arrival=3)
+    res = drive(m, s, [scorer, second, other])
+    assert res.stalled is None and len(res.finished) == 3
+    assert [[r.req_id for r in o.admitted] for o in res.outputs][:2] == [["scorer"], ["second", "other"]]
+    assert (scorer.num_reused_tokens, second.num_reused_tokens) == (0, 20)
+
+
 def test_a_request_that_waited_lpm_age_steps_is_overtaken_by_no_younger_hit(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 

@@ -158,9 +158,10 @@ One :meth:`~KVCacheV2Scheduler.step`:
    and admission stops there (first come first served); next step the unit is cached and the request claims it. The
    unit is what a hit is a multiple of (``reuse_unit``): a block, or several where a group's blocks span several
    (DeepSeek V4's compressed ones; a block that completes no unit adds nothing to the hit, so it is not waited for).
-   One that reads no cached prefix (``skip_prefix_read``) never waits; nor one whose unit the sharer's windows let go
-   in the same step where they free it (``enable_swa_scratch_reuse`` false): the hit next step would be shorter, not
-   longer (:meth:`KVCacheManagerV2.window_keeps`). Why:
+   No wait where it gains nothing: for one that reads no cached prefix (``skip_prefix_read``), for a unit it finds
+   cached already (a sharer that reads none computes it again), or for one the sharer's windows let go in the same
+   step where they free what they let go (``enable_swa_scratch_reuse`` false: the hit next step would be shorter,
+   not longer; :meth:`KVCacheManagerV2.window_keeps`). Why:
    admitted beside that prefill, it computed its own copy of the blocks in flight and held them while it ran
    (tiny-gemma3 ``shared-prefix``, groups of 6 on a 742-token prefix at 0.128 of the budget: three of a group went in
    a step before its first prompt's prefill ended, reusing 576 of its 736 tokens, and their copies kept the other two
@@ -284,17 +285,21 @@ def _pending(request: Request) -> int:
 
 
 def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, ScheduledChunk], unit: int,
-               keeps: Callable[[int, int], bool] | None = None) -> bool:
+               keeps: Callable[[int, int], bool] | None = None,
+               cached: Callable[[Request], int] | None = None) -> bool:
     """Whether ``request`` (waiting) shares with one of ``flight`` (running, their prompt's prefill pending) every
     reuse unit that one has computed and the next, which that one computes in this step (its chunk in ``chunks``):
     admitted next step, it finds that unit cached instead of computing its own copy beside it (module docstring,
     "Wait for the prefix in flight"). ``unit``: the tokens a hit is a multiple of (the manager's ``reuse_unit``, a
     block unless some group's blocks span several, as DeepSeek V4's compressed ones do). ``keeps(m, committed)``: the
     manager's :meth:`~KVCacheManagerV2.window_keeps` (a window that frees what it lets go may free the unit's window
-    blocks in the same step: the hit then is shorter than the one now, not longer)."""
+    blocks in the same step: the hit then is shorter than the one now, not longer). ``cached(request)``: the prefix it
+    claims now (:meth:`~KVCacheManagerV2.cached_prefix_tokens`), looked up only once a sharer matches: a unit it
+    already finds cached (a sharer that reads no cached prefix computes it again) is not waited for."""
     if request.skip_prefix_read:
         return False
     p = request.prompt_token_ids
+    hit = -1  # the prefix it claims now: looked up at the first sharer that matches
     for s in flight:
         c = chunks.get(s)
         done = s.num_computed_tokens // unit * unit  # its whole units computed: cached, what a hit claims now
@@ -307,7 +312,12 @@ def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, Sc
         q = s.prompt_token_ids
         if (s.salt == request.salt and p[done:end] == q[done:end] and p[:done] == q[:done]
                 and (keeps is None or keeps(end, s.num_computed_tokens + c.num_tokens))):
-            return True
+            if cached is None:
+                return True
+            if hit < 0:
+                hit = cached(request)
+            if hit < end:
+                return True
     return False
 
 
@@ -799,7 +809,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 return budget, False
             # a prompt on a prefix in flight waits for it, and (first come first served) so does everyone behind it:
             # admitted in its place, they took the room it needs next step (module docstring)
-            if flight and _waits_for(r, flight, chunks, U, m.window_keeps):
+            if flight and _waits_for(r, flight, chunks, U, m.window_keeps, m.cached_prefix_tokens):
                 return budget, False
             # one whole prompt per step while the batch's worst cases overcommit the pools (module docstring, "Spread")
             if cold and others_run and m.claims_nothing(r) and self._overcommits(r, running, budget):
