@@ -1069,6 +1069,21 @@ def test_a_prompt_waits_for_no_block_it_finds_cached_already():
     assert (scorer.num_reused_tokens, second.num_reused_tokens) == (0, 20)
 
 
+def test_a_prompt_whose_cached_prefix_runs_ahead_of_a_sharer_waits_for_the_unit_after_it():
+    # 24 tokens cached by another; the scored prompt (skip_prefix_read) recomputes them, its second chunk 16-28. The
+    # prompt behind it shares those 28 tokens: it claims 24 now, and 28 once that chunk is done, so it waits a step
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+    system = list(range(1, 25))
+    assert drive(m, s, [Request("warm", [*system, 90, 91], 2)]).stalled is None
+    scorer = Request("scorer", [*system, 60, 61, 62, 63], 2, arrival=1, skip_prefix_read=True)
+    second = Request("second", [*system, 60, 61, 62, 63, 50, 51], 2, arrival=2)
+    res = drive(m, s, [scorer, second])
+    assert res.stalled is None and len(res.finished) == 2
+    assert [[r.req_id for r in o.admitted] for o in res.outputs][:3] == [["scorer"], [], ["second"]]
+    assert second.num_reused_tokens == 28
+
+
 def test_a_request_that_waited_lpm_age_steps_is_overtaken_by_no_younger_hit(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 

@@ -295,7 +295,8 @@ def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, Sc
     manager's :meth:`~KVCacheManagerV2.window_keeps` (a window that frees what it lets go may free the unit's window
     blocks in the same step: the hit then is shorter than the one now, not longer). ``cached(request)``: the prefix it
     claims now (:meth:`~KVCacheManagerV2.cached_prefix_tokens`), looked up only once a sharer matches: a unit it
-    already finds cached (a sharer that reads no cached prefix computes it again) is not waited for."""
+    already finds cached (a sharer that reads no cached prefix computes it again) is not waited for, only the unit
+    after its hit where the same chunk computes that one too."""
     if request.skip_prefix_read:
         return False
     p = request.prompt_token_ids
@@ -317,6 +318,12 @@ def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, Sc
             if hit < 0:
                 hit = cached(request)
             if hit < end:
+                return True
+            # it claims that unit now (cached by another): wait only for the unit after its hit, if this chunk
+            # computes it too
+            f, nxt = s.num_computed_tokens + c.num_tokens, hit + unit
+            if (nxt <= f and nxt < len(p) and nxt <= len(q) and p[end:nxt] == q[end:nxt]
+                    and (keeps is None or keeps(nxt, f))):
                 return True
     return False
 
