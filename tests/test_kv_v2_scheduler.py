@@ -999,6 +999,91 @@ def test_a_prompt_waits_only_for_a_block_its_sharer_computes_in_this_step():
     assert waits(Request("long", system[:13], 2), 3)
 
 
+def test_a_prompt_waits_only_for_a_unit_a_hit_can_claim_next_step(monkeypatch):
+    import cache_backends.v2.scheduler as scheduler
+
+    # a compressed group whose blocks span 8 tokens (DeepSeek V4's): a hit claims multiples of 8, not of the 4-token
+    # block. The first prompt's 22 tokens take two steps (16, then 6); in the second, the shared 20-token system
+    # prompt's block 16-19 is computed, which completes no 8-token unit a hit claims: the second claims 16 tokens
+    # next step as it does now, so waiting for that block only delays it (and every prompt behind it) a step
+    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 4, window=8, compressed_elems=2, compress_rate=8)]
+    system = list(range(1, 21))
+
+    def run() -> tuple[list[list[str]], int]:
+        m = make_manager(layers, 64)
+        assert (m.T, m.reuse_unit) == (4, 8)
+        s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+        first = Request("first", [*system, 40, 41], 2, arrival=0)
+        second = Request("second", [*system, 50, 51], 2, arrival=1)
+        res = drive(m, s, [first, second])
+        assert res.stalled is None and len(res.finished) == 2 and second.num_reused_tokens == 16
+        return [[r.req_id for r in o.admitted] for o in res.outputs][:2], res.steps
+
+    got, steps = run()
+    monkeypatch.setattr(scheduler, "DEFER_IN_FLIGHT", False)
+    assert (got, steps) == run()
+    assert got == [["first"], ["second"]]
+
+
+@pytest.mark.parametrize("layers", [full_sliding_layers(8), split_sliding_layers(8)])
+@pytest.mark.parametrize("scratch", [True, False])
+def test_a_prompt_waits_for_no_block_a_window_frees_before_it_is_claimed(monkeypatch, layers, scratch):
+    import cache_backends.v2.scheduler as scheduler
+
+    # 8-token windows. The first prompt's 28 tokens take two steps (16, then 12); in the second its chunk computes the
+    # rest of the shared 20-token system prompt and goes 8 past it. With enable_swa_scratch_reuse the blocks the
+    # windows let go stay cached: the second waits and claims all 20. Without, they are freed: a hit at 20 would read
+    # the windows' blocks at 13-19, gone once the first has computed 28, so waiting loses the 16 tokens it claims now
+    system = list(range(1, 21))
+
+    def run() -> tuple[list[list[str]], int, int]:
+        m = make_manager(layers, 64, enable_swa_scratch_reuse=scratch)
+        s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+        first = Request("first", [*system, *range(60, 68)], 2, arrival=0)
+        second = Request("second", [*system, 50, 51], 2, arrival=1)
+        res = drive(m, s, [first, second])
+        assert res.stalled is None and len(res.finished) == 2
+        return [[r.req_id for r in o.admitted] for o in res.outputs][:3], second.num_reused_tokens, res.steps
+
+    got = run()
+    monkeypatch.setattr(scheduler, "DEFER_IN_FLIGHT", False)
+    off = run()
+    assert off == ([["first"], ["second"], []], 16, 4)
+    assert got == (([["first"], [], ["second"]], 20, 4) if scratch else off)
+
+
+def test_a_prompt_waits_for_no_block_it_finds_cached_already():
+    # a prompt scored (prompt_logprobs: skip_prefix_read) recomputes a system prompt another request left cached; its
+    # second chunk (12 of its 28 tokens) computes blocks 16-19 again. The prompt behind it claims them cached now: it
+    # and the unrelated one behind it go in beside that chunk, not a step later
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+    system = list(range(1, 21))
+    assert drive(m, s, [Request("warm", [*system, 90, 91], 2)]).stalled is None
+    scorer = Request("scorer", [*system, *range(60, 68)], 2, arrival=1, skip_prefix_read=True)
+    second = Request("second", [*system, 50, 51], 2, arrival=2)
+    other = Request("other", list(range(100, 104)), 2, arrival=3)
+    res = drive(m, s, [scorer, second, other])
+    assert res.stalled is None and len(res.finished) == 3
+    assert [[r.req_id for r in o.admitted] for o in res.outputs][:2] == [["scorer"], ["second", "other"]]
+    assert (scorer.num_reused_tokens, second.num_reused_tokens) == (0, 20)
+
+
+def test_a_prompt_whose_cached_prefix_runs_ahead_of_a_sharer_waits_for_the_unit_after_it():
+    # 24 tokens cached by another; the scored prompt (skip_prefix_read) recomputes them, its second chunk 16-28. The
+    # prompt behind it shares those 28 tokens: it claims 24 now, and 28 once that chunk is done, so it waits a step
+    m = make_manager(FULL, 64)
+    s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=16, init_ratio=0.0)
+    system = list(range(1, 25))
+    assert drive(m, s, [Request("warm", [*system, 90, 91], 2)]).stalled is None
+    scorer = Request("scorer", [*system, 60, 61, 62, 63], 2, arrival=1, skip_prefix_read=True)
+    second = Request("second", [*system, 60, 61, 62, 63, 50, 51], 2, arrival=2)
+    res = drive(m, s, [scorer, second])
+    assert res.stalled is None and len(res.finished) == 2
+    assert [[r.req_id for r in o.admitted] for o in res.outputs][:3] == [["scorer"], [], ["second"]]
+    assert second.num_reused_tokens == 28
+
+
 def test_a_request_that_waited_lpm_age_steps_is_overtaken_by_no_younger_hit(monkeypatch):
     import cache_backends.v2.scheduler as scheduler
 

@@ -583,6 +583,16 @@ class KVCacheManagerV2:
         pool, names = self._pool_sets[i]
         return pool, names, per_group[i]  # type: ignore[return-value]
 
+    def window_keeps(self, m: int, committed: int) -> bool:
+        """Whether a hit of ``m`` tokens on a sequence's prefix still finds every sliding-group block it reads (the
+        window at ``m``) once that sequence has committed ``committed`` tokens: always, unless the blocks a window lets
+        go are freed rather than cached (``enable_swa_scratch_reuse`` false) and a window has moved past ``m``'s.
+        Why: the scheduler's wait for a prefix in flight must not wait for a block the same step frees."""
+        if self.options.enable_swa_scratch_reuse:
+            return True
+        return all(max(0, m - g.window + 1) // g.tokens_per_block >= max(0, committed - g.window + 1)
+                   // g.tokens_per_block for g in self._sliding)
+
     def held_back(self, share: float, longest: int, probe: HitProbe | None = None) -> list[int] | None:
         """Per pool set, minus the cached blocks of shared prefixes admission leaves alone (at most ``share`` of the
         pool set's blocks), as ``extra`` for :meth:`fit_tokens` and :meth:`short_of`; None on a layout without

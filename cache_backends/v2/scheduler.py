@@ -153,16 +153,22 @@ One :meth:`~KVCacheV2Scheduler.step`:
    modeled time; spread, 1.009x; BENCHMARKS.md "Spread admissions"). Only under pressure: a burst into ample
    memory goes in at once, as on V1.
    **Wait for the prefix in flight** (under ``"fcfs"``): a waiting request whose prompt shares with a running request
-   whose prompt's prefill is pending (one admitted earlier in the step, or a chunked prompt) every block that one has
-   computed and the next whole block, which that one's chunk computes in this step, is not admitted this step, and
-   admission stops there (first come first served); next step the block is cached and the request claims it. Why:
+   whose prompt's prefill is pending (one admitted or resumed earlier in the step, or a chunked prompt) every reuse
+   unit that one has computed and the next, which that one's chunk computes in this step, is not admitted this step,
+   and admission stops there (first come first served); next step the unit is cached and the request claims it. The
+   unit is what a hit is a multiple of (``reuse_unit``): a block, or several where a group's blocks span several
+   (DeepSeek V4's compressed ones; a block that completes no unit adds nothing to the hit, so it is not waited for).
+   No wait where it gains nothing: for one that reads no cached prefix (``skip_prefix_read``), for a unit it finds
+   cached already (a sharer that reads none computes it again), or for one the sharer's windows let go in the same
+   step where they free what they let go (``enable_swa_scratch_reuse`` false: the hit next step would be shorter,
+   not longer; :meth:`KVCacheManagerV2.window_keeps`). Why:
    admitted beside that prefill, it computed its own copy of the blocks in flight and held them while it ran
    (tiny-gemma3 ``shared-prefix``, groups of 6 on a 742-token prefix at 0.128 of the budget: three of a group went in
    a step before its first prompt's prefill ended, reusing 576 of its 736 tokens, and their copies kept the other two
    out for 10 steps: 194 steps against V1's 184, now 184; BENCHMARKS.md, "Wait for the prefix in flight"). SGLang's
    in-batch prefix caching puts such a request behind the others; here the others wait too: a later prompt let into
    the room took what the waiting ones needed next step (a single-prefix ``mixed`` sample: 1.05x V1's steps against
-   0.88x). Only a block computed in this step defers, so each step waited caches a block more of the prefix (a sharer
+   0.88x). Only a unit computed in this step defers, so each step waited caches a unit more of the prefix (a sharer
    whose chunk the hold stalled kept a prompt waiting 12 steps). With room to spare it costs the request a step (its
    copy's compute saved).
    A request that claims no cached prefix is asked about before its cache is built
@@ -195,6 +201,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from collections.abc import Callable
 from operator import and_, attrgetter, gt, is_, itemgetter, le, lt, not_, or_
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
@@ -277,25 +284,47 @@ def _pending(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, ScheduledChunk], T: int) -> bool:
+def _waits_for(request: Request, flight: list[Request], chunks: dict[Request, ScheduledChunk], unit: int,
+               keeps: Callable[[int, int], bool] | None = None,
+               cached: Callable[[Request], int] | None = None) -> bool:
     """Whether ``request`` (waiting) shares with one of ``flight`` (running, their prompt's prefill pending) every
-    block that one has computed and the next whole block, which that one computes in this step (its chunk in
-    ``chunks``): admitted next step, it finds that block cached instead of computing its own copy beside it (module
-    docstring, "Wait for the prefix in flight")."""
+    reuse unit that one has computed and the next, which that one computes in this step (its chunk in ``chunks``):
+    admitted next step, it finds that unit cached instead of computing its own copy beside it (module docstring,
+    "Wait for the prefix in flight"). ``unit``: the tokens a hit is a multiple of (the manager's ``reuse_unit``, a
+    block unless some group's blocks span several, as DeepSeek V4's compressed ones do). ``keeps(m, committed)``: the
+    manager's :meth:`~KVCacheManagerV2.window_keeps` (a window that frees what it lets go may free the unit's window
+    blocks in the same step: the hit then is shorter than the one now, not longer). ``cached(request)``: the prefix it
+    claims now (:meth:`~KVCacheManagerV2.cached_prefix_tokens`), looked up only once a sharer matches: a unit it
+    already finds cached (a sharer that reads no cached prefix computes it again) is not waited for, only the unit
+    after its hit where the same chunk computes that one too."""
     if request.skip_prefix_read:
         return False
     p = request.prompt_token_ids
+    hit = -1  # the prefix it claims now: looked up at the first sharer that matches
     for s in flight:
         c = chunks.get(s)
-        done = s.num_computed_tokens // T * T  # its whole blocks computed: cached, what a hit claims now
-        end = done + T
-        # a hit claims whole blocks before a prompt's last token; the sharer's block is its prompt's; and it must be
+        done = s.num_computed_tokens // unit * unit  # its whole units computed: cached, what a hit claims now
+        end = done + unit
+        # a hit claims whole units before a prompt's last token; the sharer's unit is its prompt's; and it must be
         # computed now: a chunk the hold stalls, or one that stops short of it, may leave it pending for many steps
+        # (a block computed that completes no unit: the hit next step is the one now, so waiting only delays it)
         if c is None or s.num_computed_tokens + c.num_tokens < end or end >= len(p) or end > len(s.prompt_token_ids):
             continue
         q = s.prompt_token_ids
-        if s.salt == request.salt and p[done:end] == q[done:end] and p[:done] == q[:done]:
-            return True
+        if (s.salt == request.salt and p[done:end] == q[done:end] and p[:done] == q[:done]
+                and (keeps is None or keeps(end, s.num_computed_tokens + c.num_tokens))):
+            if cached is None:
+                return True
+            if hit < 0:
+                hit = cached(request)
+            if hit < end:
+                return True
+            # it claims that unit now (cached by another): wait only for the unit after its hit, if this chunk
+            # computes it too
+            f, nxt = s.num_computed_tokens + c.num_tokens, hit + unit
+            if (nxt <= f and nxt < len(p) and nxt <= len(q) and p[end:nxt] == q[end:nxt]
+                    and (keeps is None or keeps(nxt, f))):
+                return True
     return False
 
 
@@ -312,10 +341,11 @@ SHARED_HOLD = 0.5
 #: (``--patch cache_backends.v2.scheduler.HOLD_GIVES_WAY=0``).
 HOLD_GIVES_WAY = True
 
-#: Whether "fcfs" admission stops at a waiting request whose prompt shares the next whole block a running request's
-#: prefill computes in this step (one admitted earlier in the step, or a chunked prompt), and every block before it:
-#: it goes in once the block is cached (module docstring, "Wait for the prefix in flight"). A module constant so the
-#: searches can measure it off (``--patch cache_backends.v2.scheduler.DEFER_IN_FLIGHT=0``).
+#: Whether "fcfs" admission stops at a waiting request whose prompt shares the next reuse unit (a whole block, or the
+#: blocks a hit claims together) a running request's prefill computes in this step (one admitted or resumed earlier
+#: in the step, or a chunked prompt), and every unit before it: it goes in once the unit is cached (module docstring,
+#: "Wait for the prefix in flight"). A module constant so the searches can measure it off
+#: (``--patch cache_backends.v2.scheduler.DEFER_IN_FLIGHT=0``).
 DEFER_IN_FLIGHT = True
 
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
@@ -775,9 +805,9 @@ class KVCacheV2Scheduler(SchedulerBase):
         others_run, cold = bool(running), False  # cold: a request that claims no cached prefix was admitted
         # the running requests whose prompt has a whole block still to compute: a waiting prompt on that block waits
         # for it (module docstring, "Wait for the prefix in flight"); the admitted join them
-        T = m.T
+        U = m.reuse_unit or m.T  # a hit claims multiples of it: waiting for less gains nothing
         flight = ([s for s in (running if prefilling is None else prefilling)
-                   if s.num_computed_tokens + T <= len(s.prompt_token_ids) and s.state is RequestState.RUNNING]
+                   if s.num_computed_tokens + U <= len(s.prompt_token_ids) and s.state is RequestState.RUNNING]
                   if DEFER_IN_FLIGHT and not self.by_priority and m.reuse_off_reason is None else None)
         for r in candidates:
             if r.state is not RequestState.WAITING:
@@ -786,7 +816,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 return budget, False
             # a prompt on a prefix in flight waits for it, and (first come first served) so does everyone behind it:
             # admitted in its place, they took the room it needs next step (module docstring)
-            if flight and _waits_for(r, flight, chunks, T):
+            if flight and _waits_for(r, flight, chunks, U, m.window_keeps, m.cached_prefix_tokens):
                 return budget, False
             # one whole prompt per step while the batch's worst cases overcommit the pools (module docstring, "Spread")
             if cold and others_run and m.claims_nothing(r) and self._overcommits(r, running, budget):
@@ -872,7 +902,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             out.admitted.append(r)
             if not self.by_priority:
                 self._carry(r)
-            if flight is not None and r.num_computed_tokens + T <= len(r.prompt_token_ids):
+            if flight is not None and r.num_computed_tokens + U <= len(r.prompt_token_ids):
                 flight.append(r)
             cold = cold or new
         return budget, True
