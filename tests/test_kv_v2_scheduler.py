@@ -955,6 +955,29 @@ def _system_prompt_in_flight(max_num_tokens: int) -> tuple[list[list[str]], Requ
     return [[r.req_id for r in o.admitted] for o in res.outputs], second, res.steps
 
 
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("max_num_tokens", [3, 8, 64])
+def test_the_in_flight_wait_finds_the_same_sharers_as_a_scan_of_every_running_request(monkeypatch, T,
+                                                                                       max_num_tokens):
+    # the step hands admission only its prefill chunks and resumes to look at (decodes cannot be in flight), a cut of
+    # the scan over every running request: the admissions step by step must be the scan's, one-token blocks included
+    # (there a prompt with its last token alone pending sits among the decodes, and is still in flight)
+    def run(scan_all: bool) -> list[list[str]]:
+        m = make_manager(FULL, 256, T=T)
+        s = KVCacheV2Scheduler(m, max_batch_size=8, max_num_tokens=max_num_tokens, init_ratio=0.0)
+        if scan_all:
+            admit = s._admit
+            monkeypatch.setattr(s, "_admit", lambda *a, prefilling=None, **k: admit(*a, **k))
+        system = list(range(1, 10))  # 9 tokens: chunks of 8 leave its last token alone pending
+        reqs = [Request("r0", system, 2, arrival=0)]
+        reqs += [Request(f"r{i}", [*system[:9 - i % 3], 40 + i, 41 + i], 2, arrival=i) for i in range(1, 6)]
+        res = drive(m, s, reqs)
+        assert res.stalled is None and len(res.finished) == 6
+        return [[r.req_id for r in o.admitted] for o in res.outputs]
+
+    assert run(False) == run(True)
+
+
 @pytest.mark.parametrize(("max_num_tokens", "admitted", "without", "steps_saved"), [
     (64, [["first"], ["second", "other"]], (0, [["first", "second", "other"]]), -1),  # in the same step
     (12, [["first"], [], ["second", "other"]], (12, [["first"], ["second"], ["other"]]), 1),  # its prefill chunked

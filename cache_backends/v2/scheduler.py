@@ -806,6 +806,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         # the running requests whose prompt has a whole block still to compute: a waiting prompt on that block waits
         # for it (module docstring, "Wait for the prefix in flight"); the admitted join them
         U = m.reuse_unit or m.T  # a hit claims multiples of it: waiting for less gains nothing
+        if U == 1:  # a prompt whose last token alone is pending is in flight too, and sits among the decodes
+            prefilling = None
         flight = ([s for s in (running if prefilling is None else prefilling)
                    if s.num_computed_tokens + U <= len(s.prompt_token_ids) and s.state is RequestState.RUNNING]
                   if DEFER_IN_FLIGHT and not self.by_priority and m.reuse_off_reason is None else None)
