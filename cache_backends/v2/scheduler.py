@@ -381,7 +381,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                 longest = n
             if p == 1:
                 if fast and budget and r.state is running_state:
-                    if m.schedule_tokens(r, 1):  # (an answer of 0 changed nothing: the loop below asks again)
+                    if m.schedule_decode(r):  # (an answer of 0 changed nothing: the loop below asks again)
                         budget -= 1
                         chunks[r] = ScheduledChunk(r, 1)
                         continue
