@@ -25,6 +25,7 @@ from tests.kv_v2_support import (
     compute,
     full_sliding_layers,
     make_manager,
+    next_token,
     prefill,
     split_sliding_layers,
     write_kv,
@@ -859,3 +860,36 @@ def test_copying_pages_takes_one_slice_copy_where_both_lists_step_evenly():
         _copy_pages(watched, dst, src)
         assert seen == ["copied"] * calls and torch.equal(pages, want), (dst, src)
         seen.clear()
+
+
+@pytest.mark.parametrize("layers", [full_sliding_layers(window=8), split_sliding_layers(window=8), FULL])
+def test_a_decode_s_reservation_is_schedule_tokens_of_one_token_up_to_max_seq_len_and_a_full_pool(layers):
+    # schedule_decode reserves a decode's one token without reading the request's length; it must answer and leave
+    # every table, the room, capacity and history as schedule_tokens(request, 1) does: within the pools, where a
+    # block boundary finds none free (the search's answer), and at max_seq_len (nothing reserved)
+    def run(decode: bool):
+        m = make_manager(layers, 7, T=4, max_seq_len=22)
+        a, b = Request("a", list(range(1, 7)), 40), Request("b", list(range(50, 53)), 40)
+        prefill(m, a)
+        prefill(m, b)
+        seen = []
+        for _ in range(24):
+            for r in (a, b):
+                if not m.has_cache(r):
+                    continue
+                r.output_token_ids.append(next_token(r))  # the token the last forward sampled: one pending
+                got = m.schedule_decode(r) if decode else m.schedule_tokens(r, 1)
+                cache = m.cache(r)
+                seen.append((r.req_id, got, {n: list(t) for n, t in cache.tables.items()}, cache.room, cache.capacity,
+                             cache.history))
+                if got:
+                    write_kv(m, r, r.num_computed_tokens, 1)
+                    m.commit(r, 1)
+                else:
+                    m.free(r)  # no room or max_seq_len: it stops here
+            m.check_invariants()
+        return seen
+
+    got, want = run(True), run(False)
+    assert got == want
+    assert any(n == 0 for _, n, *_ in want) and sum(n for _, n, *_ in want) > 20

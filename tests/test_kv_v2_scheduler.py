@@ -1666,3 +1666,164 @@ def test_a_pass_that_shares_its_walks_finds_every_hit_a_lookup_of_its_own_finds(
     # and again on the walks now memoized: each request's own walk, and the others'
     assert [shared.cached_prefix(r, memo) for r in reversed(requests)] == alone[::-1]
     assert [hit for hit, _ in alone] == [plain.cached_prefix_tokens(r) for r in requests]
+
+
+
+def _two_pass_step(self, waiting, running):
+    """``KVCacheV2Scheduler.step`` as it was before decodes were reserved in the scan that finds them (the reference):
+    one pass sorts decodes ahead of prefill chunks, the next reserves; the hold is read before any reservation."""
+    from cache_backends.interface import ScheduledChunk
+    from cache_backends.v2.scheduler import RATIO_BUMP, RATIO_DECAY, SHARED_HOLD, _sort_by_rank
+
+    self._steps += 1
+    m = self.manager
+    m.check_running(running)
+    out, reasons, chunks, budget = SchedulerOutput(), [], {}, self.max_num_tokens
+    _sort_by_rank(running)
+    moved_out = False
+    order, chunked, longest = [], [], 0
+    for r in running:
+        n = r.num_tokens
+        p = n - r.num_computed_tokens
+        longest = max(longest, n)
+        if p == 1:
+            order.append((r, 1))
+        elif p > 1:
+            chunked.append((r, p))
+    self._longest = longest
+    order += chunked
+    hold = m.held_back(SHARED_HOLD, longest) if chunked and len(running) > 1 else None
+    best = running[0] if running else None
+    for r, p in order:
+        if budget == 0:
+            break
+        if r.state is not RequestState.RUNNING:
+            continue
+        want = min(p, budget)
+        if p > 1 and hold is not None and r is not best:
+            n = m.fit_tokens(r, want, hold)
+            if n:
+                budget -= self._schedule(r, n, chunks)
+                hold = m.held_back(SHARED_HOLD, longest)
+                continue
+            if chunks:
+                continue
+        n = m.schedule_tokens(r, want)
+        if n:
+            budget -= n
+            chunks[r] = ScheduledChunk(r, n)
+            continue
+        while n == 0:
+            if r.num_computed_tokens >= m.options.max_seq_len:
+                reasons.append("max_seq_len")
+                break
+            why = m.never_fits(r)
+            if why is not None:
+                reasons.append(why)
+                self._move_out(r, waiting, running, out, suspend=False)
+                break
+            if len(running) == 1:
+                reasons.append("alone")
+                break
+            victim = running[-1]
+            if victim in chunks:
+                budget += chunks.pop(victim).num_tokens
+            self._move_out(victim, waiting, running, out)
+            moved_out = True
+            if victim is r:
+                break
+            n = m.fit_tokens(r, want)
+        if n > 0 and r.state is RequestState.RUNNING:
+            budget -= self._schedule(r, n, chunks)
+    if moved_out:
+        if self.init_ratio:
+            self.new_token_ratio = min(1.0, max(self.new_token_ratio, self.init_ratio) + RATIO_BUMP)
+    else:
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - RATIO_DECAY)
+        if self.by_priority:
+            self._by_rank(waiting, running, out, chunks, budget, reasons)
+        else:
+            suspended = [r for r in waiting if r.state is RequestState.SUSPENDED] if m.num_on_host else []
+            if suspended:
+                budget = self._resume(suspended, waiting, running, out, chunks, budget, reasons)
+            if not any(r.state is RequestState.SUSPENDED for r in suspended):
+                order = (self._cache_aware(waiting, len(running)) if len(running) < self.max_batch_size and budget
+                         else list(waiting))
+                self._admit(order, waiting, running, out, chunks, budget, reasons,
+                            prefilling=[r for r, _ in chunked] + out.resumed)
+    out.scheduled = list(chunks.values())
+    self.report_stall(out, reasons, waiting, running)
+    self.extend_with_drafts(out)
+    return out
+
+
+def _trace(monkeypatch, step, workload, max_tokens, policy):
+    """Every step's reservations (in order), admissions and moves of a tiny-gemma3 replay with ``step``, and how many
+    steps held shared prefixes for a prefill chunk while a decode took a block (the case the order matters in)."""
+    from engine.simulator import simulate
+
+    trace, held = [], [0]
+
+    def recorded(self, waiting, running):
+        m = self.manager
+        before = (m._arena.evictable.num_shared, len(m._arena._free))
+        out = step(self, waiting, running)
+        if self._longest > m._min_window and before != (m._arena.evictable.num_shared, len(m._arena._free)) and \
+                any(c.num_tokens > 1 for c in out.scheduled) and any(c.num_tokens == 1 for c in out.scheduled):
+            held[0] += 1
+        trace.append(([(c.request.req_id, c.num_tokens) for c in out.scheduled], [r.req_id for r in out.admitted],
+                      [r.req_id for r in out.preempted], [r.req_id for r in out.suspended]))
+        return out
+
+    monkeypatch.setattr(KVCacheV2Scheduler, "step", recorded)
+    simulate("tiny-gemma3", workload, requests=32, device="cpu", log=False, progress=False,
+             kv_cache_config={"max_tokens": max_tokens, "use_kv_cache_manager_v2": True}, scheduling_policy=policy)
+    return trace, held[0]
+
+
+@pytest.mark.parametrize("workload, max_tokens, policy", [("multi-turn", 1536, "fcfs"), ("mixed", 1024, "fcfs"),
+                                                          ("shared-prefix", 2560, "fcfs"),
+                                                          ("shared-prefix", 2560, "priority")])
+def test_decodes_reserved_in_the_scan_decide_every_step_as_two_passes(monkeypatch, workload, max_tokens, policy):
+    # The step reserves each decode in the scan that sorts the running requests, and reads what shared prefixes it
+    # holds for prefill chunks before any decode takes a block (a decode's eviction can take a shared one). Every
+    # step's reservations in order, admissions and moves must be the two-pass loop's (tiny-gemma3: windows, so
+    # prefixes are held; tight budgets: decodes evict and requests move out).
+    got, held = _trace(monkeypatch, KVCacheV2Scheduler.step, workload, max_tokens, policy)
+    want, _ = _trace(monkeypatch, _two_pass_step, workload, max_tokens, policy)
+    assert got == want
+    assert len(got) > 50 and held > 0
+    assert workload != "shared-prefix" or any(p or s for _, _, p, s in got)  # a decode that did not fit moved one out
+
+
+@pytest.mark.parametrize("workload, max_tokens", [("shared-prefix", 2560), ("shared-prefix", 4096), ("mixed", 1536)])
+def test_a_prefill_chunk_s_hold_is_read_before_the_step_s_decodes_take_blocks(monkeypatch, workload, max_tokens):
+    # The step reserves decodes while it scans the running requests, before it knows whether a prefill chunk runs; a
+    # chunk's hold must still be what shared prefixes were queued at the step's start (as when every decode was
+    # reserved after the hold was read): a decode's block can evict a shared one, and the hold read after it would
+    # let the chunk take that much more room.
+    from cache_backends.v2.manager import KVCacheManagerV2
+    from cache_backends.v2.scheduler import SHARED_HOLD
+    from engine.simulator import simulate
+
+    step, fit = KVCacheV2Scheduler.step, KVCacheManagerV2.fit_tokens
+    start, seen = {}, {"checked": 0, "moved": 0}
+
+    def recorded(self, waiting, running):
+        start.clear()
+        start["hold"] = self.manager.held_back(SHARED_HOLD, math.inf)
+        return step(self, waiting, running)
+
+    def fit_recorded(self, request, want, extra=None):
+        if extra is not None and request.state is RequestState.RUNNING and "hold" in start:
+            hold = start.pop("hold")  # the first hold the running requests' loop passes: the step's start's
+            assert extra == hold
+            seen["checked"] += 1
+            seen["moved"] += hold != self.held_back(SHARED_HOLD, math.inf)
+        return fit(self, request, want, extra)
+
+    monkeypatch.setattr(KVCacheV2Scheduler, "step", recorded)
+    monkeypatch.setattr(KVCacheManagerV2, "fit_tokens", fit_recorded)
+    simulate("tiny-gemma3", workload, requests=32, device="cpu", log=False, progress=False,
+             kv_cache_config={"max_tokens": max_tokens, "use_kv_cache_manager_v2": True})
+    assert seen["checked"] > 0 and seen["moved"] > 0  # decodes took shared blocks before a chunk was fitted

@@ -1043,6 +1043,31 @@ class KVCacheManagerV2:
             cache.history = target
         return want
 
+    def schedule_decode(self, request: Request) -> int:
+        """:meth:`schedule_tokens` of ``request``'s one pending token (its tokens are one past those computed): 1 when
+        its slot is reserved, else 0.
+
+        The scheduler's call for every decode every step: with the cache's committed tokens the request's computed
+        ones, that one token is within the sequence, so only ``max_seq_len`` bounds it (no length read)."""
+        cache = self._caches.get(request)
+        if cache is None or cache.state is not CacheState.ACTIVE or cache.committed != request.num_computed_tokens:
+            return self.schedule_tokens(request, 1)
+        target = cache.committed + 1
+        if target > self.options.max_seq_len:
+            return 0
+        if target > cache.room:  # some group needs a block (else the tables already hold the slot)
+            reserve = self._reserve_split if self._arena is None else self._reserve_shared
+            if not reserve(cache, target):  # it does not fit now: as schedule_tokens' search would answer for one
+                n = self.fit_tokens(request, 1)
+                if n and not self.allocate(request, n):
+                    raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+                return n
+        if target > cache.capacity:
+            cache.capacity = target
+        if target > cache.history:
+            cache.history = target
+        return 1
+
     def _reserve_split(self, cache: SequenceCache, target: int) -> bool:
         """Grow every group's table to hold ``target`` tokens when all of it fits now (else change nothing); whether
         it did. Pools per group: each group's new blocks against its own pool."""

@@ -348,6 +348,9 @@ HOLD_GIVES_WAY = True
 #: (``--patch cache_backends.v2.scheduler.DEFER_IN_FLIGHT=0``).
 DEFER_IN_FLIGHT = True
 
+#: a sequence length past every window: ``held_back`` answers what it holds whatever the running sequences' lengths
+_ANY_LENGTH = float("inf")
+
 #: The new-token ratio's start, floor, decay per calm step and bump on a suspension (module docstring).
 INIT_RATIO, MIN_RATIO, RATIO_DECAY, RATIO_BUMP = 0.7, 0.1, 0.001, 0.1
 
@@ -391,21 +394,34 @@ class KVCacheV2Scheduler(SchedulerBase):
 
         order, chunked = [], []  # decodes (one pending token) first, then prefill chunks
         longest = 0  # the longest running sequence's tokens: shared prefixes are held only when windows free room
+        running_state = RequestState.RUNNING
+        # a prefill chunk, while others run, leaves cached shared prefixes alone as admission does ("Shared prefixes
+        # under pressure"): what is held is read before any decode below takes a block (an eviction may take a shared
+        # one); None on a layout without windows
+        held = m.held_back(SHARED_HOLD, _ANY_LENGTH) if len(running) > 1 else None
+        # Decodes are reserved in the scan that finds them, in running order as the loop below would (the scan reads
+        # no state a reservation changes), until one does not fit: that one and every later decode go through the loop
+        # below. Why: a decode is nearly every running request every step, and a second pass over them cost ~30 opcodes
+        # a request
+        fast = True
         for r in running:
             n = len(r.prompt_token_ids) + len(r.output_token_ids)  # r.num_tokens inlined: every request, every step
             p = n - r.num_computed_tokens
             if n > longest:
                 longest = n
             if p == 1:
+                if fast and budget and r.state is running_state:
+                    if m.schedule_decode(r):  # (an answer of 0 changed nothing: the loop below asks again)
+                        budget -= 1
+                        chunks[r] = ScheduledChunk(r, 1)
+                        continue
+                    fast = False
                 order.append((r, 1))
             elif p > 1:
                 chunked.append((r, p))
         self._longest = longest
         order += chunked
-        running_state = RequestState.RUNNING
-        # a prefill chunk, while others run, leaves cached shared prefixes alone as admission does ("Shared prefixes
-        # under pressure"); None on a layout without windows
-        hold = m.held_back(SHARED_HOLD, longest) if chunked and len(running) > 1 else None
+        hold = held if chunked and held is not None and m.held_back(SHARED_HOLD, longest) is not None else None
         best = running[0] if running else None
         for r, p in order:
             if budget == 0:
