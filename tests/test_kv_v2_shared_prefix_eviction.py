@@ -7,6 +7,7 @@ prefix-hit rate at least V1's at the same budget (before, the window blocks ever
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import pytest
@@ -206,8 +207,13 @@ def test_admission_holds_back_cached_shared_prefixes_only_on_layouts_with_window
             # nothing longer than the window: it frees nothing, so V2 has V1's room and holds nothing (Gemma 2's
             # window of 4,096 over mixed traffic of at most 2,304 tokens held prefixes for nothing: 1.04x V1's steps)
             assert m.held_back(1.0, 8) is None
+            # the scheduler reads the bound off shortest_window rather than asking held_back twice a step
+            assert m.shortest_window == 8
         else:  # no windows: V2 has V1's room, and holding prefixes would only cost concurrency
             assert m.held_back(1.0, 10**6) is None
+            assert m.shortest_window == math.inf
+        for longest in (1, 7, 8, 9, 40, 10**6):
+            assert (m.held_back(1.0, longest) is None) == (longest <= m.shortest_window), longest
 
 
 def test_a_long_request_admitted_in_a_step_makes_the_next_admission_of_that_step_hold_shared_prefixes():

@@ -593,6 +593,12 @@ class KVCacheManagerV2:
         return all(max(0, m - g.window + 1) // g.tokens_per_block >= max(0, committed - g.window + 1)
                    // g.tokens_per_block for g in self._sliding)
 
+    @property
+    def shortest_window(self) -> float:
+        """The shortest sliding window in tokens (``inf`` on a layout without one): :meth:`held_back` holds nothing
+        while no sequence is longer. Why public: the scheduler tests that bound without building a second hold."""
+        return self._min_window
+
     def held_back(self, share: float, longest: int, probe: HitProbe | None = None) -> list[int] | None:
         """Per pool set, minus the cached blocks of shared prefixes admission leaves alone (at most ``share`` of the
         pool set's blocks), as ``extra`` for :meth:`fit_tokens` and :meth:`short_of`; None on a layout without
@@ -1033,10 +1039,7 @@ class KVCacheManagerV2:
         if target > cache.room:  # some group needs a block (else the tables already hold the slots)
             reserve = self._reserve_split if self._arena is None else self._reserve_shared
             if not reserve(cache, target):  # not all of it fits now: search
-                n = self.fit_tokens(request, want)
-                if n and not self.allocate(request, n):
-                    raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
-                return n
+                return self._fit_and_allocate(request, want)
         if target > cache.capacity:
             cache.capacity = target
         if target > cache.history:
@@ -1058,15 +1061,20 @@ class KVCacheManagerV2:
         if target > cache.room:  # some group needs a block (else the tables already hold the slot)
             reserve = self._reserve_split if self._arena is None else self._reserve_shared
             if not reserve(cache, target):  # it does not fit now: as schedule_tokens' search would answer for one
-                n = self.fit_tokens(request, 1)
-                if n and not self.allocate(request, n):
-                    raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
-                return n
+                return self._fit_and_allocate(request, 1)
         if target > cache.capacity:
             cache.capacity = target
         if target > cache.history:
             cache.history = target
         return 1
+
+    def _fit_and_allocate(self, request: Request, want: int) -> int:
+        """The miss path of :meth:`schedule_tokens` and :meth:`schedule_decode`: not all of ``want`` fits at once, so
+        search for the most that does (:meth:`fit_tokens`) and allocate it; how many. Only a miss pays the call."""
+        n = self.fit_tokens(request, want)
+        if n and not self.allocate(request, n):
+            raise RuntimeError(f"request {request.req_id}: allocation of {n} tokens failed after fitting")
+        return n
 
     def _reserve_split(self, cache: SequenceCache, target: int) -> bool:
         """Grow every group's table to hold ``target`` tokens when all of it fits now (else change nothing); whether

@@ -421,7 +421,8 @@ class KVCacheV2Scheduler(SchedulerBase):
                 chunked.append((r, p))
         self._longest = longest
         order += chunked
-        hold = held if chunked and held is not None and m.held_back(SHARED_HOLD, longest) is not None else None
+        # what held_back(SHARED_HOLD, longest) would test first: a hold only once a sequence outgrows a window
+        hold = held if chunked and held is not None and longest > m.shortest_window else None
         best = running[0] if running else None
         for r, p in order:
             if budget == 0:
