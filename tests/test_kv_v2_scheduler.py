@@ -1715,7 +1715,8 @@ def _two_pass_step(self, waiting, running):
             continue
         while n == 0:
             if r.num_computed_tokens >= m.options.max_seq_len:
-                reasons.append("max_seq_len")
+                reasons.append(f"request {r.req_id} reached max_seq_len={m.options.max_seq_len}; "
+                               "finish it (reason 'length')")
                 break
             why = m.never_fits(r)
             if why is not None:
@@ -1723,7 +1724,8 @@ def _two_pass_step(self, waiting, running):
                 self._move_out(r, waiting, running, out, suspend=False)
                 break
             if len(running) == 1:
-                reasons.append("alone")
+                reasons.append(f"request {r.req_id} cannot grow past {r.num_computed_tokens} tokens although it "
+                               "runs alone")
                 break
             victim = running[-1]
             if victim in chunks:
