@@ -1841,20 +1841,32 @@ def _model_token(request: Request, i: int) -> int:
 def _scan_trace(seed: int, two_pass: bool) -> list:
     """A seeded driven run (the engine's Driver, KV written and checked every step) of shared-stem requests under a
     tight pool and token budget, over every test layout (one pool, a shared arena with windows, split pools, DeepSeek
-    V4-like compressed groups), with or without a host tier, fcfs or priority, speculative drafts (some rejected),
-    forks of a prompt's samples and stop tokens: every step's reservations in order, admissions and moves, and each
-    request's tokens. ``two_pass``: with the step before decodes were reserved in the scan (``_two_pass_step``)."""
+    V4-like compressed groups, a slab arena), with or without a host tier, fcfs or priority, speculative drafts (some
+    rejected), forks of a prompt's samples and stop tokens: every step's reservations in order, admissions and moves,
+    and each request's tokens. ``two_pass``: with the step before decodes were reserved in the scan
+    (``_two_pass_step``)."""
     import random
     from types import MethodType
 
+    from cache_backends.budget import plan_arena, slab_bytes
+    from cache_backends.interface import ManagerOptions
+    from cache_backends.layout import build_layout
+    from cache_backends.pools import BlockPools
     from engine.driver import Driver, StalledError
     from tests.kv_v2_support import check_kv
 
     rng = random.Random(seed)
     layers = rng.choice([FULL, full_sliding_layers(8), split_sliding_layers(8), *COMPRESSED])
     max_seq_len = rng.choice([40, 4096])
-    m = make_manager(layers, rng.randint(8, 30), max_seq_len=max_seq_len, host_cache_size=rng.choice([0, None]),
-                     enable_partial_reuse=rng.random() < .5)
+    layout, slabs, partial = build_layout(layers, "v2", 4, "float32"), rng.randint(3, 12), rng.random() < .5
+    # a slab arena (pool_arena): groups of unequal pages on one budget, no host tier
+    if len(layout.groups) > 1 and not layout.shared and rng.random() < .4:
+        plan = plan_arena(layout, max(slabs, len(layout.groups)) * slab_bytes(layout), max_seq_len)
+        m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
+                             ManagerOptions(max_seq_len=max_seq_len, host_cache_size=0, enable_partial_reuse=partial))
+    else:
+        m = make_manager(layers, rng.randint(8, 30), max_seq_len=max_seq_len, host_cache_size=rng.choice([0, None]),
+                         enable_partial_reuse=partial)
     s = KVCacheV2Scheduler(m, rng.randint(2, 8), rng.randint(2, 40), scheduling_policy=rng.choice(["fcfs", "priority"]),
                            init_ratio=rng.choice([0.0, 0.7]))
     if two_pass:
@@ -1926,5 +1938,5 @@ def test_decodes_reserved_in_the_scan_decide_as_two_passes_with_drafts_forks_hos
     # The scan's reservation of each decode (schedule_decode) must decide every step as the two-pass step's
     # schedule_tokens(request, 1) did, on what the tiny-gemma3 replays above do not reach: speculative drafts (a decode
     # with drafts reserves one token in the scan, its drafts after every real token), rejected drafts, samples forked
-    # right after their prompt, stop tokens, max_seq_len, split pools, compressed groups and the host tier
+    # right after their prompt, stop tokens, max_seq_len, split pools, compressed groups, slab arenas and the host tier
     assert _scan_trace(seed, False) == _scan_trace(seed, True)
