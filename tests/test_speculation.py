@@ -14,16 +14,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvload
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from cache_backends.v1 import GuaranteedNoEvictScheduler
 from cache_backends.v2 import KVCacheV2Scheduler
 from engine.driver import Driver
 from engine.speculation import NgramProposer
-from tests.generate_support import hf_greedy, load, prompts_for, used_blocks
+from tests.generate_support import greedy_admission, hf_greedy, load, prompts_for, used_blocks
 from tests.kv_v1_support import make_manager as make_v1
 from tests.kv_v2_support import FULL, check_kv, full_sliding_layers, write_kv
 from tests.kv_v2_support import make_manager as make_v2
+from tests.llm_support import llm_kwargs
 from tests.paged_support import CUDA
 
 # --- the proposer ----------------------------------------------------------------------------------
@@ -221,6 +223,24 @@ def test_generate_with_drafts_equals_transformers_greedy(tiny_checkpoints, famil
         longer = ps[1] + ref[1][:20]
         again = result.generate([longer], max_new_tokens=6)[0]
         assert again.reused_prompt_tokens > 0 and again.token_ids == hf_greedy(model, longer, 6)
+
+
+@pytest.mark.parametrize("family, max_tokens", [("llama", 160), ("gemma3", 96)])
+def test_v2_with_drafts_under_a_tight_budget_gives_transformers_greedy_tokens(tiny_checkpoints, family, max_tokens):
+    # V2 reserves each decode's one token in the step's scan of the running requests (schedule_decode) and its drafts
+    # after every real token: under a KV budget of a few sequences and 8 tokens a step, decodes find no block, requests
+    # move out and come back, drafts are confirmed and refused, and every token must still be transformers' greedy one
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
+    with kvload.LLM(str(tiny_checkpoints(family)), speculative_config=spec,
+                    **{**llm_kwargs("v2", max_tokens=max_tokens), "max_num_tokens": 8}) as llm:
+        greedy_admission(llm.result)  # no growth headroom: admission fills the pool, so decodes run out of blocks
+        model = llm.result.hf_model
+        ps = [*prompts_for(model.config.vocab_size, (5, 13, 21, 2, 9, 17)), *map(list, REPEATING)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], max_tokens=NEW, temperature=0.0)
+        stats = llm.result.executor.last_stats
+        assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(model, p, NEW) for p in ps]
+        assert stats.suspends + stats.preemptions > 0 and stats.accepted_draft_tokens > 0
+        assert used_blocks(llm.result) == 0
 
 
 def test_drafts_wait_while_more_requests_run_than_speculation_max_batch_size(tiny_checkpoints):

@@ -1051,7 +1051,9 @@ class KVCacheManagerV2:
         its slot is reserved, else 0.
 
         The scheduler's call for every decode every step: with the cache's committed tokens the request's computed
-        ones, that one token is within the sequence, so only ``max_seq_len`` bounds it (no length read)."""
+        ones, that one token is within the sequence, so only ``max_seq_len`` bounds it (no length read). That one
+        token is pending is the caller's word, not checked: for a request with none it would reserve a slot past its
+        tokens (``schedule_tokens`` answers 0), and a commit would then count a token the request does not have."""
         cache = self._caches.get(request)
         if cache is None or cache.state is not CacheState.ACTIVE or cache.committed != request.num_computed_tokens:
             return self.schedule_tokens(request, 1)

@@ -34,7 +34,8 @@ class SequenceCache:
       id, or -1 for a sliding group's block that fell wholly out of the window (logical blocks below
       ``released[g]``).
     * ``room <= min over groups of len(tables[g]) * tokens_per_block(g)``: growing ``capacity`` up to
-      ``room`` needs no block (``schedule_tokens`` and ``resize`` set it exactly, releasing resets it to 0).
+      ``room`` needs no block (``schedule_tokens``, ``schedule_decode`` and ``resize`` set it exactly, releasing
+      resets it to 0).
     * ``keyed == committed // T`` full committed ``T``-token blocks are on the cache's radix path, which ends at
       the end of run ``last`` (``None``: no block yet, or prefix reuse off): ``last.start + len(last) == keyed``.
       ``key_at == (keyed + 1) * T``: the commit that reaches it fills a block to hang in the tree (:data:`NEVER`
