@@ -1940,3 +1940,26 @@ def test_decodes_reserved_in_the_scan_decide_as_two_passes_with_drafts_forks_hos
     # with drafts reserves one token in the scan, its drafts after every real token), rejected drafts, samples forked
     # right after their prompt, stop tokens, max_seq_len, split pools, compressed groups, slab arenas and the host tier
     assert _scan_trace(seed, False) == _scan_trace(seed, True)
+
+
+@pytest.mark.parametrize("seed, path", [(329, "fork"), (22000, "fork"), (1555, "_claim_partial")])
+def test_a_fork_or_a_partial_claim_on_a_slab_arena_takes_the_slabs_its_check_counted_on_first(seed, path, monkeypatch):
+    # A sample forked off its prompt (n > 1) and a partial hit's copy each allocate a block in every group once the
+    # joint check passes, and that check may count on a slab reclaimed from another group's spare ones. Allocating group
+    # by group, the first group's block could be a cached one in that very slab, leaving the next group none: an
+    # IndexError mid-run (these seeds, found by the property test above). The slabs are now taken first, as every
+    # other allocation takes them; each seed must still reach a reclaim inside ``path``, or it no longer tests this
+    reclaimed = []
+    inner = getattr(KVCacheManagerV2, path)
+
+    def spied(self, *args, **kwargs):
+        before = self._slabs.counters["slabs_reclaimed"] if self._slabs is not None else 0
+        out = inner(self, *args, **kwargs)
+        if self._slabs is not None:
+            reclaimed.append(self._slabs.counters["slabs_reclaimed"] - before)
+        return out
+
+    monkeypatch.setattr(KVCacheManagerV2, path, spied)
+    trace = _scan_trace(seed, False)
+    assert isinstance(trace[-1], list) and trace[-1], trace[-1:]  # the run ended with its requests finished
+    assert any(reclaimed), reclaimed

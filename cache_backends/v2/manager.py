@@ -906,6 +906,9 @@ class KVCacheManagerV2:
                   for g in self.groups}
         if self.shortfall(copies) is not None:
             return False
+        if self._slabs is not None:  # the slabs the groups lack, taken before any group allocates: a group's cached
+            # block taken first could sit in the very slab the check counted on another group reclaiming
+            self._slabs.acquire([copies[g.name] for g in self.groups], self._detach)
         if src.pending is not None:  # keyed lazily: hang the prompt in the tree so the child's path can run through it
             self._materialize(src.pending)
         cache = self.create(child)
@@ -2982,6 +2985,8 @@ class KVCacheManagerV2:
             self._pool[g.name].incref(src_of[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
+            if self._slabs is not None:  # as fork: the slabs the check counted on, taken before any group allocates
+                self._slabs.acquire([1] * len(self.groups), self._detach)
             fresh = [self._pool[g.name].allocate(self._detach) for g in self.groups]
             for g, b in zip(self.groups, fresh, strict=True):
                 src = src_of[g.name]
