@@ -235,9 +235,13 @@ class Ranks:
         return attrs.asdict(self)
 
 
-#: The point-to-point tags of :func:`_acked_broadcast`: the object (its length, then its bytes), and the receipts.
+#: The point-to-point tags of :func:`_acked_broadcast`: the object (its first message, then the rest), and the receipts.
 _OBJECT_TAG = 0x6B76
 _RECEIPT_TAG = 0x6B77
+#: Bytes of :func:`_acked_broadcast`'s first message: the pickle's length (8), then its first bytes. A step's orders
+#: and tokens fit, so they travel as one message the receiver already waits for: a second goes only once the receiver
+#: asked for it (gloo's notice), one more round trip per call.
+_FIRST_BYTES = 4096
 
 
 def _acked_broadcast(obj: Any, src: int, rank: int, world: int, group: Any) -> Any:
@@ -258,25 +262,34 @@ def _acked_broadcast(obj: Any, src: int, rank: int, world: int, group: Any) -> A
 
     if rank == src:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        first = bytearray(_FIRST_BYTES)
+        first[:8] = len(data).to_bytes(8, "little")
+        head = data[:_FIRST_BYTES - 8]
+        first[8:8 + len(head)] = head
+        messages = [torch.frombuffer(first, dtype=torch.uint8)]
+        if len(data) > len(head):
+            messages.append(torch.frombuffer(bytearray(data[len(head):]), dtype=torch.uint8))
         receipts, sends = [], []
         for peer in range(world):
             if peer != src:  # each receipt's receive posted before the sends: a peer gone meanwhile fails it too
                 receipts.append(dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, group=group, tag=_RECEIPT_TAG))
-                sends += [dist.isend(size, peer, group=group, tag=_OBJECT_TAG),
-                          dist.isend(payload, peer, group=group, tag=_OBJECT_TAG)]
+                sends += [dist.isend(m, peer, group=group, tag=_OBJECT_TAG) for m in messages]
         for work in receipts:
             work.wait()
         for work in sends:
             work.wait()
         return obj
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src=src, group=group, tag=_OBJECT_TAG)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(payload, src=src, group=group, tag=_OBJECT_TAG)
+    first_t = torch.empty(_FIRST_BYTES, dtype=torch.uint8)
+    dist.recv(first_t, src=src, group=group, tag=_OBJECT_TAG)
+    first = first_t.numpy().tobytes()
+    size = int.from_bytes(first[:8], "little")
+    data = first[8:8 + size]
+    if size > len(data):
+        rest = torch.empty(size - len(data), dtype=torch.uint8)
+        dist.recv(rest, src=src, group=group, tag=_OBJECT_TAG)
+        data += rest.numpy().tobytes()
     dist.send(torch.ones(1, dtype=torch.uint8), src, group=group, tag=_RECEIPT_TAG)
-    return pickle.loads(payload.numpy().tobytes())
+    return pickle.loads(data)
 
 
 def ranks_from_env(environ: Mapping[str, str] = os.environ) -> Ranks:
