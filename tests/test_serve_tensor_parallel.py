@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pipeline
 from tests.hostile_support import signals_as_a_terminal_gives_them
-from tests.tp_support import DIST_TIMEOUT_S, REPO, free_port
+from tests.tp_support import DIST_TIMEOUT_S, REPO, free_port, kill_launch
 
 #: generous bounds: start-up is two loads on a shared 2-core machine
 START_S = 240
@@ -79,9 +79,7 @@ def _alive(pid: int) -> bool:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    kill_launch(proc)  # torchrun's ranks too: each leads a session of its own
 
 
 def _reference() -> dict[str, list[list[int]]]:

@@ -8,6 +8,7 @@ rank takes part in every collective, so one scenario's failure cannot strand the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -47,10 +48,31 @@ def torchrun(*argv: str, nproc: int = 2, timeout: float = LAUNCH_TIMEOUT_S,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = kill_launch(proc)
         raise AssertionError(f"torchrun {' '.join(argv)} did not finish in {timeout} s\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_launch(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGKILL a launcher started in a session of its own and every rank it started; then its (stdout, stderr).
+
+    torchrun starts each rank in a session of its own: SIGKILL to torchrun's group alone left the ranks running (a
+    server still serving), and, as they hold torchrun's stdout and stderr, the ``communicate()`` after it waited for
+    ever. So each child's group goes first (a rank's own children with it), while they are still torchrun's."""
+    for pid in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError):  # gone, or not leading a group (then in the launcher's)
+            os.killpg(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started that are still its children (Linux's /proc); none once it is gone."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def run_scenarios(out_dir: Path, *names: str) -> list[dict[str, Any]]:
