@@ -386,12 +386,13 @@ def test_a_check_for_a_hits_claim_counts_no_slab_its_cached_blocks_lie_in_as_rec
                    "never_fits let it in on once it runs alone")
 def test_a_request_alone_in_a_slab_arena_reaches_the_worst_case_never_fits_let_in():
     # DeepSeek V4-like groups of unequal pages (full: a slab a block; sliding_w6: 2 blocks a slab; csa_c8: 4) on 9
-    # slabs. "b" alone needs 6 + 2 + 1 = 9 slabs at its worst case (12 tokens), so never_fits admits it; greedy
-    # admission runs "a" beside it, and best fit puts each of b's window blocks in a slab with one of a's. Once "a"
-    # finished, b's 3 window blocks pin 3 sliding slabs (each with a cached block of a's) where 2 would hold them, and
-    # its next full block finds no slab: the scheduler reports that it cannot grow although it runs alone (a
-    # StalledError, which fails the server's requests in flight). Found by a seeded driven sweep with aborts and
-    # forks (about 1 in 300 runs on slab arenas); the fix needs blocks moved between slabs (compaction).
+    # slabs. "b" alone needs 6 + 2 + 1 = 9 slabs at its worst case (12 tokens), so never_fits admits it. Greedy
+    # admission runs "a" beside it; b is preempted, re-admitted holding its cached window blocks (in slabs beside a's
+    # cached ones), and its window's next block is the least recently used cached one, in a third slab. Alone, b's 3
+    # window blocks pin 3 sliding slabs where 2 would hold them, and its next full block finds no slab: the scheduler
+    # reports that it cannot grow although it runs alone (a StalledError, which fails the server's requests in flight).
+    # Found by a seeded driven sweep with aborts and forks (about 1 in 300 runs on slab arenas). A fix moves blocks
+    # between slabs (compaction), or at least takes a group's cached blocks from slabs in use before whole ones.
     from cache_backends import LayerKV
     from tests.kv_v2_support import drive
 
