@@ -209,18 +209,19 @@ class Ranks:
 
         out: list[Any] = [None] * self.world_size
         group = object_group()
-        # gloo's ring: with 2 ranks every send shares its buffer with a receive from the same peer, which gloo fails
-        # at that peer's death (_acked_broadcast says why a lone send does not); with more, a send to the rank that
-        # died can still wait out the collective timeout once the receives from the rank before it are done
         interruptible(lambda: dist.all_gather_object(out, obj, group=group))
         return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank (:func:`_acked_broadcast`: ``src`` fails at once when one dies)."""
+        """Rank ``src``'s ``obj`` on every rank."""
         if not self.distributed:
             return obj
+        import torch.distributed as dist
+
+        box = [obj]
         group = object_group()
-        return interruptible(lambda: _acked_broadcast(obj, src, self.rank, self.world_size, group))
+        interruptible(lambda: dist.broadcast_object_list(box, src=src, group=group))
+        return box[0]
 
     def barrier(self) -> None:
         """Wait until every rank arrives (bounded by the timeout)."""
@@ -233,63 +234,6 @@ class Ranks:
     def to_dict(self) -> dict[str, int]:
         """Plain form for events."""
         return attrs.asdict(self)
-
-
-#: The point-to-point tags of :func:`_acked_broadcast`: the object (its first message, then the rest), and the receipts.
-_OBJECT_TAG = 0x6B76
-_RECEIPT_TAG = 0x6B77
-#: Bytes of :func:`_acked_broadcast`'s first message: the pickle's length (8), then its first bytes. A step's orders
-#: and tokens fit, so they travel as one message the receiver already waits for: a second goes only once the receiver
-#: asked for it (gloo's notice), one more round trip per call.
-_FIRST_BYTES = 4096
-
-
-def _acked_broadcast(obj: Any, src: int, rank: int, world: int, group: Any) -> Any:
-    """``src``'s ``obj`` on every rank, each receiving rank sending ``src`` a receipt once it has the bytes.
-
-    ``broadcast_object_list`` left ``src`` only sending, and gloo's TCP pair (torch 2.13's, and gloo's main) never
-    fails a send still queued when the receiver's process dies: the pair's error wakes the receives pending on it, not
-    that send (``Pair::signalException`` looks at ``op.buf``, an unbound buffer's send holds ``op.ubuf``), which waits
-    for the collective timeout (``KVLOAD_DIST_TIMEOUT_S``, 600 s). A follower SIGKILLed while rank 0's orders or tokens
-    were in flight (its socket full, or the peer's reset met by the send before gloo's reader saw it) so left
-    ``kvload serve``'s streams silent that long: the path found for a CI run's 60 s hang after such a kill. Here
-    ``src`` waits on a receive from every rank first (the receipt), which gloo fails within milliseconds of the peer's
-    death whatever the sends' state; once each receipt came, each send is complete (its bytes were read)."""
-    import pickle
-
-    import torch
-    import torch.distributed as dist
-
-    if rank == src:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        first = bytearray(_FIRST_BYTES)
-        first[:8] = len(data).to_bytes(8, "little")
-        head = data[:_FIRST_BYTES - 8]
-        first[8:8 + len(head)] = head
-        messages = [torch.frombuffer(first, dtype=torch.uint8)]
-        if len(data) > len(head):
-            messages.append(torch.frombuffer(bytearray(data[len(head):]), dtype=torch.uint8))
-        receipts, sends = [], []
-        for peer in range(world):
-            if peer != src:  # each receipt's receive posted before the sends: a peer gone meanwhile fails it too
-                receipts.append(dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, group=group, tag=_RECEIPT_TAG))
-                sends += [dist.isend(m, peer, group=group, tag=_OBJECT_TAG) for m in messages]
-        for work in receipts:
-            work.wait()
-        for work in sends:
-            work.wait()
-        return obj
-    first_t = torch.empty(_FIRST_BYTES, dtype=torch.uint8)
-    dist.recv(first_t, src=src, group=group, tag=_OBJECT_TAG)
-    first = first_t.numpy().tobytes()
-    size = int.from_bytes(first[:8], "little")
-    data = first[8:8 + size]
-    if size > len(data):
-        rest = torch.empty(size - len(data), dtype=torch.uint8)
-        dist.recv(rest, src=src, group=group, tag=_OBJECT_TAG)
-        data += rest.numpy().tobytes()
-    dist.send(torch.ones(1, dtype=torch.uint8), src, group=group, tag=_RECEIPT_TAG)
-    return pickle.loads(data)
 
 
 def ranks_from_env(environ: Mapping[str, str] = os.environ) -> Ranks:
