@@ -10,6 +10,8 @@ Run from the repository root (one thread is enough: nothing here runs torch kern
     python -m bench.bench_grid --only arena-slabs --quick   # the same at 1x..8x one max_seq_len sequence's slabs
     python -m bench.bench_grid --only grid --real   # published sliding-window checkpoints' configs (GPT-OSS 20B,
                                                     # Gemma 3 27B, Gemma 2 9B) at GPU-sized budgets: pools unbacked
+    python -m bench.bench_grid --only grid --decisions /tmp/grid.jsonl   # also each cell's decisions, one line a
+                                                    # cell (no timings): `cmp` two trees' files to see what changed
 
 Each cell is one ``kvload simulate <preset> --workload <w> --compare`` (:func:`engine.simulator.simulate`,
 the same replay loop; ``mixed-urgent`` is ``--workload mixed --workload-arg urgent_percent=25 --scheduling_policy
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -142,6 +145,24 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
                        "default = simulate's default for the workload, tight = 1/4, generous = 4x, for both managers "
                        "as max_gpu_total_bytes.")
     return rows, table
+
+
+#: the figures of a run that depend on the managers' decisions alone (no clock): what ``--decisions`` writes
+DECISIONS = ("steps", "engine_steps", "hit_rate", "reused_tokens", "computed_tokens", "max_concurrency",
+             "mean_concurrency", "suspends", "resumes", "preemptions", "evictions", "waits", "finished")
+
+
+def decisions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cell's clock-free figures per manager (``--decisions``): equal files mean equal decisions."""
+    out = []
+    for row in rows:
+        cell: dict[str, Any] = {k: os.path.basename(row[k]) if k == "preset" else row[k]
+                                for k in ("preset", "workload", "budget", "status")}
+        for side in ("v1", "v2"):
+            m = row[side]
+            cell[side] = None if m is None else {k: getattr(m, k) for k in DECISIONS}
+        out.append(cell)
+    return out
 
 
 def _target_notes(rows: list[dict[str, Any]]) -> list[str]:
@@ -442,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
                         "the same at budgets of 1x..8x one max_seq_len sequence's slabs)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="arena-slabs: one max_seq_len for every workload (default: each workload's longest sequence)")
+    p.add_argument("--decisions", metavar="FILE", default=None,
+                   help="grid: also write each cell's clock-free figures (steps, hits, suspends, ...) as JSON lines")
     args = p.parse_args(argv)
     budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
     unknown = [b for b in budgets if b not in BUDGETS]
@@ -456,8 +479,11 @@ def main(argv: list[str] | None = None) -> None:
     print()
     if args.only in (None, "grid"):
         presets = args.presets.split(",") if args.presets else REAL if args.real else PRESETS
-        _, table = grid(tuple(presets), tuple(args.workloads.split(",")), budgets, args.quick)
+        rows, table = grid(tuple(presets), tuple(args.workloads.split(",")), budgets, args.quick)
         print(table.markdown())
+        if args.decisions:
+            with open(args.decisions, "w") as f:
+                f.writelines(json.dumps(cell, sort_keys=True) + "\n" for cell in decisions(rows))
     if args.only in (None, "timing"):
         print(step_time(args.quick).markdown())
     if args.only == "split":

@@ -43,6 +43,20 @@ def test_grid_compares_v1_and_v2_per_cell_and_judges_the_targets():
     assert any(note.startswith("Every cell") for note in table.notes)
 
 
+def test_the_grids_decisions_file_holds_each_cells_clock_free_figures_and_repeats_exactly(tmp_path):
+    from bench import bench_grid
+
+    args = ["--only", "grid", "--quick", "--presets", "tiny-llama", "--workloads", "no-reuse", "--budgets", "tight"]
+    bench_grid.main([*args, "--decisions", str(tmp_path / "a.jsonl")])
+    bench_grid.main([*args, "--decisions", str(tmp_path / "b.jsonl")])
+    (line,) = (tmp_path / "a.jsonl").read_text().splitlines()
+    cell = json.loads(line)
+    assert (cell["preset"], cell["workload"], cell["budget"]) == ("tiny-llama", "no-reuse", "tight")
+    assert cell["v1"]["finished"] == cell["v2"]["finished"] > 0 and "step_time_us_median" not in cell["v2"]
+    # the point of the file: two runs of the same tree compare equal byte for byte (no clock inside)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+
+
 def test_the_split_bench_runs_both_rules_and_puts_the_old_one_back():
     from bench import bench_grid
     from cache_backends.layout import KvLayout
