@@ -573,6 +573,14 @@ class KVCacheManagerV2:
                 return pool, names, n
         return None
 
+    def _take_slabs(self, need: list[int]) -> None:
+        """After a joint check of ``need`` (blocks per group, in group order) passed, give every group the slabs it
+        lacks before any group allocates (a no-op without a slab arena). Why first: a group's cached block taken
+        first could sit in the very slab the check counted on another group reclaiming, and then a check that passed
+        would fail to allocate."""
+        if self._slabs is not None:
+            self._slabs.acquire(need, self._detach)
+
     def _joint(self, per_group: list[int], extra: list[int] | None) -> tuple[GroupPool, list[str], int] | None:
         """A slab arena's :meth:`_first_short`: the first group whose blocks the arena cannot give together with the
         others' (:meth:`SlabArena.short`)."""
@@ -906,9 +914,7 @@ class KVCacheManagerV2:
                   for g in self.groups}
         if self.shortfall(copies) is not None:
             return False
-        if self._slabs is not None:  # the slabs the groups lack, taken before any group allocates: a group's cached
-            # block taken first could sit in the very slab the check counted on another group reclaiming
-            self._slabs.acquire([copies[g.name] for g in self.groups], self._detach)
+        self._take_slabs([copies[g.name] for g in self.groups])
         if src.pending is not None:  # keyed lazily: hang the prompt in the tree so the child's path can run through it
             self._materialize(src.pending)
         cache = self.create(child)
@@ -1004,8 +1010,7 @@ class KVCacheManagerV2:
         need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
         if self.shortfall(need) is not None:
             return False
-        if self._slabs is not None:  # the slabs the groups lack, taken before any group allocates
-            self._slabs.acquire([need[g.name] for g in self.groups], self._detach)
+        self._take_slabs([need[g.name] for g in self.groups])
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
             if n > 0:
@@ -1096,7 +1101,7 @@ class KVCacheManagerV2:
         if slabs is not None:  # every group's blocks at once: the slabs they lack first
             if slabs.short(needs) is not None:
                 return False
-            slabs.acquire(needs, detach)
+            self._take_slabs(needs)
         for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
             if k > 0:
                 tables[name].extend(pool.allocate_many(k, detach))
@@ -2985,8 +2990,7 @@ class KVCacheManagerV2:
             self._pool[g.name].incref(src_of[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            if self._slabs is not None:  # as fork: the slabs the check counted on, taken before any group allocates
-                self._slabs.acquire([1] * len(self.groups), self._detach)
+            self._take_slabs([1] * len(self.groups))
             fresh = [self._pool[g.name].allocate(self._detach) for g in self.groups]
             for g, b in zip(self.groups, fresh, strict=True):
                 src = src_of[g.name]
