@@ -245,6 +245,8 @@ class GenerationExecutor:
                 self.v4 = V4States(unit, manager.layout.tokens_per_block)
                 self._v4_key = key.name
                 manager.limit_reuse(key.name, self._v4_reusable)
+                if hasattr(manager, "watch_moves"):  # a slab arena may move the blocks the snapshots are kept with
+                    manager.watch_moves(self._v4_moved)
 
     @classmethod
     def from_result(cls, result: Any) -> GenerationExecutor:
@@ -1407,6 +1409,12 @@ class GenerationExecutor:
         gen = self.manager.block_life(self._v4_key, block)[0]
         return self.v4.snapshots.get(block, gen, m, lambda: prefix_digest(request.salt, request.token_span(0, m))) \
             is not None
+
+    def _v4_moved(self, group: str, pairs: list[tuple[int, int]]) -> None:
+        """The manager moved ``group``'s blocks (a slab arena's compaction): the snapshots kept with them follow."""
+        assert self.v4 is not None
+        if group == self._v4_key:
+            self.v4.snapshots.move(pairs, lambda b: self.manager.block_life(group, b)[0])
 
     def _v4_restore(self, out: SchedulerOutput) -> None:
         """A request that continues a reused prefix (no side state at its start) gets it back from the snapshot the

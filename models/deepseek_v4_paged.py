@@ -157,6 +157,15 @@ class V4Snapshots:
         for b in gone:
             del self.by_block[b]
 
+    def move(self, pairs: Sequence[tuple[int, int]], gen: Callable[[int], int]) -> None:
+        """Blocks moved to other ids (a slab arena's compaction, ``(old, new)``, the same bytes): a snapshot kept with
+        ``old`` at its generation then (``gen(old)``: unchanged by a move) goes with ``new`` at ``gen(new)``."""
+        by_block = self.by_block
+        for old, new in pairs:
+            got = by_block.pop(old, None)
+            if got is not None and got[0] == gen(old):
+                by_block[new] = (gen(new), got[1])
+
     def clear(self) -> None:
         """Drop every snapshot."""
         self.by_block.clear()

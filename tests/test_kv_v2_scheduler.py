@@ -1724,6 +1724,9 @@ def _two_pass_step(self, waiting, running):
                 self._move_out(r, waiting, running, out, suspend=False)
                 break
             if len(running) == 1:
+                if m.compact_slabs():
+                    n = m.fit_tokens(r, want)
+                    continue
                 reasons.append(f"request {r.req_id} cannot grow past {r.num_computed_tokens} tokens although it "
                                "runs alone")
                 break

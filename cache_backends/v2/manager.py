@@ -406,6 +406,8 @@ class KVCacheManagerV2:
         #: budget with preemptions": a preempted request recomputed a shared prefix, the tree's copy was evicted)
         self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self.groups}
         self._caches: dict[Request, SequenceCache] = {}
+        #: who moves what it keys by a block along when :meth:`compact_slabs` moves blocks (:meth:`watch_moves`)
+        self._move_watchers: list[Callable[[str, list[tuple[int, int]]], None]] = []
         #: the requests whose cache is ACTIVE (kept where a cache's state changes): ``check_running``'s one C pass
         self._active_requests: set[Request] = set()
         #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
@@ -572,6 +574,14 @@ class KVCacheManagerV2:
             if n > pool.available + (extra[i] if extra else 0):
                 return pool, names, n
         return None
+
+    def _take_slabs(self, need: list[int]) -> None:
+        """After a joint check of ``need`` (blocks per group, in group order) passed, give every group the slabs it
+        lacks before any group allocates (a no-op without a slab arena). Why first: a group's cached block taken
+        first could sit in the very slab the check counted on another group reclaiming, and then a check that passed
+        would fail to allocate."""
+        if self._slabs is not None:
+            self._slabs.acquire(need, self._detach)
 
     def _joint(self, per_group: list[int], extra: list[int] | None) -> tuple[GroupPool, list[str], int] | None:
         """A slab arena's :meth:`_first_short`: the first group whose blocks the arena cannot give together with the
@@ -906,9 +916,7 @@ class KVCacheManagerV2:
                   for g in self.groups}
         if self.shortfall(copies) is not None:
             return False
-        if self._slabs is not None:  # the slabs the groups lack, taken before any group allocates: a group's cached
-            # block taken first could sit in the very slab the check counted on another group reclaiming
-            self._slabs.acquire([copies[g.name] for g in self.groups], self._detach)
+        self._take_slabs([copies[g.name] for g in self.groups])
         if src.pending is not None:  # keyed lazily: hang the prompt in the tree so the child's path can run through it
             self._materialize(src.pending)
         cache = self.create(child)
@@ -1004,8 +1012,7 @@ class KVCacheManagerV2:
         need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
         if self.shortfall(need) is not None:
             return False
-        if self._slabs is not None:  # the slabs the groups lack, taken before any group allocates
-            self._slabs.acquire([need[g.name] for g in self.groups], self._detach)
+        self._take_slabs([need[g.name] for g in self.groups])
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
             if n > 0:
@@ -1096,7 +1103,7 @@ class KVCacheManagerV2:
         if slabs is not None:  # every group's blocks at once: the slabs they lack first
             if slabs.short(needs) is not None:
                 return False
-            slabs.acquire(needs, detach)
+            self._take_slabs(needs)
         for (name, _, pool), k in zip(self._group_pools, needs, strict=True):
             if k > 0:
                 tables[name].extend(pool.allocate_many(k, detach))
@@ -1737,6 +1744,59 @@ class KVCacheManagerV2:
         position it holds in the radix tree or a pending prefix (None: in neither), and whether a request holds it."""
         pool = self._pool[group]
         return pool.gen[block], None if pool.node[block] is None else pool.pos[block], pool.ref[block] > 0
+
+    def watch_moves(self, fn: Callable[[str, list[tuple[int, int]]], None]) -> None:
+        """Call ``fn(group, [(old, new), ...])`` after :meth:`compact_slabs` moved blocks of ``group``: whoever keys
+        something by a block (DeepSeek V4's snapshots) moves it along (``block_life`` of ``old`` still answers as
+        before the move, ``new``'s gives the generation it has now)."""
+        self._move_watchers.append(fn)
+
+    def compact_slabs(self) -> int:
+        """Pack every group's blocks in use into the fewest slabs of a slab arena, so the slabs they leave can serve
+        another group; how many blocks moved (0 without a slab arena, or when every group is packed).
+
+        Why: a request's used blocks of one group can sit one a slab (those it kept while others ran beside it), so a
+        request alone may find no slab for another group's next block although its worst case fits the arena (the
+        stall bughunt54 pinned). Each move copies the block's page into a free block of a kept slab (else a cached
+        one, evicted) and hands every reference over: the request tables, the block's radix run (or tail, or pending
+        prefix), private copies noted for a position. The scheduler calls it only where it would otherwise report a
+        request that runs alone as unable to grow, so no other decision changes."""
+        slabs = self._slabs
+        if slabs is None:
+            return 0
+        assert self.host is None and not any(self._write_back.values()), "a slab arena has no host tier"
+        moved = 0
+        for g in self.groups:
+            name, pool = g.name, self._pool[g.name]
+            assert isinstance(pool, SlabPool)
+            pairs = pool.packing_moves(self._detach)
+            if not pairs:
+                continue
+            _copy_pages(self.pools.tensors[name], [new for _, new in pairs], [old for old, _ in pairs])
+            to = dict(pairs)
+            node, pos = pool.node, pool.pos
+            for old, new in pairs:
+                run = node[old]
+                if run is not None:
+                    run.blocks[name][pos[old] - run.start] = new
+            for cache in self._caches.values():
+                if cache.is_active:
+                    table = cache.tables[name]
+                    if any(b in to for b in table):
+                        table[:] = [to.get(b, b) for b in table]
+            pool.move(pairs)
+            copies = self._copies[name]
+            if copies:  # keyed by a position's block, each copy with its generation (a moved one's: its new place's)
+                gen = pool.gen  # (a moved block's old generation is unchanged: a live copy still matches it)
+                moved_copies = {to.get(b, b): [(to[c], gen[to[c]]) if c in to and gen[c] == v else (c, v)
+                                               for c, v in got] for b, got in copies.items()}
+                copies.clear()
+                copies.update(moved_copies)
+            moved += len(pairs)
+            slabs.counters["blocks_moved"] += len(pairs)
+            for fn in self._move_watchers:
+                fn(name, pairs)
+        return moved
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: the radix tree is emptied and every block of every group is free.
@@ -2985,8 +3045,7 @@ class KVCacheManagerV2:
             self._pool[g.name].incref(src_of[g.name])
         gained = 0
         if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            if self._slabs is not None:  # as fork: the slabs the check counted on, taken before any group allocates
-                self._slabs.acquire([1] * len(self.groups), self._detach)
+            self._take_slabs([1] * len(self.groups))
             fresh = [self._pool[g.name].allocate(self._detach) for g in self.groups]
             for g, b in zip(self.groups, fresh, strict=True):
                 src = src_of[g.name]

@@ -191,7 +191,9 @@ One :meth:`~KVCacheV2Scheduler.step`:
 Why every request that fits the pools alone completes: the best-ranked running request is never
 moved out while another runs (admission moves out only requests ranked below the one it admits),
 and it was admitted only if its worst case fits the pools alone, so it advances every step until it
-finishes; then the next one does (under "priority", better-ranked arrivals go first: a steady stream
+finishes (on a slab arena, once its used blocks are packed into the fewest slabs: the scheduler packs them,
+:meth:`KVCacheManagerV2.compact_slabs`, where it would otherwise find a request alone unable to grow); then
+the next one does (under "priority", better-ranked arrivals go first: a steady stream
 of them can starve a worse-ranked request, as in vLLM). Suspended and waiting requests sit
 at the front of ``waiting`` in state ``SUSPENDED`` / ``WAITING``, so a driver that loops
 ``while waiting or running`` sees them.
@@ -454,6 +456,9 @@ class KVCacheV2Scheduler(SchedulerBase):
                     self._move_out(r, waiting, running, out, suspend=False)
                     break
                 if len(running) == 1:  # cannot happen for a request whose worst case fits the pools alone
+                    if m.compact_slabs():  # unless a slab arena's used blocks pin more slabs than they fill
+                        n = m.fit_tokens(r, want)
+                        continue
                     reasons.append(f"request {r.req_id} cannot grow past {r.num_computed_tokens} tokens although it "
                                    "runs alone")
                     break

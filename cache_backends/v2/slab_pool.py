@@ -29,6 +29,13 @@ room asks over all groups together: the slabs the groups short of their own free
 (``ceil(deficit / per)`` each) must not exceed the free slabs plus the other groups' whole spare slabs. An allocation
 takes those slabs first (:meth:`SlabArena.acquire`), then each group allocates from its own blocks, so a check that
 passes never fails to allocate.
+
+Compaction (:meth:`SlabPool.packing_moves`, :meth:`SlabPool.move`; ``KVCacheManagerV2.compact_slabs`` copies the pages
+and moves the references): a group's used blocks can pin more slabs than they fill (a request's blocks kept while
+others ran beside it, one a slab), so a request alone could find no slab for another group although its worst case
+fits the arena. Packing every group's used blocks into ``ceil(used / per)`` slabs leaves the rest free or holding only
+cached blocks (reclaimable), and then the joint check counts exactly the slabs the request's blocks fill. It runs only
+where the scheduler would otherwise report a request that runs alone as unable to grow.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ class SlabArena:
         self.owner = [-1] * num_slabs  # the group index owning each slab; -1: free
         self.free = list(range(num_slabs - 1, -1, -1))  # a stack: low ids first
         self.pools: list[SlabPool] = []
-        self.counters = {"slabs_taken": 0, "slabs_reclaimed": 0, "evicted_by_reclaim": 0, "slabs_returned": 0}
+        self.counters = {"slabs_taken": 0, "slabs_reclaimed": 0, "evicted_by_reclaim": 0, "slabs_returned": 0,
+                         "blocks_moved": 0}
 
     def check(self) -> list[str]:
         """What breaks the module's invariants (empty when none does)."""
@@ -327,6 +335,51 @@ class SlabPool(GroupPool):
         if dropped:
             detach(self.name, dropped)
         self._to_free(freed + dropped)
+
+    def packing_moves(self, detach: Detach) -> list[tuple[int, int]]:
+        """Where each used block outside the fewest slabs that can hold them all goes: ``(block, its new place)``
+        pairs, every new place a block of one of those slabs that is now neither free nor cached (a cached one is
+        evicted here, after every free one is taken); empty when the used blocks are packed already. The caller copies
+        the pages and moves every reference, then calls :meth:`move`.
+
+        Which slabs keep theirs: the most used first (the fewest moves), then the fewest cached blocks to evict."""
+        per, used_in, free_in = self.per, self.used_in, self.free_in
+        owned = self.slabs()
+        k = -(-self.num_used // per)
+        if sum(1 for s in owned if used_in[s]) <= k:
+            return []
+        order = sorted(owned, key=lambda s: (-used_in[s], -len(free_in.get(s, ())), s))
+        keep, ref = order[:k], self.ref
+        sources = [b for s in order[k:] if used_in[s] for b in range(s * per, (s + 1) * per) if ref[b] > 0]
+        places: list[int] = []
+        for s in keep:  # free blocks first: nothing evicted for them
+            lst = free_in.get(s)
+            while lst and len(places) < len(sources):
+                places.append(lst.pop())
+                self.nfree -= 1
+            if lst is not None and not lst:
+                del free_in[s]
+        if len(places) < len(sources):  # then cached blocks of the kept slabs (room enough: k * per >= num_used)
+            cached = [b for s in keep for b in range(s * per, (s + 1) * per) if not ref[b] and b in self.evictable]
+            evicted = cached[:len(sources) - len(places)]
+            self.evictable.remove_many(evicted)
+            detach(self.name, evicted)
+            self.evictions += len(evicted)
+            places += evicted
+        assert len(places) == len(sources), "the kept slabs hold every used block"
+        return list(zip(sources, places, strict=True))
+
+    def move(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Give each pair's new place (from :meth:`packing_moves`) its block's holders, run and position, and free
+        the block it left (a slab left all free goes back to the arena)."""
+        ref, gen, node, pos, prio = self.ref, self.gen, self.node, self.pos, self.priority
+        for old, new in pairs:
+            ref[new], node[new], pos[new], prio[new] = ref[old], node[old], pos[old], prio[old]
+            gen[new] += 1  # handed out anew: whoever remembers (new, an older gen) sees it changed hands
+            ref[old], node[old] = 0, None
+            self._unused(old)
+            self._used((new,))
+        self._to_free(old for old, _ in pairs)
 
     def reset(self) -> None:
         """Drop every cached block (the manager empties the radix tree): every slab goes back to the arena."""
