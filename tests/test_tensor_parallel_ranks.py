@@ -344,3 +344,53 @@ def test_a_broadcast_whose_receiver_dies_with_the_bytes_in_flight_fails_as_a_los
     assert result["error"] == "RankLostError", result
     assert result["message"] == (f"lost contact with another rank (it exited or was killed): rank 1 (pid "
                                  f"{procs[1].pid}) exited"), result
+
+
+def test_a_watched_call_that_ends_after_its_watch_saw_a_rank_gone_keeps_its_outcome():
+    # a follower that exited once the stop's bytes were through can be seen gone before the sender's wait saw its
+    # broadcast end (a loaded machine): the broadcast succeeded, so it returns, rather than failing as a lost rank
+    import threading
+
+    from pipeline.errors import RankLostError
+    from pipeline.ranks import interruptible
+
+    seen = threading.Event()
+
+    def watch():
+        seen.set()
+        raise RankLostError("lost contact with another rank (it exited or was killed): rank 1 (pid 1) exited")
+
+    def call():
+        seen.wait()  # the watch raised first
+        return "sent"
+
+    assert interruptible(call, watch=watch) == "sent"
+
+
+def test_a_call_stuck_past_its_watch_leaves_the_next_call_a_thread_of_its_own():
+    # gloo's send to a rank that died ends only at the collective timeout: the lost rank is raised at once, and the
+    # collectives that follow (serve's stop) run at once, not queued behind the stuck one until it ends
+    import threading
+
+    from pipeline.errors import RankLostError
+    from pipeline.ranks import interruptible
+
+    release, order = threading.Event(), []
+
+    def stuck():
+        release.wait()
+        order.append("stuck call ended")
+
+    def watch():
+        raise RankLostError("lost contact with another rank (it exited or was killed): rank 1 (pid 1) exited")
+
+    timer = threading.Timer(20, release.set)  # the old code's first call waited for its end (up to ABORT_S, 30 s)
+    timer.start()
+    try:
+        with pytest.raises(RankLostError, match="rank 1 .pid 1. exited"):
+            interruptible(stuck, watch=watch)
+        order.append(interruptible(lambda: "next call ran", watch=lambda: None))
+    finally:
+        timer.cancel()
+        release.set()
+    assert order[0] == "next call ran", order
