@@ -169,7 +169,9 @@ os.register_at_fork(after_in_child=_forget_worker)
 
 def _retire_worker() -> None:
     """Leave the collectives thread to a call that cannot end before the collective timeout (it serves its own queue,
-    which nothing else reaches): the next :func:`interruptible` call starts a new thread."""
+    which nothing else reaches): the next :func:`interruptible` call starts a new thread. The stuck call's frame keeps
+    its process group referenced, which is what lets the process exit at once: ``destroy_process_group`` dropping the
+    last reference waited for gloo's stuck send, to the timeout (measured, with the call's references let go)."""
     global _jobs
     _jobs = None
 
