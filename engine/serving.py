@@ -779,7 +779,9 @@ class ServingEngine:
         except BaseException as exc:  # a bug in the loop itself: say so on every request, never hang them
             if self.ranks is not None and self._stopping:  # the others already went with the stop (Ctrl-C reaches all)
                 return
-            lost = lost_rank_message(exc) if self.ranks is not None else None  # gloo's words, in kvload's one line
+            # gloo's words, in kvload's one line (rank 0's broadcast says so itself when a follower's process ended)
+            lost = (str(exc) if isinstance(exc, RankLostError) else lost_rank_message(exc)) if self.ranks is not None \
+                else None
             with self._cond:  # under submit's lock: nothing is queued after the drain below, for a loop that is gone
                 self.loop_error = lost or f"{type(exc).__name__}: {exc}"
                 self.loop_exception = exc

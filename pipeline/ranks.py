@@ -37,6 +37,8 @@ _T = TypeVar("_T")
 _POLL_S = 0.1
 #: How long an aborted rendezvous is given to end once its store is gone (it ends within a second).
 ABORT_S = 30.0
+#: How long a call whose watch raised, and that cannot be aborted, is given to end by itself.
+_ENDS_S = 1.0
 
 
 def interruptible(call: Callable[[], _T], watch: Callable[[], None] | None = None,
@@ -53,7 +55,9 @@ def interruptible(call: Callable[[], _T], watch: Callable[[], None] | None = Non
 
     ``watch()`` runs at each slice of the wait (on any thread, then the call runs on the collectives thread too): what
     it raises ends the wait, after ``abort()`` (which makes the call end: its rendezvous gone) and the call's end,
-    awaited up to :data:`ABORT_S`, so the collectives thread is free for the next call.
+    awaited up to :data:`ABORT_S`, so the collectives thread is free for the next call. Without ``abort`` the call
+    is given :data:`_ENDS_S` to end by itself (then its own outcome stands); one that does not is left to the
+    collectives thread, and the next call gets a new one.
     """
     if threading.current_thread() is not threading.main_thread() and watch is None:
         return call()
@@ -73,10 +77,16 @@ def interruptible(call: Callable[[], _T], watch: Callable[[], None] | None = Non
         if watch is not None:
             try:
                 watch()
-            except BaseException:
+            except BaseException as exc:
+                # a rank that exited once its bytes were through (a stop's) may be seen gone before this wait saw
+                # the call end (a loaded machine): the call's own outcome stands
+                if abort is None and isinstance(exc, Exception) and done.wait(_ENDS_S):
+                    break
                 if abort is not None:
                     abort()
-                done.wait(ABORT_S)
+                # without an abort the call cannot be ended (gloo's send to a rank that died, :func:`_lost_peer`)
+                if not done.wait(ABORT_S if abort is not None else 0):
+                    _retire_worker()  # still inside the call: the next call gets a thread of its own
                 raise
     if "error" in box:
         error = box["error"]
@@ -157,6 +167,77 @@ def _forget_worker() -> None:
 os.register_at_fork(after_in_child=_forget_worker)
 
 
+def _retire_worker() -> None:
+    """Leave the collectives thread to a call that cannot end before the collective timeout (it serves its own queue,
+    which nothing else reaches): the next :func:`interruptible` call starts a new thread. The stuck call's frame keeps
+    its process group referenced, which is what lets the process exit at once: ``destroy_process_group`` dropping the
+    last reference waited for gloo's stuck send, to the timeout (measured, with the call's references let go)."""
+    global _jobs
+    _jobs = None
+
+
+#: The other ranks' processes on this machine, by rank: (pid, start time in clock ticks since boot), set when the
+#: object group forms (:func:`_gather_processes`). A rank on another machine (or in another pid namespace) is absent.
+_peers: dict[int, tuple[int, int]] = {}
+
+
+def _process_identity() -> tuple[str, str, int, int] | None:
+    """This process as another on the same machine can look it up in ``/proc``: (boot id, pid namespace, pid, start
+    time); None without ``/proc`` (not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+        pid = os.getpid()
+        return boot, namespace, pid, _start_ticks(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _start_ticks(pid: int) -> int:
+    """When process ``pid`` started (``/proc/PID/stat``'s 22nd field): a pid reused by a new process differs."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces and ")"
+    return int(fields[19])
+
+
+def _gone(pid: int, start: int) -> bool:
+    """Whether the process ``pid`` started at ``start`` has exited (a zombie not yet reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # unreadable: not known to be gone
+    return fields[0] in ("Z", "X", "x") or int(fields[19]) != start
+
+
+def _gather_processes(rank: int, group: Any) -> None:
+    """Every rank's process identity, once the object group formed: :func:`_lost_peer` watches those on this machine."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    mine = _process_identity()
+    interruptible(lambda: dist.all_gather_object(everyone, mine, group=group))
+    _peers.clear()
+    for other, who in enumerate(everyone):
+        if other != rank and mine is not None and who is not None and tuple(who[:2]) == mine[:2]:
+            _peers[other] = (int(who[2]), int(who[3]))
+
+
+def _lost_peer() -> None:
+    """Raise :class:`RankLostError` when another rank's process on this machine has exited: the watch of a broadcast's
+    sender. gloo never fails a send still queued when its receiver dies (the pair's error wakes the receives pending
+    on it, not an unbound buffer's send), so a sender whose bytes were in flight then waited the whole collective
+    timeout (``KVLOAD_DIST_TIMEOUT_S``, 600 s): ``kvload serve``'s clients silent that long after a follower's
+    SIGKILL. Nothing travels for it: the watch reads ``/proc`` only while a broadcast waits (each 0.1 s)."""
+    for rank, (pid, start) in _peers.items():
+        if _gone(pid, start):
+            raise RankLostError(f"lost contact with another rank (it exited or was killed): rank {rank} (pid {pid}) "
+                                "exited")
+
+
 def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
     text = environ.get(name)
     if text is None or text == "":
@@ -220,7 +301,9 @@ class Ranks:
 
         box = [obj]
         group = object_group()
-        interruptible(lambda: dist.broadcast_object_list(box, src=src, group=group))
+        # the sender watches the receivers' processes (:func:`_lost_peer`); a receiver's own wait fails at the death
+        interruptible(lambda: dist.broadcast_object_list(box, src=src, group=group),
+                      watch=_lost_peer if self.rank == src else None)
         return box[0]
 
     def barrier(self) -> None:
@@ -309,8 +392,10 @@ def object_group() -> Any:
     group = None if dist.get_backend() == "gloo" else interruptible(
         lambda: dist.new_group(backend="gloo", timeout=_timedelta()), watch=_rendezvous_watch,
         abort=(lambda: _groups.pop("server", None)) if _rendezvous_watch is not None else None)
-    _groups["objects"] = group if group is not None else dist.group.WORLD
-    return _groups["objects"]
+    group = group if group is not None else dist.group.WORLD
+    _gather_processes(dist.get_rank(), group)
+    _groups["objects"] = group
+    return group
 
 
 def _hosted_init(backend: str, watch: Callable[[], None]) -> None:
@@ -356,6 +441,7 @@ def shutdown() -> None:
     """Destroy the process group this module started (run at exit), and the rendezvous store rank 0 hosted."""
     server = _groups.pop("server", None)
     _groups.clear()
+    _peers.clear()
     try:
         import torch.distributed as dist
     except ImportError:

@@ -255,3 +255,142 @@ def test_gloo_s_peer_errors_map_to_one_line_and_others_do_not():
     assert lost_rank_message(reset).endswith(": Read error [127.0.0.1]:40365: Connection reset by peer")
     assert lost_rank_message(RuntimeError("shape mismatch")) is None
     assert lost_rank_message(ValueError("Connection reset by peer")) is None
+
+
+#: Two ranks' script: rank 0 broadcasts 64 MiB to rank 1, which stops (SIGSTOP) once it asked for the bytes, before
+#: they come (as a loaded machine may leave it); rank 0 sends only once rank 1 is stopped, so its socket fills. Every
+#: torch.distributed call moving 1 MiB or more is held so, whichever calls Ranks.broadcast makes.
+_STOPPED_RECEIVER = """
+import json, os, signal, sys, threading, time
+from pathlib import Path
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from pipeline.ranks import ranks_from_env
+
+out = Path(sys.argv[1])
+ranks = ranks_from_env()
+
+def held(call):
+    def hook(tensor, *args, **kwargs):
+        if tensor.numel() < 1 << 20:
+            return call(tensor, *args, **kwargs)
+        if ranks.rank == 1:
+            threading.Thread(target=call, args=(tensor, *args), kwargs=kwargs, daemon=True).start()
+            time.sleep(0.5)  # its receive posted (on that thread or torch's)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while not (out / "go").exists():
+            time.sleep(0.01)
+        (out / "sending").touch()
+        return call(tensor, *args, **kwargs)
+    return hook
+
+for name in ("broadcast", "send", "isend", "recv", "irecv"):
+    setattr(dist, name, held(getattr(c10d, name)))
+    setattr(c10d, name, getattr(dist, name))
+ranks.barrier()
+try:
+    ranks.broadcast(bytes(64 << 20) if ranks.is_first else None)
+    result = {"ok": True}
+except Exception as exc:
+    result = {"error": type(exc).__name__, "message": str(exc).splitlines()[0]}
+(out / f"rank{ranks.rank}.json").write_text(json.dumps(result))
+"""
+
+
+def test_a_broadcast_whose_receiver_dies_with_the_bytes_in_flight_fails_as_a_lost_rank(tmp_path):
+    # gloo never fails a send still queued when its receiver dies (only the receives pending): rank 0's broadcast of
+    # serve's orders or tokens to a follower SIGKILLed mid-transfer waited the whole collective timeout (here 300 s),
+    # the clients' streams silent. The sender now watches its receivers' processes while it waits: it fails as a lost
+    # rank within a second or so of the kill. 60 s is a bound far from both.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.tp_support import REPO, free_port
+
+    base = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "KVLOAD_DIST_TIMEOUT_S": "300"}
+    procs = [subprocess.Popen([sys.executable, "-c", _STOPPED_RECEIVER, str(tmp_path)], cwd=tmp_path,
+                              env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, preexec_fn=signals_as_a_terminal_gives_them,
+                              start_new_session=True) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+
+        def wait_for(ready):
+            while not ready():
+                assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()[-2000:]
+                time.sleep(0.05)
+
+        wait_for(lambda: Path(f"/proc/{procs[1].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T")
+        (tmp_path / "go").touch()
+        wait_for((tmp_path / "sending").exists)
+        time.sleep(0.5)  # rank 0's send fills the socket meanwhile
+        procs[1].kill()  # left unreaped (a zombie) until the end: a rank whose launcher has not reaped it yet
+        try:
+            err = procs[0].communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 still waited 60 s after its receiver's SIGKILL (the collective timeout is 300 s)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert procs[0].returncode == 0, err[-2000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["error"] == "RankLostError", result
+    assert result["message"] == (f"lost contact with another rank (it exited or was killed): rank 1 (pid "
+                                 f"{procs[1].pid}) exited"), result
+
+
+def test_a_watched_call_that_ends_after_its_watch_saw_a_rank_gone_keeps_its_outcome():
+    # a follower that exited once the stop's bytes were through can be seen gone before the sender's wait saw its
+    # broadcast end (a loaded machine): the broadcast succeeded, so it returns, rather than failing as a lost rank
+    import threading
+
+    from pipeline.errors import RankLostError
+    from pipeline.ranks import interruptible
+
+    seen = threading.Event()
+
+    def watch():
+        seen.set()
+        raise RankLostError("lost contact with another rank (it exited or was killed): rank 1 (pid 1) exited")
+
+    def call():
+        seen.wait()  # the watch raised first
+        return "sent"
+
+    assert interruptible(call, watch=watch) == "sent"
+
+
+def test_a_call_stuck_past_its_watch_leaves_the_next_call_a_thread_of_its_own():
+    # gloo's send to a rank that died ends only at the collective timeout: the lost rank is raised at once, and the
+    # collectives that follow (serve's stop) run at once, not queued behind the stuck one until it ends
+    import threading
+
+    from pipeline.errors import RankLostError
+    from pipeline.ranks import interruptible
+
+    release, order = threading.Event(), []
+
+    def stuck():
+        release.wait()
+        order.append("stuck call ended")
+
+    def watch():
+        raise RankLostError("lost contact with another rank (it exited or was killed): rank 1 (pid 1) exited")
+
+    timer = threading.Timer(20, release.set)  # the old code's first call waited for its end (up to ABORT_S, 30 s)
+    timer.start()
+    try:
+        with pytest.raises(RankLostError, match="rank 1 .pid 1. exited"):
+            interruptible(stuck, watch=watch)
+        order.append(interruptible(lambda: "next call ran", watch=lambda: None))
+    finally:
+        timer.cancel()
+        release.set()
+    assert order[0] == "next call ran", order
