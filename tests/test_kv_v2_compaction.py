@@ -16,6 +16,7 @@ import random
 import struct
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -298,3 +299,17 @@ def test_a_private_copy_moved_by_compaction_still_takes_the_cached_blocks_place_
     assert e.num_reused_tokens == 8  # the reuse unit (the compressed group's 8 tokens): b's copies, moved one included
     assert any(y in m.cache(e).tables[n] for n, pairs in moved.items() for _, y in pairs)
     check_kv(m, e)
+
+
+def test_a_slab_arena_refuses_a_host_tier_so_no_suspended_cache_holds_a_block_compaction_would_move():
+    # compact_slabs moves the tables of active caches only: a suspended cache's reclaim marks and write-back entries
+    # (host tier) would keep old block ids. The manager refuses a host tier on a slab arena outright, and the default
+    # (None: sized automatically elsewhere) gives none here.
+    layout = build_layout(COMPRESSED[1], "v2", 4, "float32")
+    plan = plan_arena(layout, 8 * slab_bytes(layout), 64)
+    with pytest.raises(ValueError, match="slab arena .* runs without a host tier"):
+        KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
+                         ManagerOptions(max_seq_len=64, host_cache_size=1 << 20))
+    m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
+                         ManagerOptions(max_seq_len=64, host_cache_size=None))
+    assert m.host is None and m.num_on_host == 0
