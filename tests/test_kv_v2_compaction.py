@@ -313,3 +313,30 @@ def test_a_slab_arena_refuses_a_host_tier_so_no_suspended_cache_holds_a_block_co
     m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
                          ManagerOptions(max_seq_len=64, host_cache_size=None))
     assert m.host is None and m.num_on_host == 0
+
+
+def test_packing_evicts_the_kept_slabs_cached_blocks_in_eviction_order():
+    # g (4 blocks a slab): slab 0 holds two used blocks and two cached ones, block 3 released before block 2; slab 1
+    # one used block. Packing keeps slab 0 and needs one place there: the cached block an allocation would evict first
+    # (3, the least recently released), not the first in slab order (2, the one just released)
+    from types import SimpleNamespace
+
+    from cache_backends.v2.slab_pool import SlabArena, SlabPool
+
+    arena = SlabArena(4, 1024)
+    g = SlabPool("g", arena, 256)
+    detached: list[int] = []
+
+    def detach(_name: str, blocks: list[int]) -> None:
+        for b in blocks:
+            g.node[b] = None
+        detached.extend(blocks)
+
+    assert sorted(g.allocate_many(4, detach)) == [0, 1, 2, 3] and g.allocate_many(1, detach) == [4]
+    for b in (3, 2):
+        g.node[b] = SimpleNamespace(children=())  # attached: cached on release
+        g.release([b], 0, True, detach)
+    assert g.evictable.blocks() == [3, 2]
+    assert g.packing_moves(detach) == [(4, 3)] and detached == [3]
+    g.move([(4, 3)])
+    assert g.evictable.blocks() == [2] and not arena.check()
