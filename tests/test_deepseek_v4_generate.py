@@ -430,3 +430,35 @@ def test_the_serving_loop_reuses_a_shared_prefix_and_forks_choices_from_the_prom
         engine.stop(60)
         result.close()
     assert not [e for e in events if e.get("field") == "kv_cache_config.enable_block_reuse"]
+
+
+def test_compaction_forced_before_every_step_keeps_tokens_and_reuse_from_snapshots(v4_path, monkeypatch):
+    """A slab arena compacted before every step (the scheduler does it only where a request alone would stall): the
+    compressed groups' moved blocks take their pages along and the executor's block-table rows follow them, so prompts
+    prefilled together and then reused from their snapshots give transformers' own tokens and the unforced run's hits.
+    (The window group, whose blocks the snapshots are kept with, has the largest page, a slab a block: its blocks are
+    packed already and never move here; test_pool_arena's snapshot test covers a moved one.)"""
+    from cache_backends.v2 import KVCacheV2Scheduler
+
+    step = KVCacheV2Scheduler.step
+
+    def compacting(self, waiting, running):
+        self.manager.compact_slabs()
+        return step(self, waiting, running)
+
+    monkeypatch.setattr(KVCacheV2Scheduler, "step", compacting)
+    result = load(v4_path, "v2", max_tokens=1024, max_seq_len=64, max_num_tokens=256, pool_arena=True)
+    try:
+        model = result.hf_model
+        firsts = prompts_for(model.config.vocab_size, (19, 30, 11, 26), seed=21)
+        outs = result.generate(firsts, max_new_tokens=3)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 3) for p in firsts]
+        tails = prompts_for(model.config.vocab_size, (5, 3, 9, 2), seed=22)
+        seconds = [p[:k] + t for p, k, t in zip(firsts, (18, 27, 10, 25), tails, strict=True)]
+        outs = result.generate(seconds, max_new_tokens=6)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 6) for p in seconds]
+        assert result.executor.last_stats.reused_prompt_tokens == 16 + 24 + 8 + 24  # as without compaction
+        assert result.kv_manager.stats().arena["blocks_moved"] > 0
+        assert used_blocks(result) == 0 and len(result.executor.v4) == 0
+    finally:
+        result.close()

@@ -339,8 +339,8 @@ class SlabPool(GroupPool):
     def packing_moves(self, detach: Detach) -> list[tuple[int, int]]:
         """Where each used block outside the fewest slabs that can hold them all goes: ``(block, its new place)``
         pairs, every new place a block of one of those slabs that is now neither free nor cached (a cached one is
-        evicted here, after every free one is taken); empty when the used blocks are packed already. The caller copies
-        the pages and moves every reference, then calls :meth:`move`.
+        evicted here, after every free one is taken, in eviction order); empty when the used blocks are packed
+        already. The caller copies the pages and moves every reference, then calls :meth:`move`.
 
         Which slabs keep theirs: the most used first (the fewest moves), then the fewest cached blocks to evict."""
         per, used_in, free_in = self.per, self.used_in, self.free_in
@@ -360,8 +360,10 @@ class SlabPool(GroupPool):
             if lst is not None and not lst:
                 del free_in[s]
         if len(places) < len(sources):  # then cached blocks of the kept slabs (room enough: k * per >= num_used)
-            cached = [b for s in keep for b in range(s * per, (s + 1) * per) if not ref[b] and b in self.evictable]
-            evicted = cached[:len(sources) - len(places)]
+            # in the eviction queue's order (leaves before shared prefixes, least recently released first), as an
+            # allocation evicts them: in slab order a hot prefix went while a cold block beside it stayed (review55)
+            kept = set(keep)
+            evicted = [b for b in self.evictable.blocks() if b // per in kept][:len(sources) - len(places)]
             self.evictable.remove_many(evicted)
             detach(self.name, evicted)
             self.evictions += len(evicted)
