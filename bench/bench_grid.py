@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_seq_len is not None and (args.only != "arena-slabs" or args.max_seq_len < 1):
         p.error(f"--max-seq-len: a positive integer, for --only arena-slabs alone; got {args.max_seq_len} with "
                 f"--only {args.only}")
+    if args.decisions and args.only not in (None, "grid"):
+        p.error(f"--decisions: the grid's decisions, for --only grid (or no --only) alone; got --only {args.only}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for key, value in machine().items():
         print(f"- {key}: {value}")

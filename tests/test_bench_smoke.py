@@ -55,6 +55,9 @@ def test_the_grids_decisions_file_holds_each_cells_clock_free_figures_and_repeat
     assert cell["v1"]["finished"] == cell["v2"]["finished"] > 0 and "step_time_us_median" not in cell["v2"]
     # the point of the file: two runs of the same tree compare equal byte for byte (no clock inside)
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    with pytest.raises(SystemExit) as exc:  # accepted only where it acts: the timing table has no decisions to write
+        bench_grid.main(["--only", "timing", "--decisions", str(tmp_path / "c.jsonl")])
+    assert exc.value.code == 2 and not (tmp_path / "c.jsonl").exists()
 
 
 def test_the_split_bench_runs_both_rules_and_puts_the_old_one_back():
