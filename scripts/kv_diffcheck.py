@@ -37,7 +37,8 @@ for _preset in ("tiny-llama", "tiny-gemma3", "tiny-mistral", "tiny-deepseek-v3",
                                               "host_cache_size": 1 << 26}))
     SCENARIOS.append((_preset, "shared-prefix", 1.0, {"use_kv_cache_manager_v2": False}))
     SCENARIOS.append((_preset, "multi-turn", 0.25, {"use_kv_cache_manager_v2": False}))
-# Gemma 3 27B: a shared arena cut into 31 groups (26 sliding sub-groups of 2 layers + 5 full), the many-groups paths
+# Gemma 3 27B: a shared arena of 11-layer pages cut into 6 groups (5 sliding, the last padded with 3 unused slots, +
+# 1 full of 10 layers; 31 groups of 2 layers before layout.share_pages padded), the many-groups and padded paths
 # (not shared-prefix: its default budget, 83 GB of pools, exceeds a small host's memory; run from the repo root)
 _GEMMA27 = "tests/data/configs/gemma-3-27b-it"
 for _wl in ("multi-turn", "no-reuse"):

@@ -165,6 +165,8 @@ class KvPlan:
             "unshared_reason": layout.unshared_reason,
             "arena_blocks": layout.arena_blocks(blocks) if layout.shared and blocks else None,
             "page_bytes": layout.page_bytes,
+            # a shared arena's pages that padded groups fill only in part (KvLayout.padding_dict); None: none
+            "padding": layout.padding_dict(self.max_seq_len),
             # split pools: the sequence length the windows are sized for (KvLayout.split_length)
             "split_length": (layout.split_length(self.max_seq_len)
                              if not layout.shared and len(layout.groups) > 1 and not self.arena else None),

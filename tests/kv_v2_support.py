@@ -84,7 +84,7 @@ def write_kv(manager: KVCacheManagerV2, request: Request, start: int, n: int,
             continue
         blocks, offs = _slots(manager, request, g.name, entries)
         expected = _expected(manager, g.name, [_entry_value(vals, g, e) for e in entries])
-        t = manager.pools.tensors[g.name]
+        t = manager.pools.tensors[g.name][: len(g.layers)]  # a padded group's page: the slots past its layers unused
         t[:, blocks, offs] = expected[:, :, None].expand(-1, -1, g.entry_elems)
 
 
@@ -106,7 +106,7 @@ def check_kv(manager: KVCacheManagerV2, request: Request) -> None:
         if not entries:
             continue
         blocks, offs = _slots(manager, request, g.name, entries)
-        got = manager.pools.tensors[g.name][:, blocks, offs]  # (layers, entries, elems)
+        got = manager.pools.tensors[g.name][: len(g.layers), blocks, offs]  # (layers, entries, elems)
         want = _expected(manager, g.name, [_entry_value(vals, g, e) for e in entries])
         bad = (got != want[:, :, None]).any(dim=-1).any(dim=0)
         if bad.any():

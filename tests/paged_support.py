@@ -145,6 +145,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("tiny-qwen3", {}),
     "mistral": ("tiny-mistral", {"sliding_window": WINDOW}),
     "gemma3": ("tiny-gemma3", {"sliding_window": WINDOW}),
+    # 9 sliding + 2 full layers: a shared arena of 2-layer pages (6 groups, not gcd's eleven 1-layer ones) whose
+    # last sliding group holds 1 layer in a 2-layer page (layout.share_pages pads it)
+    "gemma3-padded": ("tiny-gemma3", {"sliding_window": WINDOW, "num_hidden_layers": 11,
+                                      "layer_types": [*["sliding_attention"] * 4, "full_attention",
+                                                      *["sliding_attention"] * 5, "full_attention"]}),
     "deepseek-v3": ("tiny-deepseek-v3", {}),
 }
 

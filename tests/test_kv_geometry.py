@@ -204,14 +204,24 @@ def _gemma_shared(T=16):
     return layout
 
 
-@pytest.mark.parametrize(("counts", "size"), [((5, 1), 1), ((12, 12), 12), ((52, 10), 2), ((4, 6), 2)])
-def test_equal_pages_cut_groups_into_gcd_sized_groups_in_layer_order(counts, size):
+# (sliding, full) layer counts -> each group's layers, in order: gcd where no padded page size saves groups within
+# PAD_BOUND (tiny-gemma3's 5 + 1, GPT-OSS's 12 + 12, 4 + 6), else the padded size with the fewest groups (Gemma 3
+# 27B's 52 + 10: pages of 11 layers, the last sliding cut of 8; Gemma 3 1B's 22 + 4: pages of 4, the last of 2)
+CUTS = {(5, 1): [1] * 6, (12, 12): [12, 12], (4, 6): [2] * 5, (52, 10): [11, 11, 11, 11, 8, 10],
+        (22, 4): [4, 4, 4, 4, 4, 2, 4], (29, 5): [5, 5, 5, 5, 5, 4, 5]}
+
+
+@pytest.mark.parametrize("counts", sorted(CUTS))
+def test_equal_pages_cut_groups_into_equal_pages_in_layer_order(counts):
     sliding, full = counts
     layers = [LayerKV(i, "sliding", 8, window=16) for i in range(sliding)]
     layers += [LayerKV(sliding + i, "full", 8) for i in range(full)]
     layout = build_layout(layers, "v2", 4, "float32")
-    assert layout.shared and {len(g.layers) for g in layout.groups} == {size}
-    assert len({g.bytes_per_block for g in layout.groups}) == 1
+    size = max(CUTS[counts])
+    assert layout.shared and [len(g.layers) for g in layout.groups] == CUTS[counts]
+    assert {g.page_layers for g in layout.groups} == {size} == {layout.page_layers}
+    assert [g.padding for g in layout.groups] == [size - n for n in CUTS[counts]]
+    assert {g.bytes_per_block for g in layout.groups} == {size * 8 * 4 * 4}  # a whole page, padded or not
     assert [i for g in layout.groups for i in g.layers] == list(range(sliding + full))  # every layer once, in order
     if size == sliding:  # not cut: the name stays
         assert layout.groups[0].name == "sliding_w16"

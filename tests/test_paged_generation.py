@@ -157,7 +157,7 @@ def test_a_request_reading_another_requests_prefix_blocks_skips_their_prefill(fa
 # Compiling costs ~10-50 s per shape on a CPU, so these runs share one shape per family: at most
 # 8 tokens a step (chunks of 2 for 4 staggered prompts), one bucket, pools of the same size.
 FLEX_MODE = {"chunk_size": 2, "arrivals": [0, 1, 2, 5]}
-FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "deepseek-v3"]  # deepseek-v3: MLA, absorbed
+FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "gemma3-padded", "deepseek-v3"]  # deepseek-v3: MLA, absorbed
 
 
 @pytest.mark.parametrize("manager", ["v2", "v1"])
