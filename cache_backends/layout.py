@@ -7,8 +7,9 @@ compressed at rate c) with one block table per group.
 
 V2 memory shared between groups (vLLM's hybrid allocator; see :func:`share_pages`): when every group's
 page — one block of one layer, ``entries_per_block * entry_elems`` — has the same shape, each group
-is cut into sub-groups of at most ``G`` layers (``gcd(layer counts)``, or a larger ``G`` whose padded last cuts
-waste at most :data:`PAD_BOUND` of the pages' bytes: fewer tables a request), so every group's block is the same
+is cut into sub-groups of at most ``G`` layers (``gcd(layer counts)``, or, opted into with
+``kv_cache_config.max_page_padding``, a larger ``G`` whose padded last cuts waste at most that share of the pages'
+bytes: fewer tables a request), so every group's block is the same
 ``G``-layer page, and all groups take pages from one arena with one free list. Otherwise (DeepSeek
 V4's compressed groups) each group keeps a pool of its own, split once by :meth:`KvLayout.split_budget`.
 
@@ -173,6 +174,8 @@ class KvLayout:
     shared: bool = False
     #: V2 with several groups that cannot share: why (one line); None otherwise
     unshared_reason: str | None = None
+    #: a ``max_page_padding`` above 0 that padded no page: why (one line, for ``setting_ignored``); None otherwise
+    padding_unused: str | None = None
 
     @property
     def page_bytes(self) -> int | None:
@@ -444,9 +447,9 @@ def longest(fits: Callable[[int], bool], most: int, least: int = 0) -> int:
     return lo
 
 
-#: The most of a shared arena's page bytes a padded cut may leave unused (:func:`padding_share`, the worst sequence
-#: length): past it, the groups stay cut to ``gcd(layer counts)`` layers.
-PAD_BOUND = 0.10
+#: ``kv_cache_config.max_page_padding``'s accepted range is ``[0, MAX_PAGE_PADDING)``: at half a sequence's page bytes
+#: unused the padding would cost more memory than any table count saves CPU.
+MAX_PAGE_PADDING = 0.5
 
 
 def cut_sizes(counts: list[int], size: int) -> list[list[int]]:
@@ -481,12 +484,14 @@ def padding_share(groups: Iterable[LayerGroup], size: int) -> float:
     return worst
 
 
-def page_size(groups: list[LayerGroup], bound: float = PAD_BOUND) -> int:
+def page_size(groups: list[LayerGroup], bound: float = 0.0) -> int:
     """The layers of a shared arena's page: the size that cuts ``groups`` into the fewest groups with at most
     ``bound`` of the page bytes unused (:func:`padding_share`); ties go to less padding, then to smaller pages.
-    ``gcd(layer counts)`` (no padding) whenever no padded size gives fewer groups."""
+    ``gcd(layer counts)`` (no padding) whenever no padded size gives fewer groups, and always at ``bound`` 0."""
     counts = [len(g.layers) for g in groups]
     best = math.gcd(*counts)
+    if bound <= 0:  # the default: today's cut, no size searched
+        return best
     key = (sum(n // best for n in counts), 0.0, best)
     for size in range(1, max(counts) + 1):
         share = padding_share(groups, size)
@@ -495,8 +500,18 @@ def page_size(groups: list[LayerGroup], bound: float = PAD_BOUND) -> int:
     return key[2]
 
 
+def least_padding_for_fewer_groups(groups: list[LayerGroup]) -> float | None:
+    """The smallest :func:`padding_share` of a page size that cuts ``groups`` into fewer groups than
+    ``gcd(layer counts)`` does (what ``max_page_padding`` must reach to change anything); None when no size does."""
+    counts = [len(g.layers) for g in groups]
+    gcd_groups = sum(n // math.gcd(*counts) for n in counts)
+    shares = [padding_share(groups, size) for size in range(1, max(counts) + 1)
+              if sum(-(-n // size) for n in counts) < gcd_groups]
+    return min(shares) if shares else None
+
+
 def share_pages(groups: list[LayerGroup], dtype_bytes: int,
-                bound: float = PAD_BOUND) -> tuple[list[LayerGroup], str | None]:
+                bound: float = 0.0) -> tuple[list[LayerGroup], str | None]:
     """Cut V2 groups into groups of equal pages so one arena can serve them all; (groups, why not or None).
 
     Why equal pages: one free list can hand any block to any group only if every group's block is the
@@ -511,9 +526,10 @@ def share_pages(groups: list[LayerGroup], dtype_bytes: int,
     12 gives ``G = 12`` (no cut), Gemma 3 27B 52 + 10 ``G = 2`` (31 groups). A larger ``G`` (vLLM's hybrid
     allocator's choice) lets a kind's last cut hold fewer layers than the page: its ``padding`` slots are bytes it
     takes from the arena unused, taken only while at most ``bound`` of the bytes a sequence holds, at any length
-    (:func:`padding_share`): Gemma 3 27B gets ``G = 11``, 5 sliding groups (the last of 8 layers) + 1 full (10
-    layers), 6 groups, at most 9.1% unused (past every window: the full group's one slot in 11). A cut group keeps
-    its name with ``.0``, ``.1``, ... appended.
+    (:func:`padding_share`; ``bound`` is ``kv_cache_config.max_page_padding``, default 0: gcd, as a tight budget
+    holds fewer sequences in padded pages, BENCHMARKS.md "v2groups49"): at 0.10 Gemma 3 27B gets ``G = 11``, 5
+    sliding groups (the last of 8 layers) + 1 full (10 layers), 6 groups, at most 9.1% unused (past every window:
+    the full group's one slot in 11). A cut group keeps its name with ``.0``, ``.1``, ... appended.
 
     What falls back: groups whose per-layer pages differ in shape (DeepSeek V4's compressed groups,
     MLA beside other widths) keep one pool each, split by :meth:`KvLayout.split_budget`.
@@ -547,9 +563,29 @@ def _group_name(kind: str, layer_kind: str, window: int | None, rate: int | None
     return kind
 
 
+def _why_no_padding(groups: list[LayerGroup], unshared: str | None, shared: bool, bound: float) -> str:
+    """Why ``max_page_padding`` = ``bound`` padded no page of a V2 layout (``groups`` as grouped, before the cut)."""
+    if unshared is not None:
+        return (f"{unshared}: each group keeps its own pool (split, or DeepSeek V4's slab arena), so no page is "
+                "shared and none is padded")
+    if not shared:
+        return "the model's layers form one V2 group: there is no arena of several groups to cut into pages"
+    counts = [len(g.layers) for g in groups]
+    size = math.gcd(*counts)
+    least = least_padding_for_fewer_groups(groups)
+    if least is None:
+        return (f"pages of gcd(layer counts) = {size} layers already give the fewest groups "
+                f"({sum(n // size for n in counts)}); a padded page saves none")
+    return (f"no page larger than gcd(layer counts) = {size} layers leaves at most {bound:g} of a sequence's page "
+            f"bytes unused (fewer groups need {least:.3f}); the {sum(n // size for n in counts)} groups stay")
+
+
 def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: LayoutName, tokens_per_block: int,
-                 dtype: str) -> KvLayout:
-    """Group layers into pools for ``manager`` ("v1": one uniform pool; "v2": one pool per life cycle)."""
+                 dtype: str, max_page_padding: float = 0.0) -> KvLayout:
+    """Group layers into pools for ``manager`` ("v1": one uniform pool; "v2": one pool per life cycle; a shared
+    arena's pages padded within ``max_page_padding``, :func:`share_pages`)."""
+    if not 0 <= max_page_padding < MAX_PAGE_PADDING:
+        raise ValueError(f"max_page_padding must be in [0, {MAX_PAGE_PADDING}), got {max_page_padding}")
     if not layers:
         raise ValueError("a model with no attention layers has no KV cache to lay out")
     if dtype not in DTYPE_SIZES:
@@ -589,7 +625,11 @@ def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: LayoutNam
             else:
                 names[name] = 0
             groups.append(LayerGroup(name, kind, tuple(idx), elems, window, rate, epb, tpb, len(idx) * elems * b * epb))
-        groups, unshared = share_pages(groups, b)
-        return KvLayout(manager, dtype, b, T, layers, tuple(groups), shared=len(groups) > 1 and unshared is None,
-                        unshared_reason=unshared)
+        cut, unshared = share_pages(groups, b, max_page_padding)
+        shared = len(cut) > 1 and unshared is None
+        unused = None
+        if max_page_padding > 0 and not any(g.padding for g in cut):
+            unused = _why_no_padding(groups, unshared, shared, max_page_padding)
+        return KvLayout(manager, dtype, b, T, layers, tuple(cut), shared=shared, unshared_reason=unshared,
+                        padding_unused=unused)
     return KvLayout(manager, dtype, b, T, layers, tuple(groups))

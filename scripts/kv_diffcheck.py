@@ -37,8 +37,7 @@ for _preset in ("tiny-llama", "tiny-gemma3", "tiny-mistral", "tiny-deepseek-v3",
                                               "host_cache_size": 1 << 26}))
     SCENARIOS.append((_preset, "shared-prefix", 1.0, {"use_kv_cache_manager_v2": False}))
     SCENARIOS.append((_preset, "multi-turn", 0.25, {"use_kv_cache_manager_v2": False}))
-# Gemma 3 27B: a shared arena of 11-layer pages cut into 6 groups (5 sliding, the last padded with 3 unused slots, +
-# 1 full of 10 layers; 31 groups of 2 layers before layout.share_pages padded), the many-groups and padded paths
+# Gemma 3 27B: a shared arena cut into 31 groups (26 sliding sub-groups of 2 layers + 5 full), the many-groups paths
 # (not shared-prefix: its default budget, 83 GB of pools, exceeds a small host's memory; run from the repo root)
 _GEMMA27 = "tests/data/configs/gemma-3-27b-it"
 for _wl in ("multi-turn", "no-reuse"):
@@ -51,6 +50,11 @@ for _wl in ("multi-turn", "no-reuse"):
 for _wl in ("shared-prefix", "multi-turn", "no-reuse", "long-context"):
     for _scale in (1.0, 0.25):
         SCENARIOS.append(("tiny-deepseek-v4", _wl, _scale, {"use_kv_cache_manager_v2": True, "pool_arena": True}))
+# Gemma 3 27B with kv_cache_config.max_page_padding 0.1 (opt-in): 6 groups of 11-layer pages, the last sliding group
+# padded with 3 unused slots, the full one with 1 (layout.share_pages), the padded paths; last, as the arena's above
+for _wl in ("multi-turn", "no-reuse"):
+    for _scale in (1.0, 0.25):
+        SCENARIOS.append((_GEMMA27, _wl, _scale, {"use_kv_cache_manager_v2": True, "max_page_padding": 0.1}))
 
 
 def _prefix_block(pool: Any, b: int) -> tuple[int, int] | None:

@@ -126,7 +126,7 @@ def make_manager(layers: list[LayerKV], blocks: int | dict[str, int], *, T: int 
                  device: str = "cpu", **options: Any) -> KVCacheManagerV2:
     """A V2 manager over fresh pools; ``blocks`` per group (an int gives every group that many; a shared arena
     then gets that many pages per group, the bytes the groups would have had apart)."""
-    layout = build_layout(layers, "v2", T, dtype)
+    layout = build_layout(layers, "v2", T, dtype, options.pop("max_page_padding", 0.0))
     if isinstance(blocks, int) and layout.shared:
         blocks = blocks * len(layout.groups)
     counts = blocks if isinstance(blocks, dict) else {g.name: blocks for g in layout.groups}

@@ -11,7 +11,7 @@ import pytest
 
 import pipeline
 from tests.generate_support import NEW_TOKENS, greedy_admission, hf_greedy, load, prompts_for, used_blocks
-from tests.paged_support import CUDA, FAMILIES
+from tests.paged_support import CUDA, FAMILIES, PAGE_PADDING
 
 STAGGER = [0, 1, 2, 5]
 
@@ -104,8 +104,9 @@ def test_reuse_within_one_call_for_a_later_arrival(tiny_checkpoints):
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma3-padded", "mistral"])
 def test_sliding_window_prefix_reuse_keeps_tokens_exact(tiny_checkpoints, family):
-    """Sliding-window models on V2 with the default settings: the reused prefix is longer than the window."""
-    with load(tiny_checkpoints(family), "v2") as result:
+    """Sliding-window models on V2 with the default settings (gemma3-padded: padded pages opted into): the reused
+    prefix is longer than the window."""
+    with load(tiny_checkpoints(family), "v2", max_page_padding=PAGE_PADDING.get(family, 0.0)) as result:
         # gemma3: one arena for its 1-layer groups; gemma3-padded: for its 2-layer pages, one group's half unused
         assert result.kv_manager.layout.shared == family.startswith("gemma3")
         assert any(g.padding for g in result.kv_manager.layout.groups) == (family == "gemma3-padded")
@@ -139,7 +140,7 @@ def test_v1_under_pressure_makes_requests_wait_and_all_complete(tiny_checkpoints
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gemma3-padded"])
 def test_v2_under_pressure_suspends_to_the_host_tier_and_resumes_exactly(tiny_checkpoints, family):
-    with load(tiny_checkpoints(family), "v2", max_tokens=40) as result:
+    with load(tiny_checkpoints(family), "v2", max_tokens=40, max_page_padding=PAGE_PADDING.get(family, 0.0)) as result:
         # suspend/resume through the shared arena (gemma3-padded: whole pages, a padded group's unused slot too)
         assert result.kv_manager.layout.shared == family.startswith("gemma3")
         model = result.hf_model

@@ -1264,6 +1264,10 @@ def test_a_keyed_finish_requeues_its_window_s_last_leavings_a_set_at_once_as_gro
 # --- padded pages: fewer groups than gcd's cut, the last sliding cut leaving part of its page unused ----------------
 
 
+#: kv_cache_config.max_page_padding these tests opt into (the default, 0, cuts gcd pages, none padded)
+PADDING = 0.10
+
+
 def padded_layers(window: int = 8) -> list[LayerKV]:
     """Nine sliding layers and two full ones with equal entries: pages of 2 layers (gcd 1 would give 11 groups), the
     last sliding group ``sliding_w{window}.4`` holding layer 9 alone in slot 0 of each of its pages."""
@@ -1272,7 +1276,7 @@ def padded_layers(window: int = 8) -> list[LayerKV]:
 
 
 def test_a_padded_groups_layers_view_the_first_slots_of_the_arenas_pages():
-    layout = build_layout(padded_layers(), "v2", 4, "float32")
+    layout = build_layout(padded_layers(), "v2", 4, "float32", PADDING)
     assert [(g.name, len(g.layers), g.padding) for g in layout.groups] == [
         *[(f"sliding_w8.{i}", 2, 0) for i in range(4)], ("sliding_w8.4", 1, 1), ("full", 2, 0)]
     pools = BlockPools(layout, {g.name: 10 for g in layout.groups}, "cpu")
@@ -1289,7 +1293,7 @@ def test_a_padded_groups_layers_view_the_first_slots_of_the_arenas_pages():
 
 
 def test_plan_says_what_a_padded_arena_leaves_unused():
-    layout = build_layout(padded_layers(), "v2", 4, "float32")
+    layout = build_layout(padded_layers(), "v2", 4, "float32", PADDING)
     # short sequences: every group holds alike, 1 unused slot of 12; past the window only the full group grows
     assert layout.padding_share() == pytest.approx(1 / 12)
     # 64 tokens: 5 windows of 3 pages + 16 full pages of 2 slots; the padded group's 3 pages leave one slot each
@@ -1302,7 +1306,8 @@ def test_plan_says_what_a_padded_arena_leaves_unused():
     # the per-layer growth (kv-geometry.md) leaves the padding out, as block rounding; the bytes held count it
     assert layout.bytes_per_token == 2 * 4 * 4
     assert layout.bytes_for_sequence(64) == (5 * 3 + 16) * layout.page_bytes
-    unpadded = build_layout(gemma_like(), "v2", 4, "float32")
+    assert build_layout(padded_layers(), "v2", 4, "float32").padding_dict(64) is None  # the default pads nothing
+    unpadded = build_layout(gemma_like(), "v2", 4, "float32", PADDING)
     assert unpadded.padding_dict(64) is None
     assert "unused" not in unpadded.memory_text({g.name: 60 for g in unpadded.groups}, 64)
 
@@ -1320,7 +1325,7 @@ def test_a_padded_layout_keeps_every_layers_entries_through_hits_slides_and_susp
     pages overwritten, and resumed), decoding past the window: every live entry of every layer reads back its own
     value (a layer reading another group's page, or another slot of its own page, reads another layer's value or an
     unwritten NaN)."""
-    m = make_manager(PADDED[padded], 30, enable_block_reuse=not suspend)
+    m = make_manager(PADDED[padded], 30, enable_block_reuse=not suspend, max_page_padding=PADDING)
     padded_group = next(g for g in m.groups if g.padding)
     assert padded_group.name == ("sliding_w8" if padded == "first" else "sliding_w8.4")
     arena = m.pools.tensors[padded_group.name]

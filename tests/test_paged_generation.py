@@ -20,7 +20,7 @@ from cache_backends.flex_paged import CUDA_MIN_BLOCK
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, use_paged_attention
 from models.weights import random_model
-from tests.paged_support import CUDA, FAMILIES, WINDOW, RefDriver, tiny_config
+from tests.paged_support import CUDA, FAMILIES, PAGE_PADDING, WINDOW, RefDriver, tiny_config
 
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (5, 13, 21, 2)
@@ -55,7 +55,8 @@ def paged_greedy(family: str, device: str = "cpu", **kwargs: Any) -> tuple[list,
     ps, _, _ = reference(family, device)
     driver = RefDriver(copy.deepcopy(tiny_model(family, device)), manager=kwargs.pop("manager", "v2"),
                        flex=kwargs.pop("flex", False), max_num_tokens=kwargs.pop("max_num_tokens", 64),
-                       tokens_per_block=kwargs.pop("tokens_per_block", 4))
+                       tokens_per_block=kwargs.pop("tokens_per_block", 4),
+                       max_page_padding=PAGE_PADDING.get(family, 0.0))
     try:
         return driver.generate(ps, NEW_TOKENS, **kwargs), driver
     finally:
