@@ -65,11 +65,15 @@ CONCURRENCY_TARGET = 3.0
 CPU = {"device": "cpu", "log": False, "progress": False}
 
 
-def _cell(preset: str, workload: Any, budget_bytes: int | None, policy: str = "fcfs") -> tuple[int, dict[str, Any]]:
-    """One ``simulate --compare`` run: (the budget it used, {manager: ManagerResult})."""
+def _cell(preset: str, workload: Any, budget_bytes: int | None, policy: str = "fcfs",
+          padding: float | None = None) -> tuple[int, dict[str, Any]]:
+    """One ``simulate --compare`` run: (the budget it used, {manager: ManagerResult}); ``padding``: V2's
+    ``kv_cache_config.max_page_padding`` (V1 ignores it, with a setting_ignored the quiet log drops)."""
     from engine.simulator import simulate
 
-    kv = {"max_gpu_total_bytes": budget_bytes} if budget_bytes else {}
+    kv: dict[str, Any] = {"max_gpu_total_bytes": budget_bytes} if budget_bytes else {}
+    if padding is not None:
+        kv["max_page_padding"] = padding
     report = simulate(preset, workload, compare=True, kv_cache_config=kv, scheduling_policy=policy, **CPU)
     return report.budget.bytes, report.results
 
@@ -81,12 +85,15 @@ def _hit(m: Any) -> str:
 
 
 def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLOADS,
-         budgets: tuple[str, ...] = tuple(BUDGETS), quick: bool = False) -> tuple[list[dict[str, Any]], Table]:
-    """Run the grid: the per-cell records (for checks) and the markdown table."""
+         budgets: tuple[str, ...] = tuple(BUDGETS), quick: bool = False,
+         padding: float | None = None) -> tuple[list[dict[str, Any]], Table]:
+    """Run the grid: the per-cell records (for checks) and the markdown table (``padding``: every cell with that
+    ``kv_cache_config.max_page_padding``)."""
     from engine.workloads import make_workload
 
     rows: list[dict[str, Any]] = []
-    cmd = "python -m bench.bench_grid" + (" --quick" if quick else "") + (" --real" if presets == REAL else "")
+    cmd = "python -m bench.bench_grid" + (" --quick" if quick else "") + (" --real" if presets == REAL else "") + (
+        f" --max_page_padding {padding}" if padding is not None else "")
     table = Table("V1 vs V2 at the same budget: presets x workloads x budgets", cmd,
                   ["preset", "workload", "budget", "V2/V1 steps", "hit V1 (of ideal)", "hit V2 (of ideal)",
                    "mean conc. V1 / V2", "V2 suspends / preemptions", "V2/V1 step time",
@@ -101,9 +108,9 @@ def grid(presets: tuple[str, ...] = PRESETS, workloads: tuple[str, ...] = WORKLO
             for label in budgets:
                 start = time.perf_counter()
                 if label == "default" or base is None:
-                    base, default_results = _cell(preset, wl, None, policy)
+                    base, default_results = _cell(preset, wl, None, policy, padding)
                 results = (default_results if label == "default"
-                           else _cell(preset, wl, int(base * BUDGETS[label]), policy)[1])
+                           else _cell(preset, wl, int(base * BUDGETS[label]), policy, padding)[1])
                 row: dict[str, Any] = {"preset": preset, "workload": name, "budget": label}
                 v1, v2 = results["KVCacheManager"], results["KVCacheManagerV2"]
                 row["status"] = {"v1": v1.status, "v2": v2.status}
@@ -465,6 +472,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="arena-slabs: one max_seq_len for every workload (default: each workload's longest sequence)")
     p.add_argument("--decisions", metavar="FILE", default=None,
                    help="grid: also write each cell's clock-free figures (steps, hits, suspends, ...) as JSON lines")
+    p.add_argument("--max_page_padding", type=float, default=None, metavar="F",
+                   help="grid: every cell with kv_cache_config.max_page_padding F (V2's padded shared-arena pages; "
+                        "default: the setting's default, 0)")
     args = p.parse_args(argv)
     budgets = tuple(b.strip() for b in args.budgets.split(",") if b.strip())
     unknown = [b for b in budgets if b not in BUDGETS]
@@ -473,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_seq_len is not None and (args.only != "arena-slabs" or args.max_seq_len < 1):
         p.error(f"--max-seq-len: a positive integer, for --only arena-slabs alone; got {args.max_seq_len} with "
                 f"--only {args.only}")
+    if args.max_page_padding is not None and args.only not in (None, "grid"):
+        p.error(f"--max_page_padding: for the grid, --only grid (or no --only) alone; got --only {args.only}")
     if args.decisions and args.only not in (None, "grid"):
         p.error(f"--decisions: the grid's decisions, for --only grid (or no --only) alone; got --only {args.only}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -481,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     if args.only in (None, "grid"):
         presets = args.presets.split(",") if args.presets else REAL if args.real else PRESETS
-        rows, table = grid(tuple(presets), tuple(args.workloads.split(",")), budgets, args.quick)
+        rows, table = grid(tuple(presets), tuple(args.workloads.split(",")), budgets, args.quick,
+                           args.max_page_padding)
         print(table.markdown())
         if args.decisions:
             with open(args.decisions, "w") as f:

@@ -58,10 +58,17 @@ def _at_budget(model: str, wl: Any, budget: float | None, sides: tuple[dict[str,
     return tuple({**kv, "max_gpu_total_bytes": int(base * budget)} for kv in sides)
 
 
+def _padded(sides: tuple[dict[str, Any], ...], padding: float | None) -> tuple[dict, ...]:
+    """The V2 sides with ``kv_cache_config.max_page_padding`` = ``padding`` (V1 has no arena to pad: left as is)."""
+    if padding is None:
+        return sides
+    return tuple({**kv, "max_page_padding": padding} if kv.get("use_kv_cache_manager_v2") else kv for kv in sides)
+
+
 def measure(pairs: int, quick: bool, only: list[str] | None = None,
             model: str = "tiny-llama", requests: int | None = None,
             opcodes: bool = False, total: bool = False,
-            budget: float | None = None) -> dict[str, dict[str, list[float]]]:
+            budget: float | None = None, padding: float | None = None) -> dict[str, dict[str, list[float]]]:
     """Per figure: the median step µs of each run of side ``a`` and ``b``, pairs interleaved (order alternating);
     with ``total``, each run's whole manager + scheduler time in ms instead; with ``opcodes``, the Python opcodes of
     each side's KV work over one whole run; with ``budget``, both sides at that fraction of the default budget."""
@@ -69,7 +76,7 @@ def measure(pairs: int, quick: bool, only: list[str] | None = None,
     from engine.workloads import make_workload
 
     if opcodes:
-        return _count_opcodes(quick, only, model, requests, budget)
+        return _count_opcodes(quick, only, model, requests, budget, padding)
     with thread_cpu_step_clock():
         out: dict[str, dict[str, list[float]]] = {}
         for figure, (name, a, b) in FIGURES.items():
@@ -78,7 +85,7 @@ def measure(pairs: int, quick: bool, only: list[str] | None = None,
             wl = make_workload(name, None, 0)
             if quick or requests:
                 wl = make_workload(name, requests or max(4, len(wl.requests) // 4), 0)
-            a, b = _at_budget(model, wl, budget, (a, b))
+            a, b = _padded(_at_budget(model, wl, budget, (a, b)), padding)
             runs: dict[str, list[float]] = {"a": [], "b": []}
             for i in range(pairs):
                 for side in (("a", "b") if i % 2 == 0 else ("b", "a")):
@@ -94,7 +101,8 @@ def measure(pairs: int, quick: bool, only: list[str] | None = None,
 
 
 def _count_opcodes(quick: bool, only: list[str] | None, model: str,
-                   requests: int | None, budget: float | None = None) -> dict[str, dict[str, list[float]]]:
+                   requests: int | None, budget: float | None = None,
+                   padding: float | None = None) -> dict[str, dict[str, list[float]]]:
     """Per figure: each side's opcode count over one run (deterministic: one run says it all)."""
     from bench.common import kv_opcode_counter
     from engine.simulator import simulate
@@ -106,7 +114,7 @@ def _count_opcodes(quick: bool, only: list[str] | None, model: str,
             continue
         wl = make_workload(name, requests or (max(4, len(make_workload(name, None, 0).requests) // 4) if quick
                                               else None), 0)
-        a, b = _at_budget(model, wl, budget, (a, b))
+        a, b = _padded(_at_budget(model, wl, budget, (a, b)), padding)
         runs: dict[str, list[float]] = {}
         for side, kv in (("a", a), ("b", b)):
             with kv_opcode_counter() as count:
@@ -157,7 +165,7 @@ def table(results: dict[str, dict[str, dict[str, list[float]]]], command: str, m
 
 def _child(tree: str, pairs: int, quick: bool, only: str | None, model: str,
            requests: int | None, opcodes: bool = False, total: bool = False,
-           budget: float | None = None) -> dict[str, dict[str, list[float]]]:
+           budget: float | None = None, padding: float | None = None) -> dict[str, dict[str, list[float]]]:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # this file, run against the tree's packages: the other tree may predate --model and the 4th figure
     args = [sys.executable, os.path.abspath(__file__), "--json", "--pairs", str(pairs), "--model", model]
@@ -166,6 +174,7 @@ def _child(tree: str, pairs: int, quick: bool, only: str | None, model: str,
     args += ["--opcodes"] if opcodes else []
     args += ["--total"] if total else []
     args += ["--budget", str(budget)] if budget is not None else []  # this file's flag: the other tree needs none
+    args += ["--max_page_padding", str(padding)] if padding is not None else []  # needs the setting in that tree
     done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -190,11 +199,13 @@ def main(argv: list[str] | None = None) -> None:
                    "median step (where the cost is in a few steps: admissions, finishes)")
     p.add_argument("--budget", type=float, help="both sides at this fraction of the simulator's default budget for "
                    "the workload (0.25: the grid's tight cells, where requests wait; default: that budget)")
+    p.add_argument("--max_page_padding", type=float, help="the V2 sides with kv_cache_config.max_page_padding at "
+                   "this share (padded pages, fewer layer groups on a shared arena; default: the setting's default)")
     args = p.parse_args(argv)
     only = [list(FIGURES)[int(i) - 1] for i in args.only.split(",")] if args.only else None
     if args.json:
         print(json.dumps(measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes, args.total,
-                                 args.budget)))
+                                 args.budget, args.max_page_padding)))
         return
     # the tree this file belongs to, not the working directory: run from another checkout, "after" would
     # otherwise measure that checkout's code under this tree's name
@@ -203,10 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         " --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + (
         f" --model {args.model}" if args.model != "tiny-llama" else "") + (
         f" --requests {args.requests}" if args.requests else "") + (" --opcodes" if args.opcodes else "") + (
-        " --total" if args.total else "") + (f" --budget {args.budget}" if args.budget is not None else "")
+        " --total" if args.total else "") + (f" --budget {args.budget}" if args.budget is not None else "") + (
+        f" --max_page_padding {args.max_page_padding}" if args.max_page_padding is not None else "")
     if args.against is None:
         results = {"this tree": measure(args.pairs, args.quick, only, args.model, args.requests, args.opcodes,
-                                        args.total, args.budget)}
+                                        args.total, args.budget, args.max_page_padding)}
     else:
         command += " --against <tree>" + ("" if args.opcodes else f" --rounds {args.rounds}")
         trees = {"before (--against)": os.path.abspath(args.against), "after (this tree)": here}
@@ -214,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(1 if args.opcodes else args.rounds):  # opcode counts do not vary: one process per tree
             for name in (list(trees) if i % 2 == 0 else list(trees)[::-1]):
                 for f, runs in _child(trees[name], args.pairs, args.quick, args.only, args.model,
-                                      args.requests, args.opcodes, args.total, args.budget).items():
+                                      args.requests, args.opcodes, args.total, args.budget,
+                                      args.max_page_padding).items():
                     results[name][f]["a"] += runs["a"]
                     results[name][f]["b"] += runs["b"]
     print(machine())

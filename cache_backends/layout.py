@@ -7,12 +7,16 @@ compressed at rate c) with one block table per group.
 
 V2 memory shared between groups (vLLM's hybrid allocator; see :func:`share_pages`): when every group's
 page — one block of one layer, ``entries_per_block * entry_elems`` — has the same shape, each group
-is cut into sub-groups of ``G = gcd(layer counts)`` layers, so every group's block is the same
+is cut into sub-groups of at most ``G`` layers (``gcd(layer counts)``, or, opted into with
+``kv_cache_config.max_page_padding``, a larger ``G`` whose padded last cuts waste at most that share of the pages'
+bytes: fewer tables a request), so every group's block is the same
 ``G``-layer page, and all groups take pages from one arena with one free list. Otherwise (DeepSeek
 V4's compressed groups) each group keeps a pool of its own, split once by :meth:`KvLayout.split_budget`.
 
 Invariants of a :class:`LayerGroup`: ``tokens_per_block == entries_per_block * (compress_rate or 1)``
-and ``bytes_per_block == len(layers) * entry_elems * dtype_bytes * entries_per_block``.
+and ``bytes_per_block == page_layers * entry_elems * dtype_bytes * entries_per_block``, where ``page_layers ==
+len(layers) + padding`` (``padding`` > 0 only for the last cut of a kind on a shared arena whose ``G``-layer page it
+does not fill: its unused layer slots are bytes it takes from the arena and never reads or writes).
 """
 
 from __future__ import annotations
@@ -104,6 +108,13 @@ class LayerGroup:
     entries_per_block: int
     tokens_per_block: int
     bytes_per_block: int
+    #: layer slots of each block no layer of the group uses (a padded cut of a shared arena's page; see share_pages)
+    padding: int = 0
+
+    @property
+    def page_layers(self) -> int:
+        """Layer slots of one of the group's blocks: its layers plus its padding."""
+        return len(self.layers) + self.padding
 
     @property
     def keeps_all_tokens(self) -> bool:
@@ -127,8 +138,12 @@ class LayerGroup:
 
     @property
     def bytes_per_token(self) -> float:
-        """Asymptotic growth per token: 0 for a window, an entry (or entry/c) per layer otherwise."""
-        return 0.0 if self.window is not None else self.bytes_per_block / self.tokens_per_block
+        """Asymptotic growth per token: 0 for a window, an entry (or entry/c) per layer otherwise (a padded group's
+        unused slots left out, as block rounding is: ``kv-geometry.md``'s per-layer sum; the plan's memory line
+        says what the padding takes)."""
+        if self.window is not None:
+            return 0.0
+        return self.bytes_per_block * len(self.layers) / self.page_layers / self.tokens_per_block
 
     def to_dict(self) -> dict:
         """JSON form used by ``plan --json`` (without the block count, which depends on the budget)."""
@@ -141,6 +156,7 @@ class LayerGroup:
             "entry_elems": self.entry_elems,
             "tokens_per_block": self.tokens_per_block,
             "bytes_per_block": self.bytes_per_block,
+            "padding_layers": self.padding,
         }
 
 
@@ -158,6 +174,8 @@ class KvLayout:
     shared: bool = False
     #: V2 with several groups that cannot share: why (one line); None otherwise
     unshared_reason: str | None = None
+    #: a ``max_page_padding`` above 0 that padded no page: why (one line, for ``setting_ignored``); None otherwise
+    padding_unused: str | None = None
 
     @property
     def page_bytes(self) -> int | None:
@@ -190,7 +208,39 @@ class KvLayout:
                      "(each group's block count is the whole arena: what it could hold alone)")
             if seq_len:
                 text += f"; {self.max_sequences(blocks, seq_len):,} sequence(s) of {seq_len:,} tokens fit jointly"
+        if padded := self.padding_dict(seq_len):
+            unused = ", ".join(f"{name} {n}" for name, n in padded["unused_slots"].items())
+            text += (f"; pages of {padded['page_layers']} layers, unused layer slots a page: {unused} (at most "
+                     f"{padded['worst_share']:.1%} of the bytes a sequence holds")
+            text += (f", {padded['share_at_max_seq_len']:.1%} at {seq_len:,} tokens)" if seq_len else ")")
         return text
+
+    @property
+    def page_layers(self) -> int | None:
+        """Layer slots of one page of a shared arena; None when the memory is not shared."""
+        return self.groups[0].page_layers if self.shared else None
+
+    def padding_share(self, length: int | None = None) -> float:
+        """Share of the page bytes a sequence of ``length`` tokens holds that padded groups leave unused (block
+        rounding included); ``length`` None: the largest over every length (:func:`padding_share`)."""
+        if not self.shared or not any(g.padding for g in self.groups):
+            return 0.0
+        if length is None:
+            return padding_share(self.groups, self.groups[0].page_layers)
+        held = self.blocks_for_sequence(max(length, 1))
+        return (sum(g.padding * held[g.name] for g in self.groups)
+                / sum(g.page_layers * held[g.name] for g in self.groups))
+
+    def padding_dict(self, seq_len: int | None = None) -> dict | None:
+        """A shared arena's padded groups (``plan --json``'s ``memory.padding``): the page's layers, each padded
+        group's unused slots a page, and the share of a sequence's page bytes they leave unused (the largest
+        over every length, and at ``seq_len``); None when no group is padded."""
+        if not self.shared or not any(g.padding for g in self.groups):
+            return None
+        return {"page_layers": self.groups[0].page_layers,
+                "unused_slots": {g.name: g.padding for g in self.groups if g.padding},
+                "worst_share": self.padding_share(),
+                "share_at_max_seq_len": self.padding_share(seq_len) if seq_len else None}
 
     @property
     def bytes_per_token(self) -> float:
@@ -397,7 +447,71 @@ def longest(fits: Callable[[int], bool], most: int, least: int = 0) -> int:
     return lo
 
 
-def share_pages(groups: list[LayerGroup], dtype_bytes: int) -> tuple[list[LayerGroup], str | None]:
+#: ``kv_cache_config.max_page_padding``'s accepted range is ``[0, MAX_PAGE_PADDING)``: at half a sequence's page bytes
+#: unused the padding would cost more memory than any table count saves CPU.
+MAX_PAGE_PADDING = 0.5
+
+
+def cut_sizes(counts: list[int], size: int) -> list[list[int]]:
+    """Each group's cuts' layer counts for pages of ``size`` layers: full cuts, then the rest (padded) last."""
+    return [[size] * (n // size) + ([n % size] if n % size else []) for n in counts]
+
+
+def padding_share(groups: Iterable[LayerGroup], size: int) -> float:
+    """The largest share of the page bytes a sequence holds that ``size``-layer pages leave unused, over every length.
+
+    A group of ``n`` layers cut into ``ceil(n / size)`` pages a block has ``ceil(n / size) * size - n`` unused slots;
+    a sequence of ``L`` tokens holds ``min(L, W)`` tokens' blocks in a group of window ``W`` (``L`` where it keeps all
+    tokens), so the share is ``sum(pad_g * h_g) / sum(slots_g * h_g)`` with ``h_g = min(L, W_g)``: a ratio of
+    piecewise linear functions of ``L``, monotone between the windows, so its largest value is at a short sequence
+    (every group alike), at one of the windows, or past every window (growing groups alone). Block rounding is left
+    out (it is the same with or without the padding).
+    """
+    groups = list(groups)
+    pads = [(-len(g.layers)) % size for g in groups]
+    slots = [len(g.layers) + p for g, p in zip(groups, pads, strict=True)]
+    ends = sorted({g.window for g in groups if g.window is not None})
+    worst = 0.0
+    for length in (1, *ends, math.inf):
+        held = [min(length, g.window or math.inf) for g in groups]
+        if length == math.inf:  # past every window: only the growing groups grow
+            if not any(g.window is None for g in groups):
+                continue
+            held = [1.0 if g.window is None else 0.0 for g in groups]
+        total = sum(s * h for s, h in zip(slots, held, strict=True))
+        if total:
+            worst = max(worst, sum(p * h for p, h in zip(pads, held, strict=True)) / total)
+    return worst
+
+
+def page_size(groups: list[LayerGroup], bound: float = 0.0) -> int:
+    """The layers of a shared arena's page: the size that cuts ``groups`` into the fewest groups with at most
+    ``bound`` of the page bytes unused (:func:`padding_share`); ties go to less padding, then to smaller pages.
+    ``gcd(layer counts)`` (no padding) whenever no padded size gives fewer groups, and always at ``bound`` 0."""
+    counts = [len(g.layers) for g in groups]
+    best = math.gcd(*counts)
+    if bound <= 0:  # the default: today's cut, no size searched
+        return best
+    key = (sum(n // best for n in counts), 0.0, best)
+    for size in range(1, max(counts) + 1):
+        share = padding_share(groups, size)
+        if share <= bound:
+            key = min(key, (sum(-(-n // size) for n in counts), share, size))
+    return key[2]
+
+
+def least_padding_for_fewer_groups(groups: list[LayerGroup]) -> float | None:
+    """The smallest :func:`padding_share` of a page size that cuts ``groups`` into fewer groups than
+    ``gcd(layer counts)`` does (what ``max_page_padding`` must reach to change anything); None when no size does."""
+    counts = [len(g.layers) for g in groups]
+    gcd_groups = sum(n // math.gcd(*counts) for n in counts)
+    shares = [padding_share(groups, size) for size in range(1, max(counts) + 1)
+              if sum(-(-n // size) for n in counts) < gcd_groups]
+    return min(shares) if shares else None
+
+
+def share_pages(groups: list[LayerGroup], dtype_bytes: int,
+                bound: float = 0.0) -> tuple[list[LayerGroup], str | None]:
     """Cut V2 groups into groups of equal pages so one arena can serve them all; (groups, why not or None).
 
     Why equal pages: one free list can hand any block to any group only if every group's block is the
@@ -406,11 +520,16 @@ def share_pages(groups: list[LayerGroup], dtype_bytes: int) -> tuple[list[LayerG
     pages a long one would have used in the full-attention group (and the other way round), instead of
     a split fixed once for ``max_seq_len`` sequences.
 
-    Why gcd: a group of ``n`` layers whose per-layer page has the same shape as everyone else's is cut
-    into ``n / G`` groups of ``G = gcd(layer counts)`` consecutive layers, the largest size that divides
-    every group exactly (no padding layers, no wasted bytes): tiny-gemma3 5 sliding + 1 full gives
-    ``G = 1`` (six 1-layer groups), GPT-OSS 12 + 12 gives ``G = 12`` (no cut), Gemma 3 27B 52 + 10
-    gives ``G = 2``. A cut group keeps its name with ``.0``, ``.1``, ... appended.
+    Why ``G`` (:func:`page_size`): every group costs V2 a block table a request that each admission, claim,
+    keying, release and window slide walks, so fewer groups cost less CPU. ``G = gcd(layer counts)`` cuts every
+    group exactly (no padding): tiny-gemma3 5 sliding + 1 full gives ``G = 1`` (six 1-layer groups), GPT-OSS 12 +
+    12 gives ``G = 12`` (no cut), Gemma 3 27B 52 + 10 ``G = 2`` (31 groups). A larger ``G`` (vLLM's hybrid
+    allocator's choice) lets a kind's last cut hold fewer layers than the page: its ``padding`` slots are bytes it
+    takes from the arena unused, taken only while at most ``bound`` of the bytes a sequence holds, at any length
+    (:func:`padding_share`; ``bound`` is ``kv_cache_config.max_page_padding``, default 0: gcd, as a tight budget
+    holds fewer sequences in padded pages, BENCHMARKS.md "v2groups49"): at 0.10 Gemma 3 27B gets ``G = 11``, 5
+    sliding groups (the last of 8 layers) + 1 full (10 layers), 6 groups, at most 9.1% unused (past every window:
+    the full group's one slot in 11). A cut group keeps its name with ``.0``, ``.1``, ... appended.
 
     What falls back: groups whose per-layer pages differ in shape (DeepSeek V4's compressed groups,
     MLA beside other widths) keep one pool each, split by :meth:`KvLayout.split_budget`.
@@ -423,16 +542,16 @@ def share_pages(groups: list[LayerGroup], dtype_bytes: int) -> tuple[list[LayerG
         what = ("compressed groups have other page sizes" if any(g.kind == "compressed" for g in groups)
                 else "the groups' pages differ in shape")
         return groups, f"{what}: {', '.join(sizes)} per layer"
-    size = math.gcd(*(len(g.layers) for g in groups))
+    size = page_size(groups, bound)
     out: list[LayerGroup] = []
-    for g in groups:
-        parts = len(g.layers) // size
-        if parts == 1:
-            out.append(g)
+    for g, cuts in zip(groups, cut_sizes([len(g.layers) for g in groups], size), strict=True):
+        page = g.bytes_per_block // len(g.layers) * size
+        if len(cuts) == 1:
+            out.append(attrs.evolve(g, bytes_per_block=page, padding=size - cuts[0]))
             continue
-        for i in range(parts):
-            out.append(attrs.evolve(g, name=f"{g.name}.{i}", layers=g.layers[i * size:(i + 1) * size],
-                                    bytes_per_block=g.bytes_per_block // parts))
+        for i, n in enumerate(cuts):
+            out.append(attrs.evolve(g, name=f"{g.name}.{i}", layers=g.layers[i * size:i * size + n],
+                                    bytes_per_block=page, padding=size - n))
     return out, None
 
 
@@ -444,9 +563,29 @@ def _group_name(kind: str, layer_kind: str, window: int | None, rate: int | None
     return kind
 
 
+def _why_no_padding(groups: list[LayerGroup], unshared: str | None, shared: bool, bound: float) -> str:
+    """Why ``max_page_padding`` = ``bound`` padded no page of a V2 layout (``groups`` as grouped, before the cut)."""
+    if unshared is not None:
+        return (f"{unshared}: each group keeps its own pool (split, or DeepSeek V4's slab arena), so no page is "
+                "shared and none is padded")
+    if not shared:
+        return "the model's layers form one V2 group: there is no arena of several groups to cut into pages"
+    counts = [len(g.layers) for g in groups]
+    size = math.gcd(*counts)
+    least = least_padding_for_fewer_groups(groups)
+    if least is None:
+        return (f"pages of gcd(layer counts) = {size} layers already give the fewest groups "
+                f"({sum(n // size for n in counts)}); a padded page saves none")
+    return (f"no page larger than gcd(layer counts) = {size} layers leaves at most {bound:g} of a sequence's page "
+            f"bytes unused (fewer groups need {least:.3f}); the {sum(n // size for n in counts)} groups stay")
+
+
 def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: LayoutName, tokens_per_block: int,
-                 dtype: str) -> KvLayout:
-    """Group layers into pools for ``manager`` ("v1": one uniform pool; "v2": one pool per life cycle)."""
+                 dtype: str, max_page_padding: float = 0.0) -> KvLayout:
+    """Group layers into pools for ``manager`` ("v1": one uniform pool; "v2": one pool per life cycle; a shared
+    arena's pages padded within ``max_page_padding``, :func:`share_pages`)."""
+    if not 0 <= max_page_padding < MAX_PAGE_PADDING:
+        raise ValueError(f"max_page_padding must be in [0, {MAX_PAGE_PADDING}), got {max_page_padding}")
     if not layers:
         raise ValueError("a model with no attention layers has no KV cache to lay out")
     if dtype not in DTYPE_SIZES:
@@ -486,7 +625,11 @@ def build_layout(layers: list[LayerKV] | tuple[LayerKV, ...], manager: LayoutNam
             else:
                 names[name] = 0
             groups.append(LayerGroup(name, kind, tuple(idx), elems, window, rate, epb, tpb, len(idx) * elems * b * epb))
-        groups, unshared = share_pages(groups, b)
-        return KvLayout(manager, dtype, b, T, layers, tuple(groups), shared=len(groups) > 1 and unshared is None,
-                        unshared_reason=unshared)
+        cut, unshared = share_pages(groups, b, max_page_padding)
+        shared = len(cut) > 1 and unshared is None
+        unused = None
+        if max_page_padding > 0 and not any(g.padding for g in cut):
+            unused = _why_no_padding(groups, unshared, shared, max_page_padding)
+        return KvLayout(manager, dtype, b, T, layers, tuple(cut), shared=shared, unshared_reason=unshared,
+                        padding_unused=unused)
     return KvLayout(manager, dtype, b, T, layers, tuple(groups))

@@ -2,7 +2,7 @@
 
 The memory contract, shared by the managers, the host tier and the paged attention:
 
-* ``tensors[g]`` has shape ``(len(group.layers), num_blocks[g], group.entries_per_block, group.entry_elems)``
+* ``tensors[g]`` has shape ``(group.page_layers, num_blocks[g], group.entries_per_block, group.entry_elems)``
   — layer-major, so one layer's blocks are contiguous and ``layer_slots(g, i)`` is a view.
 * Token position ``p`` of a sequence lives in logical block ``p // T`` at offset ``p % T`` (``T`` =
   ``group.tokens_per_block``); the group's block table maps logical block → physical block id, and
@@ -11,7 +11,9 @@ The memory contract, shared by the managers, the host tier and the paged attenti
 * A shared layout (:attr:`KvLayout.shared`: every group's block is the same ``G``-layer page) gets ONE
   arena tensor ``(G, P, entries_per_block, entry_elems)`` and every group's ``tensors[g]`` *is* that
   arena, with ``num_blocks[g] == P``: block ids are global (a block belongs to whichever group the
-  manager handed it to), and the layer-major contract above holds unchanged for every group.
+  manager handed it to), and the layer-major contract above holds unchanged for every group. A padded group
+  (``group.padding`` > 0: fewer layers than the page holds) views the whole page too; its layer ``i`` is slot ``i``,
+  and the slots past its layers are never read or written (``tensors[g].shape[0] == group.page_layers``).
 * A slab arena (``slabs``: groups of unequal pages, each dividing the largest, drawing on one budget;
   ``cache_backends.v2.slab_pool``) is ONE tensor of ``slabs`` slabs of the largest page, and ``num_blocks[g] ==
   slabs * k_g`` block ids per group (``k_g`` = largest page / the group's page); block ``b`` of group ``g`` lies in
@@ -79,7 +81,8 @@ class BlockPools:
                 self._build_slab_arena(slabs)
             arena: torch.Tensor | None = None
             for g in layout.groups if slabs is None else ():
-                shape = (len(g.layers), self.num_blocks[g.name], g.entries_per_block, g.entry_elems)
+                # a padded group's blocks are the arena's whole pages: its layers use the first slots of each
+                shape = (g.page_layers, self.num_blocks[g.name], g.entries_per_block, g.entry_elems)
                 if layout.shared and arena is not None:
                     self.tensors[g.name] = arena  # every group views the one arena (block ids are global)
                     continue
@@ -99,9 +102,9 @@ class BlockPools:
         self.arena = torch.empty(slabs * self.slab_bytes // size, dtype=self.dtype, device=self.device)
         for g in self.layout.groups:
             per = self.slab_bytes // g.bytes_per_block
-            blocks = self.arena.view(slabs * per, len(g.layers), g.entries_per_block, g.entry_elems)
+            blocks = self.arena.view(slabs * per, g.page_layers, g.entries_per_block, g.entry_elems)
             self.tensors[g.name] = blocks.transpose(0, 1)  # layer-major, as split pools: [:, b] is block b
-            self.block_slots[g.name] = len(g.layers) * g.entries_per_block
+            self.block_slots[g.name] = g.page_layers * g.entries_per_block
 
     @property
     def arena_bytes(self) -> int | None:

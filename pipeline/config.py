@@ -163,6 +163,10 @@ ngram_size = _check(lambda v: _is_int(v) and 1 <= v <= MAX_NGRAM, f"an integer f
 fraction = _check(
     lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a number in (0, 1]"
 )
+#: kv_cache_config.max_page_padding: 0 (gcd pages, the default) up to, not including, half a sequence's page bytes
+page_padding = _check(lambda v: _finite(v) and 0 <= v < 0.5,
+                      "a number in [0, 0.5): the share of a sequence's page bytes padded pages may leave unused "
+                      "(0 = pages of gcd(layer counts) layers, none padded)")
 dtype_name = _check(
     lambda v: isinstance(v, str) and (v == AUTO or v in DTYPE_BYTES),
     '"auto" or one of ' + ", ".join(DTYPE_BYTES) + " (aliases: " + ", ".join(DTYPE_ALIASES) + ")",
@@ -376,6 +380,10 @@ class KvCacheConfig:
     # V2 layer groups of unequal pages (DeepSeek V4): true draws every group's blocks from one slab arena, false splits
     # the budget between per-group pools once; "auto" picks by the budget (stages.arena_choice). Elsewhere inert.
     pool_arena: TriState = attrs.field(default=AUTO, validator=tri_state)
+    # V2 shared arena (Gemma 2/3, GPT-OSS): the most of a sequence's page bytes a page of more than gcd(layer counts)
+    # layers may leave unused in a kind's last, padded cut, for fewer groups (less CPU a step); 0: gcd, no padding, as
+    # padded pages hold fewer sequences at tight budgets (cache_backends.layout.share_pages). Elsewhere inert.
+    max_page_padding: float = attrs.field(default=0.0, validator=page_padding)
     _explicit: set[str] = _internal(set)
     _frozen: bool = _internal(bool)
 

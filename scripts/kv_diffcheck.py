@@ -50,6 +50,11 @@ for _wl in ("multi-turn", "no-reuse"):
 for _wl in ("shared-prefix", "multi-turn", "no-reuse", "long-context"):
     for _scale in (1.0, 0.25):
         SCENARIOS.append(("tiny-deepseek-v4", _wl, _scale, {"use_kv_cache_manager_v2": True, "pool_arena": True}))
+# Gemma 3 27B with kv_cache_config.max_page_padding 0.1 (opt-in): 6 groups of 11-layer pages, the last sliding group
+# padded with 3 unused slots, the full one with 1 (layout.share_pages), the padded paths; last, as the arena's above
+for _wl in ("multi-turn", "no-reuse"):
+    for _scale in (1.0, 0.25):
+        SCENARIOS.append((_GEMMA27, _wl, _scale, {"use_kv_cache_manager_v2": True, "max_page_padding": 0.1}))
 
 
 def _prefix_block(pool: Any, b: int) -> tuple[int, int] | None:

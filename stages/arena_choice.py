@@ -36,7 +36,7 @@ def layout_of(ctx: Context) -> KvLayout | None:
     try:
         manager = kind_for(kv.use_kv_cache_manager_v2).name
         return build_layout(ctx.spec.kv_layers(ctx.args.tensor_parallel_size), manager, kv.tokens_per_block,
-                            str(kv.dtype))
+                            str(kv.dtype), kv.max_page_padding)
     except ValueError:
         return None
 

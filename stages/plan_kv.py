@@ -165,6 +165,8 @@ class KvPlan:
             "unshared_reason": layout.unshared_reason,
             "arena_blocks": layout.arena_blocks(blocks) if layout.shared and blocks else None,
             "page_bytes": layout.page_bytes,
+            # a shared arena's pages that padded groups fill only in part (KvLayout.padding_dict); None: none
+            "padding": layout.padding_dict(self.max_seq_len),
             # split pools: the sequence length the windows are sized for (KvLayout.split_length)
             "split_length": (layout.split_length(self.max_seq_len)
                              if not layout.shared and len(layout.groups) > 1 and not self.arena else None),
@@ -302,7 +304,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     manager = kind_for(route.use_kv_cache_manager_v2).name
     tp = args.tensor_parallel_size
     try:
-        layout = build_layout(ctx.spec.kv_layers(tp), manager, kv.tokens_per_block, kv.dtype)
+        layout = build_layout(ctx.spec.kv_layers(tp), manager, kv.tokens_per_block, kv.dtype, kv.max_page_padding)
     except ValueError as exc:
         raise KvBuildError(f"{ctx.model.name}: cannot lay out the KV cache: {exc}") from None
     device = str(args.device)
@@ -384,6 +386,7 @@ def compute_kv_plan(ctx: Context, emit: Emit) -> KvPlan:
     problem = problem or arena_problem
     if manager == "v2":
         warn_inert_partial_reuse(ctx, layout, emit)
+        warn_inert_page_padding(ctx, layout, emit)
     host_slots, host_bytes = ({}, 0) if manager == "v1" else (None, None)
     host_size, host_choice = kv.host_cache_size, None
     sized_by = "auto" if host_size is None else "host_cache_size"
@@ -497,6 +500,18 @@ def warn_inert_v2_settings(ctx: Context, layout: KvLayout, host_bytes: int | Non
             emit(SettingIgnored(field=scratch, value=True,
                                 reason="blocks leaving a window are kept for prefix reuse, and prefix reuse is off "
                                        "(enable_block_reuse=false)"))
+
+
+#: The opt-in bound on a shared arena's padded pages (``cache_backends.layout.share_pages``).
+PADDING_FIELD = "kv_cache_config.max_page_padding"
+
+
+def warn_inert_page_padding(ctx: Context, layout: KvLayout, emit: Emit) -> None:
+    """``setting_ignored`` when the user's ``max_page_padding`` above 0 padded no page of this V2 layout (split pools,
+    a slab arena, one group, or no larger page within the bound): never a silent no-op."""
+    if PADDING_FIELD in ctx.user_fields and layout.padding_unused is not None:
+        emit(SettingIgnored(field=PADDING_FIELD, value=ctx.args.kv_cache_config.max_page_padding,
+                            reason=layout.padding_unused))
 
 
 def warn_inert_partial_reuse(ctx: Context, layout: KvLayout, emit: Emit) -> None:

@@ -16,6 +16,7 @@ _V2_ONLY = {
     "kv_cache_config.max_util_for_resume": "V1 never suspends or resumes",
     "kv_cache_config.enable_swa_scratch_reuse": "V1 keeps no per-window pools",
     "kv_cache_config.enable_partial_reuse": "V1 reuses full blocks only",
+    "kv_cache_config.max_page_padding": "V1 keeps one uniform pool, no arena of layer groups to cut into pages",
 }
 
 

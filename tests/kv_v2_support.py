@@ -84,7 +84,7 @@ def write_kv(manager: KVCacheManagerV2, request: Request, start: int, n: int,
             continue
         blocks, offs = _slots(manager, request, g.name, entries)
         expected = _expected(manager, g.name, [_entry_value(vals, g, e) for e in entries])
-        t = manager.pools.tensors[g.name]
+        t = manager.pools.tensors[g.name][: len(g.layers)]  # a padded group's page: the slots past its layers unused
         t[:, blocks, offs] = expected[:, :, None].expand(-1, -1, g.entry_elems)
 
 
@@ -106,7 +106,7 @@ def check_kv(manager: KVCacheManagerV2, request: Request) -> None:
         if not entries:
             continue
         blocks, offs = _slots(manager, request, g.name, entries)
-        got = manager.pools.tensors[g.name][:, blocks, offs]  # (layers, entries, elems)
+        got = manager.pools.tensors[g.name][: len(g.layers), blocks, offs]  # (layers, entries, elems)
         want = _expected(manager, g.name, [_entry_value(vals, g, e) for e in entries])
         bad = (got != want[:, :, None]).any(dim=-1).any(dim=0)
         if bad.any():
@@ -126,7 +126,7 @@ def make_manager(layers: list[LayerKV], blocks: int | dict[str, int], *, T: int 
                  device: str = "cpu", **options: Any) -> KVCacheManagerV2:
     """A V2 manager over fresh pools; ``blocks`` per group (an int gives every group that many; a shared arena
     then gets that many pages per group, the bytes the groups would have had apart)."""
-    layout = build_layout(layers, "v2", T, dtype)
+    layout = build_layout(layers, "v2", T, dtype, options.pop("max_page_padding", 0.0))
     if isinstance(blocks, int) and layout.shared:
         blocks = blocks * len(layout.groups)
     counts = blocks if isinstance(blocks, dict) else {g.name: blocks for g in layout.groups}

@@ -85,11 +85,13 @@ class RefDriver:
     """Greedy generation over a model switched to ``kvload_paged`` attention, with toy block tables."""
 
     def __init__(self, model: Any, *, manager: str = "v2", tokens_per_block: int = 4, blocks_per_group: int = 128,
-                 kv_dtype: str | None = None, flex: bool = False, max_num_tokens: int = 64) -> None:
+                 kv_dtype: str | None = None, flex: bool = False, max_num_tokens: int = 64,
+                 max_page_padding: float = 0.0) -> None:
         self.model = use_paged_attention(model)
         device = next(model.parameters()).device
         dtype = kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.layout = build_layout(layers_from_config(model.config), manager, tokens_per_block, dtype)
+        self.layout = build_layout(layers_from_config(model.config), manager, tokens_per_block, dtype,
+                                   max_page_padding)
         # a shared arena gets the pages the groups would have had apart
         blocks = blocks_per_group * (len(self.layout.groups) if self.layout.shared else 1)
         self.pools = BlockPools(self.layout, {g.name: blocks for g in self.layout.groups}, device)
@@ -145,8 +147,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("tiny-qwen3", {}),
     "mistral": ("tiny-mistral", {"sliding_window": WINDOW}),
     "gemma3": ("tiny-gemma3", {"sliding_window": WINDOW}),
+    # 9 sliding + 2 full layers: with kv_cache_config.max_page_padding (PAGE_PADDING) a shared arena of 2-layer pages
+    # (6 groups, not gcd's eleven 1-layer ones) whose last sliding group holds 1 layer in a 2-layer page
+    "gemma3-padded": ("tiny-gemma3", {"sliding_window": WINDOW, "num_hidden_layers": 11,
+                                      "layer_types": [*["sliding_attention"] * 4, "full_attention",
+                                                      *["sliding_attention"] * 5, "full_attention"]}),
     "deepseek-v3": ("tiny-deepseek-v3", {}),
 }
+
+#: ``kv_cache_config.max_page_padding`` a family's layout is built with (the opt-in padded pages; 0 elsewhere):
+#: gemma3-padded's 2-layer pages leave at most 1/12 of a sequence's page bytes unused
+PAGE_PADDING: dict[str, float] = {"gemma3-padded": 0.10}
 
 #: DeepSeek V4 with windows and compression rates small enough that short prompts cross several of each (V2 only, and
 #: not driven by RefDriver, which keeps no side state: see tests/test_deepseek_v4_generate.py)

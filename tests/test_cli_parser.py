@@ -73,6 +73,7 @@ SAMPLES = {
     "--host_cache_size": (["512MiB"], 512 << 20),
     "--event_buffer_max_size": (["1000"], 1000),
     "--pool_arena": (["true"], True),
+    "--max_page_padding": (["0.1"], 0.1),
     "--kv_cache_dtype": (["bf16"], "bfloat16"),
     "--attention_backend": (["flex"], "flex"),
     "--linear_backend": (["torch"], "torch"),

@@ -33,6 +33,8 @@ def test_plan_json_is_one_document_on_stdout():
         (["--use_kv_cache_manager_v2", "yes"],
          "error: --use_kv_cache_manager_v2: expected auto, true or false, got 'yes'"),
         (["--tokens_per_block", "0"], "error: --tokens_per_block: expected an integer >= 1, got 0"),
+        (["--max_page_padding", "0.5"], "error: --max_page_padding: expected a number in [0, 0.5)"),
+        (["--max_page_padding", "-0.1"], "error: --max_page_padding: expected a number in [0, 0.5)"),
         (["--use-kv-cache-manager-v2", "false"], "error: kv_cache_config.use_kv_cache_manager_v2=false"),
     ],
 )
@@ -43,3 +45,24 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert r.stderr.startswith(message)
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert r.stdout == ""
+
+
+GEMMA3_27B = "tests/data/configs/gemma-3-27b-it"
+V2_AT = ("--use_kv_cache_manager_v2", "true", "--device", "cpu", "--max_tokens", "65536", "--max_seq_len", "8192")
+
+
+def test_plan_shows_the_padded_pages_max_page_padding_opts_into():
+    """--max_page_padding 0.1 on Gemma 3 27B: 6 groups of 11-layer pages, and the memory line names what they leave
+    unused; without it the 31 gcd groups and no such line."""
+    r = kvload("plan", GEMMA3_27B, *V2_AT, "--max_page_padding", "0.1")
+    assert r.returncode == 0, r.stderr
+    assert ("memory: one arena shared by 6 groups" in r.stdout
+            and "pages of 11 layers, unused layer slots a page: sliding_w1024.4 3, full 1 (at most 9.1% of the bytes "
+                "a sequence holds, 7.7% at 8,192 tokens)" in r.stdout)
+    row = next(line for line in r.stdout.splitlines() if "kv_cache_config.max_page_padding" in line)
+    assert "0.1" in row and "cli" in row  # the audit shows the setting and where it came from
+    doc = json.loads(kvload("plan", GEMMA3_27B, *V2_AT, "--max_page_padding", "0.1", "--json").stdout)
+    assert doc["args"]["kv_cache_config"]["max_page_padding"] == 0.1
+    assert doc["kv"]["memory"]["padding"]["unused_slots"] == {"sliding_w1024.4": 3, "full": 1}
+    default = kvload("plan", GEMMA3_27B, *V2_AT)
+    assert "memory: one arena shared by 31 groups" in default.stdout and "unused layer slots" not in default.stdout

@@ -80,6 +80,9 @@ def test_direct_construction_refuses_an_unknown_keyword_with_the_closest_field()
         ({"device": "tpu"}, "device: expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\" (N from 0 to 127), got 'tpu'"),
         ({"max_batch_size": True}, "max_batch_size: expected an integer >= 1, got true"),
         ({"kv_cache_config": {"host_cache_size": "lots"}}, "kv_cache_config.host_cache_size: expected a byte count"),
+        *(({"kv_cache_config": {"max_page_padding": bad}}, "kv_cache_config.max_page_padding: expected a number in "
+           "[0, 0.5): the share of a sequence's page bytes padded pages may leave unused")
+          for bad in (0.5, -0.01, 1, True, "0.1", None, float("nan"))),
     ],
 )
 def test_errors_name_the_dotted_path(raw, message):

@@ -11,7 +11,7 @@ import pytest
 
 import pipeline
 from tests.generate_support import NEW_TOKENS, greedy_admission, hf_greedy, load, prompts_for, used_blocks
-from tests.paged_support import CUDA, FAMILIES
+from tests.paged_support import CUDA, FAMILIES, PAGE_PADDING
 
 STAGGER = [0, 1, 2, 5]
 
@@ -102,11 +102,14 @@ def test_reuse_within_one_call_for_a_later_arrival(tiny_checkpoints):
         assert outs[1].reused_prompt_tokens >= 16
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma3-padded", "mistral"])
 def test_sliding_window_prefix_reuse_keeps_tokens_exact(tiny_checkpoints, family):
-    """Sliding-window models on V2 with the default settings: the reused prefix is longer than the window."""
-    with load(tiny_checkpoints(family), "v2") as result:
-        assert result.kv_manager.layout.shared == (family == "gemma3")  # gemma3: one arena for its 1-layer groups
+    """Sliding-window models on V2 with the default settings (gemma3-padded: padded pages opted into): the reused
+    prefix is longer than the window."""
+    with load(tiny_checkpoints(family), "v2", max_page_padding=PAGE_PADDING.get(family, 0.0)) as result:
+        # gemma3: one arena for its 1-layer groups; gemma3-padded: for its 2-layer pages, one group's half unused
+        assert result.kv_manager.layout.shared == family.startswith("gemma3")
+        assert any(g.padding for g in result.kv_manager.layout.groups) == (family == "gemma3-padded")
         model = result.hf_model
         first, tail = prompts_for(model.config.vocab_size, (24, 6), seed=7)
         second = first[:20] + tail
@@ -135,10 +138,11 @@ def test_v1_under_pressure_makes_requests_wait_and_all_complete(tiny_checkpoints
         assert used_blocks(result) == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma3-padded"])
 def test_v2_under_pressure_suspends_to_the_host_tier_and_resumes_exactly(tiny_checkpoints, family):
-    with load(tiny_checkpoints(family), "v2", max_tokens=40) as result:
-        assert result.kv_manager.layout.shared == (family == "gemma3")  # suspend/resume through the shared arena
+    with load(tiny_checkpoints(family), "v2", max_tokens=40, max_page_padding=PAGE_PADDING.get(family, 0.0)) as result:
+        # suspend/resume through the shared arena (gemma3-padded: whole pages, a padded group's unused slot too)
+        assert result.kv_manager.layout.shared == family.startswith("gemma3")
         model = result.hf_model
         ps = prompts_for(model.config.vocab_size)
         greedy_admission(result)  # the default headroom avoids this pressure; the mechanics are under test

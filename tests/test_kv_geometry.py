@@ -204,20 +204,75 @@ def _gemma_shared(T=16):
     return layout
 
 
-@pytest.mark.parametrize(("counts", "size"), [((5, 1), 1), ((12, 12), 12), ((52, 10), 2), ((4, 6), 2)])
-def test_equal_pages_cut_groups_into_gcd_sized_groups_in_layer_order(counts, size):
+# (sliding, full) layer counts -> each group's layers, in order, at kv_cache_config.max_page_padding 0.10: gcd where
+# no padded page size saves groups within the bound (tiny-gemma3's 5 + 1, GPT-OSS's 12 + 12, 4 + 6), else the padded
+# size with the fewest groups (Gemma 3 27B's 52 + 10: pages of 11 layers, the last sliding cut of 8; Gemma 3 1B's
+# 22 + 4: pages of 4, the last of 2)
+CUTS = {(5, 1): [1] * 6, (12, 12): [12, 12], (4, 6): [2] * 5, (52, 10): [11, 11, 11, 11, 8, 10],
+        (22, 4): [4, 4, 4, 4, 4, 2, 4], (29, 5): [5, 5, 5, 5, 5, 4, 5]}
+#: the same counts at the default max_page_padding 0: pages of gcd(layer counts) layers, none padded
+GCD_CUTS = {(5, 1): [1] * 6, (12, 12): [12, 12], (4, 6): [2] * 5, (52, 10): [2] * 31, (22, 4): [2] * 13,
+            (29, 5): [1] * 34}
+
+
+def _sliding_full(sliding: int, full: int) -> list[LayerKV]:
+    return [LayerKV(i, "sliding", 8, window=16) for i in range(sliding)] + [
+        LayerKV(sliding + i, "full", 8) for i in range(full)]
+
+
+@pytest.mark.parametrize(("cuts", "padding"), [(CUTS, 0.10), (GCD_CUTS, 0.0)])
+@pytest.mark.parametrize("counts", sorted(CUTS))
+def test_equal_pages_cut_groups_into_equal_pages_in_layer_order(counts, cuts, padding):
     sliding, full = counts
-    layers = [LayerKV(i, "sliding", 8, window=16) for i in range(sliding)]
-    layers += [LayerKV(sliding + i, "full", 8) for i in range(full)]
-    layout = build_layout(layers, "v2", 4, "float32")
-    assert layout.shared and {len(g.layers) for g in layout.groups} == {size}
-    assert len({g.bytes_per_block for g in layout.groups}) == 1
+    layers = _sliding_full(sliding, full)
+    layout = build_layout(layers, "v2", 4, "float32", padding)
+    size = max(cuts[counts])
+    assert layout.shared and [len(g.layers) for g in layout.groups] == cuts[counts]
+    assert {g.page_layers for g in layout.groups} == {size} == {layout.page_layers}
+    assert [g.padding for g in layout.groups] == [size - n for n in cuts[counts]]
+    assert {g.bytes_per_block for g in layout.groups} == {size * 8 * 4 * 4}  # a whole page, padded or not
     assert [i for g in layout.groups for i in g.layers] == list(range(sliding + full))  # every layer once, in order
     if size == sliding:  # not cut: the name stays
         assert layout.groups[0].name == "sliding_w16"
     else:
         assert layout.groups[0].name == "sliding_w16.0" and layout.groups[1].name == "sliding_w16.1"
     assert layout.bytes_per_token == build_layout(layers, "v1", 4, "float32").bytes_per_token * full / (sliding + full)
+
+
+def test_max_page_padding_0_is_the_default_and_pads_nothing():
+    """The default layout is the gcd cut exactly: the setting is opt-in (a padded page holds fewer sequences)."""
+    layers = _sliding_full(52, 10)
+    default = build_layout(layers, "v2", 4, "float32")
+    assert default == build_layout(layers, "v2", 4, "float32", 0.0)
+    assert len(default.groups) == 31 and default.padding_dict(64) is None and default.padding_unused is None
+    assert len(build_layout(layers, "v2", 4, "float32", 0.10).groups) == 6
+
+
+@pytest.mark.parametrize("bad", [-0.01, 0.5, 0.9])
+def test_build_layout_refuses_a_page_padding_outside_its_range(bad):
+    with pytest.raises(ValueError, match=r"max_page_padding must be in \[0, 0.5\)"):
+        build_layout(_sliding_full(52, 10), "v2", 4, "float32", bad)
+
+
+#: every reference config's V2 groups at the default max_page_padding: (groups, layers of each), none padded; the
+#: cut is gcd(layer counts), as before the setting existed (Gemma 3 27B: 31 groups of 2)
+REFERENCE_GROUPS = {
+    "gemma-3-27b-it": (31, 2), "gemma-2-9b-it": (2, 21), "gpt-oss-20b": (2, 12), "gpt-oss-120b": (2, 18),
+    "llama-3.1-8b-instruct": (1, 32), "qwen2.5-7b-instruct": (1, 28), "qwen3-8b": (1, 36),
+    "deepseek-v2-lite": (1, 27), "deepseek-r1-0528": (1, 61),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_GROUPS))
+def test_reference_configs_keep_their_gcd_groups_by_default(name):
+    assert sorted(REFERENCE_GROUPS) == sorted(p.name for p in CONFIGS.iterdir() if p.is_dir())  # every one listed
+    result = plan_kv(str(CONFIGS / name), True)
+    layout = result.kv.layout
+    count, size = REFERENCE_GROUPS[name]
+    assert [len(g.layers) for g in layout.groups] == [size] * count
+    assert not any(g.padding for g in layout.groups) and layout.padding_dict() is None
+    assert result.kv.to_dict()["memory"]["padding"] is None
+    assert not result.audit.of("setting_ignored")
 
 
 @given(budget=st.integers(0, 5_000_000), seq_len=st.integers(1, 4096), tokens=st.integers(1, 100_000))

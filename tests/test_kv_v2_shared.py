@@ -1259,3 +1259,93 @@ def test_a_keyed_finish_requeues_its_window_s_last_leavings_a_set_at_once_as_gro
     assert len(fast) == len(slow)
     for step, (got, want) in enumerate(zip(fast, slow, strict=True)):
         assert got == want, f"step {step}"
+
+
+# --- padded pages: fewer groups than gcd's cut, the last sliding cut leaving part of its page unused ----------------
+
+
+#: kv_cache_config.max_page_padding these tests opt into (the default, 0, cuts gcd pages, none padded)
+PADDING = 0.10
+
+
+def padded_layers(window: int = 8) -> list[LayerKV]:
+    """Nine sliding layers and two full ones with equal entries: pages of 2 layers (gcd 1 would give 11 groups), the
+    last sliding group ``sliding_w{window}.4`` holding layer 9 alone in slot 0 of each of its pages."""
+    kinds = ["sliding"] * 4 + ["full"] + ["sliding"] * 5 + ["full"]
+    return [LayerKV(i, k, 4, window=window if k == "sliding" else None) for i, k in enumerate(kinds)]
+
+
+def test_a_padded_groups_layers_view_the_first_slots_of_the_arenas_pages():
+    layout = build_layout(padded_layers(), "v2", 4, "float32", PADDING)
+    assert [(g.name, len(g.layers), g.padding) for g in layout.groups] == [
+        *[(f"sliding_w8.{i}", 2, 0) for i in range(4)], ("sliding_w8.4", 1, 1), ("full", 2, 0)]
+    pools = BlockPools(layout, {g.name: 10 for g in layout.groups}, "cpu")
+    arena = pools.tensors["full"]
+    assert tuple(arena.shape) == (2, 10, 4, 4) and pools.tensors["sliding_w8.4"] is arena  # whole pages
+    assert pools.nbytes == 10 * layout.page_bytes == 10 * 2 * 4 * 4 * 4
+    for layer in range(11):  # each layer is one slot of whatever page its group holds, never a padded slot
+        [(group, pos)] = pools.layer_index[layer]
+        assert pos < len(pools.groups[group].layers)
+        for block in (0, 7):
+            assert pools.layer_slots(group, pos)[block * 4].data_ptr() == arena[pos, block, 0].data_ptr()
+    assert pools.layer_index[9] == [("sliding_w8.4", 0)]
+    pools.release()
+
+
+def test_plan_says_what_a_padded_arena_leaves_unused():
+    layout = build_layout(padded_layers(), "v2", 4, "float32", PADDING)
+    # short sequences: every group holds alike, 1 unused slot of 12; past the window only the full group grows
+    assert layout.padding_share() == pytest.approx(1 / 12)
+    # 64 tokens: 5 windows of 3 pages + 16 full pages of 2 slots; the padded group's 3 pages leave one slot each
+    assert layout.padding_share(64) == pytest.approx(3 / (2 * (5 * 3 + 16)))
+    padding = layout.padding_dict(64)
+    assert padding == {"page_layers": 2, "unused_slots": {"sliding_w8.4": 1}, "worst_share": pytest.approx(1 / 12),
+                       "share_at_max_seq_len": pytest.approx(layout.padding_share(64))}
+    text = layout.memory_text({g.name: 100 for g in layout.groups}, 64)
+    assert "pages of 2 layers, unused layer slots a page: sliding_w8.4 1 (at most 8.3% of the bytes" in text
+    # the per-layer growth (kv-geometry.md) leaves the padding out, as block rounding; the bytes held count it
+    assert layout.bytes_per_token == 2 * 4 * 4
+    assert layout.bytes_for_sequence(64) == (5 * 3 + 16) * layout.page_bytes
+    assert build_layout(padded_layers(), "v2", 4, "float32").padding_dict(64) is None  # the default pads nothing
+    unpadded = build_layout(gemma_like(), "v2", 4, "float32", PADDING)
+    assert unpadded.padding_dict(64) is None
+    assert "unused" not in unpadded.memory_text({g.name: 60 for g in unpadded.groups}, 64)
+
+
+#: a padded group last (``padded_layers``), and one first: 1 sliding layer beside 20 full ones, pages of 2 layers (11
+#: groups, not gcd's 21), the sliding group (the arena's first) half unused
+PADDED = {"last": padded_layers(), "first": [LayerKV(0, "sliding", 4, window=8), *(LayerKV(i, "full", 4)
+                                                                                  for i in range(1, 21))]}
+
+
+@pytest.mark.parametrize("suspend", [False, True])
+@pytest.mark.parametrize("padded", sorted(PADDED))
+def test_a_padded_layout_keeps_every_layers_entries_through_hits_slides_and_suspends(padded, suspend):
+    """Requests sharing a prefix on the padded arena (without reuse where one is suspended to the host tier, its freed
+    pages overwritten, and resumed), decoding past the window: every live entry of every layer reads back its own
+    value (a layer reading another group's page, or another slot of its own page, reads another layer's value or an
+    unwritten NaN)."""
+    m = make_manager(PADDED[padded], 30, enable_block_reuse=not suspend, max_page_padding=PADDING)
+    padded_group = next(g for g in m.groups if g.padding)
+    assert padded_group.name == ("sliding_w8" if padded == "first" else "sliding_w8.4")
+    arena = m.pools.tensors[padded_group.name]
+    arena.fill_(float("nan"))  # every slot unwritten
+    prefix = list(range(1, 22))
+    reqs = [Request(f"r{i}", prefix + [100 + i] * (3 + i), 0) for i in range(3)]
+    for r in reqs:
+        prefill(m, r)
+        check_kv(m, r)
+    assert (reqs[2].num_cached_tokens >= 16) != suspend  # a hit on the shared prefix's blocks
+    for _ in range(6):  # decodes past the window: sliding blocks go, a boundary takes new pages
+        for r in reqs:
+            r.output_token_ids.append(next_token(r))
+            compute(m, r, 1)
+    if suspend:  # the host tier's slots are whole pages too
+        pages = sorted({b for g in m.groups for b in held(m.block_table(reqs[0], g.name))})
+        assert m.suspend(reqs[0])
+        arena[:, pages] = float("nan")
+        assert m.resume(reqs[0])
+    for r in reqs:
+        check_kv(m, r)
+    assert any(held(m.block_table(r, padded_group.name)) for r in reqs)
+    m.check_invariants()

@@ -20,7 +20,7 @@ from cache_backends.flex_paged import CUDA_MIN_BLOCK
 from cache_backends.paged_attention import PagedBatch, SeqChunk
 from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, use_paged_attention
 from models.weights import random_model
-from tests.paged_support import CUDA, FAMILIES, WINDOW, RefDriver, tiny_config
+from tests.paged_support import CUDA, FAMILIES, PAGE_PADDING, WINDOW, RefDriver, tiny_config
 
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (5, 13, 21, 2)
@@ -55,7 +55,8 @@ def paged_greedy(family: str, device: str = "cpu", **kwargs: Any) -> tuple[list,
     ps, _, _ = reference(family, device)
     driver = RefDriver(copy.deepcopy(tiny_model(family, device)), manager=kwargs.pop("manager", "v2"),
                        flex=kwargs.pop("flex", False), max_num_tokens=kwargs.pop("max_num_tokens", 64),
-                       tokens_per_block=kwargs.pop("tokens_per_block", 4))
+                       tokens_per_block=kwargs.pop("tokens_per_block", 4),
+                       max_page_padding=PAGE_PADDING.get(family, 0.0))
     try:
         return driver.generate(ps, NEW_TOKENS, **kwargs), driver
     finally:
@@ -157,7 +158,7 @@ def test_a_request_reading_another_requests_prefix_blocks_skips_their_prefill(fa
 # Compiling costs ~10-50 s per shape on a CPU, so these runs share one shape per family: at most
 # 8 tokens a step (chunks of 2 for 4 staggered prompts), one bucket, pools of the same size.
 FLEX_MODE = {"chunk_size": 2, "arrivals": [0, 1, 2, 5]}
-FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "deepseek-v3"]  # deepseek-v3: MLA, absorbed
+FLEX_FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "gemma3-padded", "deepseek-v3"]  # deepseek-v3: MLA, absorbed
 
 
 @pytest.mark.parametrize("manager", ["v2", "v1"])

@@ -533,3 +533,56 @@ def test_a_users_null_default_max_tokens_is_named_when_no_budget_is_left():
     assert "\n" not in message
     # left out, the caller's default sizes the pools
     assert kvload.LLM("tiny-llama").result.kv_manager is not None
+
+
+# --- kv_cache_config.max_page_padding: never a silent no-op --------------------------------------------------------
+
+GEMMA3_27B = "tests/data/configs/gemma-3-27b-it"
+
+
+def _padding_plan(model, padding, v2=True):
+    import pipeline
+
+    return pipeline.plan(model, log=False, device="cpu", kv_cache_config={
+        "use_kv_cache_manager_v2": v2, "max_tokens": 65536, "max_page_padding": padding})
+
+
+@pytest.mark.parametrize(("model", "padding", "v2", "reason"), [
+    (GEMMA3_27B, 0.03, True, "no page larger than gcd(layer counts) = 2 layers leaves at most 0.03 of a sequence's "
+                             "page bytes unused (fewer groups need 0.046); the 31 groups stay"),
+    ("tiny-llama", 0.1, True, "the model's layers form one V2 group: there is no arena of several groups to cut"),
+    ("tiny-gemma3", 0.1, True, "no page larger than gcd(layer counts) = 1 layers leaves at most 0.1 of a "
+                               "sequence's page bytes unused (fewer groups need 0.500); the 6 groups stay"),
+    ("tests/data/configs/gpt-oss-20b", 0.1, True, "pages of gcd(layer counts) = 12 layers already give the fewest "
+                                                  "groups (2); a padded page saves none"),
+    ("tiny-deepseek-v4", 0.1, True, "compressed groups have other page sizes"),
+    (GEMMA3_27B, 0.1, False, "V1 keeps one uniform pool, no arena of layer groups to cut into pages (routed to "
+                             "KVCacheManager)"),
+])
+def test_a_page_padding_that_pads_nothing_is_a_setting_ignored_warning(model, padding, v2, reason):
+    """Where max_page_padding cannot act (V1, split pools or DeepSeek V4's slab arena, one group, no larger page
+    within the bound) the user hears why, once."""
+    result = _padding_plan(model, padding, v2)
+    (ignored,) = result.audit.of("setting_ignored")
+    assert ignored["field"] == "kv_cache_config.max_page_padding" and ignored["value"] == padding
+    assert reason in ignored["reason"]
+    assert not any(g.padding for g in result.kv.layout.groups)
+
+
+def test_a_page_padding_that_acts_pads_gemma3_27b_silently():
+    result = _padding_plan(GEMMA3_27B, 0.1)
+    assert not result.audit.of("setting_ignored")
+    groups = result.kv.layout.groups
+    assert [len(g.layers) for g in groups] == [11, 11, 11, 11, 8, 10] and [g.padding for g in groups][-2:] == [3, 1]
+    assert result.kv.to_dict()["memory"]["padding"]["worst_share"] == pytest.approx(1 / 11)
+    explicit_off = _padding_plan(GEMMA3_27B, 0.0)  # 0 asks for gcd: nothing to warn about
+    assert not explicit_off.audit.of("setting_ignored") and len(explicit_off.kv.layout.groups) == 31
+
+
+def test_a_bad_page_padding_is_one_line_naming_the_field_and_range():
+    from pipeline import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _padding_plan(GEMMA3_27B, 0.5)
+    assert str(err.value).startswith("kv_cache_config.max_page_padding: expected a number in [0, 0.5)")
+    assert "\n" not in str(err.value)

@@ -84,6 +84,7 @@ VALUES: dict[str, list[Any]] = {
     "kv_cache_config.enable_swa_scratch_reuse": [True, False],
     "kv_cache_config.event_buffer_max_size": [0, 16],
     "kv_cache_config.pool_arena": [AUTO, True, False],
+    "kv_cache_config.max_page_padding": [0.0, 0.1],
 }
 FIELDS = sorted(VALUES)
 #: Fields whose default is "auto" (``max_seq_len``'s is null: its "auto" is a value of its own, vLLM's -1).
@@ -426,7 +427,8 @@ PLAN_FIELDS = ["device", "max_seq_len", "kv_cache_config.use_kv_cache_manager_v2
                "kv_cache_config.tokens_per_block", "kv_cache_config.free_gpu_memory_fraction",
                "kv_cache_config.max_tokens", "kv_cache_config.default_max_tokens",
                "kv_cache_config.max_gpu_total_bytes", "kv_cache_config.host_cache_size", "kv_cache_config.dtype",
-               "kv_cache_config.pool_arena", "kv_cache_config.event_buffer_max_size"]
+               "kv_cache_config.pool_arena", "kv_cache_config.event_buffer_max_size",
+               "kv_cache_config.max_page_padding"]
 
 
 def _plan_of(run: Run, model: str, leaves: dict[str, Any], spec_dir: Path) -> Any:
@@ -510,5 +512,5 @@ def test_every_plan_setting_that_changes_a_value_acts_or_is_said_to_be_ignored_o
 def test_the_property_tables_count():
     """What the properties range over (the report's counts)."""
     assert len(MODELS) == len(PRESETS) + 1 == 7
-    assert len(FIELDS) == 36 and len(MODEL_SETTABLE) == 12 and len(AUTO_DEFAULT) == 8
-    assert [len(SOURCE_FIELDS[s]) for s in SOURCES] == [36, 36, 36, 36, 31]
+    assert len(FIELDS) == 37 and len(MODEL_SETTABLE) == 12 and len(AUTO_DEFAULT) == 8
+    assert [len(SOURCE_FIELDS[s]) for s in SOURCES] == [37, 37, 37, 37, 32]

@@ -1,7 +1,7 @@
 """The host tier: CPU memory (pinned when the pools are on CUDA) that suspended caches' pages move to.
 
 One tensor per layer group, block-major — ``tensors[g]`` has shape
-``(slots, len(group.layers), entries_per_block, entry_elems)`` so each slot is one contiguous page —
+``(slots, group.page_layers, entries_per_block, entry_elems)`` so each slot is one contiguous page —
 and a free list of slots. A shared layout (one device arena for every group) gets one host tensor and
 one free list too, which every group's ``tensors[g]`` / slots name, sized for the arena once. Copies
 are whole blocks, every layer, so a round trip is byte-exact; :meth:`write`, :meth:`write_many` and :meth:`load_many`
@@ -64,7 +64,7 @@ class HostTier:
                     self.tensors[name], self._free[name] = self.tensors[first], self._free[first]
                     continue
                 g = pools.groups[name]
-                shape = (n, len(g.layers), g.entries_per_block, g.entry_elems)
+                shape = (n, g.page_layers, g.entries_per_block, g.entry_elems)  # a whole page, padding included
                 self.tensors[name] = torch.empty(shape, dtype=pools.dtype, device=where, pin_memory=self.pinned)
                 self._free[name] = list(range(n - 1, -1, -1))
         except BaseException:

@@ -71,6 +71,10 @@ FLAGS: tuple[Flag, ...] = (
          "V2 groups of unequal pages (DeepSeek V4): one slab arena they take memory from as they need it (true), "
          "pools split once (false), or auto (the arena when the budget holds a max_seq_len sequence in slabs; "
          "on CUDA, whose budget comes from free memory, the split)", tri_state, metavar="{auto,true,false}"),
+    Flag("--max_page_padding", "kv_cache_config.max_page_padding",
+         "V2 shared arena (Gemma 2/3, GPT-OSS): the most of a sequence's page bytes, in [0, 0.5), that pages of more "
+         "than gcd(layer counts) layers may leave unused for fewer layer groups (less CPU a step, fewer sequences at "
+         "tight budgets); 0 = gcd, no padding (default)", number, metavar="F"),
     Flag("--event_buffer_max_size", "kv_cache_config.event_buffer_max_size",
          "KV cache events (block stored/removed/cleared) kept for readers; 0 = off (default)", field_integer,
          metavar="N"),
