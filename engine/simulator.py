@@ -326,7 +326,8 @@ class SimulationReport:
             f"  budget {self.budget.bytes:,} B for each manager ({self.budget.source})",
             f"  device {s['device']}, max_seq_len {s['max_seq_len']:,}, max_batch_size {s['max_batch_size']:,}, "
             f"max_num_tokens {s['max_num_tokens']:,}, tokens_per_block {s['tokens_per_block']}, "
-            f"block reuse {'on' if s['enable_block_reuse'] else 'off'}",
+            f"block reuse {'on' if s['enable_block_reuse'] else 'off'}"
+            + (f", max_page_padding {s['max_page_padding']:g}" if s.get("max_page_padding") else ""),
             "",
         ]
         names = list(self.results)
@@ -512,7 +513,9 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
     settings = {"device": str(args.device), "max_seq_len": args.max_seq_len, "max_batch_size": args.max_batch_size,
                 "max_num_tokens": args.max_num_tokens, "tokens_per_block": kv.tokens_per_block,
                 "enable_block_reuse": kv.enable_block_reuse, "enable_partial_reuse": kv.enable_partial_reuse,
-                "routed": routed.route.kv_manager}
+                "routed": routed.route.kv_manager,
+                # changes V2's pages (and so its pool bytes and steps) on a shared arena: a report must say it was on
+                "max_page_padding": kv.max_page_padding}
     step_model, why_not = _step_model(routed, hardware)
     settings["hardware"] = HARDWARE[hardware].name
     settings["modeled_time_off"] = why_not
