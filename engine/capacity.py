@@ -136,13 +136,7 @@ class ManagerCapacity:
         """What ``max_page_padding`` did to this manager's pages: padded (the page and the share unused), or why it
         padded none; None when it is 0 or the manager has no plan. Why here: ``--compare``'s log holds the routed
         plan's events only (on a CPU, V1's ``setting_ignored``), so the V2 column needs its own word on it."""
-        p = self.plan
-        if p is None:
-            return None
-        if padded := p.layout.padding_dict(p.max_seq_len):
-            return (f"pages of {padded['page_layers']} layers for {len(p.layout.groups)} groups, at most "
-                    f"{padded['worst_share']:.1%} of a sequence's page bytes unused (max_page_padding)")
-        return f"max_page_padding padded no page: {p.layout.padding_unused}" if p.layout.padding_unused else None
+        return None if self.plan is None else self.plan.layout.padding_note(self.plan.max_seq_len)
 
     def to_dict(self, lengths: tuple[int, ...]) -> dict[str, Any]:
         """JSON form, with one row per sequence length."""
