@@ -242,6 +242,14 @@ class KvLayout:
                 "worst_share": self.padding_share(),
                 "share_at_max_seq_len": self.padding_share(seq_len) if seq_len else None}
 
+    def padding_note(self, seq_len: int | None = None) -> str | None:
+        """One line on what ``max_page_padding`` did to these pages (the padded page and its worst unused share, or
+        why none is padded), for reports that show a manager beside another (``--compare``); None when it is 0."""
+        if padded := self.padding_dict(seq_len):
+            return (f"pages of {padded['page_layers']} layers for {len(self.groups)} groups, at most "
+                    f"{padded['worst_share']:.1%} of a sequence's page bytes unused (max_page_padding)")
+        return f"max_page_padding padded no page: {self.padding_unused}" if self.padding_unused else None
+
     @property
     def bytes_per_token(self) -> float:
         """What one more token costs once the sequence is longer than every window (no rounding)."""

@@ -132,12 +132,19 @@ class ManagerCapacity:
         """Exact bytes one sequence of ``seq_len`` tokens holds (block rounding, windows)."""
         return None if self.plan is None else self.plan.layout.bytes_for_sequence(seq_len)
 
+    def padding_note(self) -> str | None:
+        """What ``max_page_padding`` did to this manager's pages: padded (the page and the share unused), or why it
+        padded none; None when it is 0 or the manager has no plan. Why here: ``--compare``'s log holds the routed
+        plan's events only (on a CPU, V1's ``setting_ignored``), so the V2 column needs its own word on it."""
+        return None if self.plan is None else self.plan.layout.padding_note(self.plan.max_seq_len)
+
     def to_dict(self, lengths: tuple[int, ...]) -> dict[str, Any]:
         """JSON form, with one row per sequence length."""
         p = self.plan
         return {
             "status": self.status,
             "reason": self.reason,
+            "padding": self.padding_note(),
             "bytes_per_token": p.bytes_per_token if p else None,
             "capacity_tokens": p.capacity_tokens if p else None,
             "pool_bytes": p.pools.total_bytes if p and p.pools else None,
@@ -212,6 +219,8 @@ class CapacityComparison:
         for m in ms:
             if not m.ok:
                 lines.append(f"  {m.kv_manager}: {m.status.replace('_', ' ')}: {m.reason}")
+            elif note := m.padding_note():
+                lines.append(f"  {m.kv_manager}: {note}")
         lines.append("  (sequences of L: the budget split for sequences of L tokens, as with max_seq_len = L"
                      + ("; a slab arena: its slabs filled with them" if any(m.ok and m.plan.arena for m in ms) else "")
                      + ")")

@@ -254,6 +254,8 @@ class ManagerResult:
     host_tier: str | None = None
     #: a slab arena (pool_arena): its slabs, and ``layer_groups`` is None (no group's share is fixed)
     arena_slabs: int | None = None
+    #: what max_page_padding did to this manager's pages (KvLayout.padding_note); None when it is 0
+    padding: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object under ``results[kv_manager]``: status, budget, and every metric (None if not run)."""
@@ -270,6 +272,7 @@ class ManagerResult:
             **metrics,
             "wall_seconds": self.wall_seconds,
             "host_tier": self.host_tier,
+            "padding": self.padding,
             **({"arena_slabs": self.arena_slabs} if self.arena_slabs is not None else {}),
         }
 
@@ -326,7 +329,8 @@ class SimulationReport:
             f"  budget {self.budget.bytes:,} B for each manager ({self.budget.source})",
             f"  device {s['device']}, max_seq_len {s['max_seq_len']:,}, max_batch_size {s['max_batch_size']:,}, "
             f"max_num_tokens {s['max_num_tokens']:,}, tokens_per_block {s['tokens_per_block']}, "
-            f"block reuse {'on' if s['enable_block_reuse'] else 'off'}",
+            f"block reuse {'on' if s['enable_block_reuse'] else 'off'}"
+            + (f", max_page_padding {s['max_page_padding']:g}" if s.get("max_page_padding") else ""),
             "",
         ]
         names = list(self.results)
@@ -376,6 +380,8 @@ class SimulationReport:
                 lines.append(f"  {n}: {r.status.replace('_', ' ')}: {r.reason}")
             if r.host_tier is not None:
                 lines.append(f"  {n} host tier: {r.host_tier}")
+            if r.padding is not None and len(names) > 1:  # alone, the routed run's own log already says it
+                lines.append(f"  {n}: {r.padding}")
         lines.append("  (step time: scheduler.step + commits + finishes per engine step; usage sampled after "
                      "the scheduler's decision)")
         if s.get("modeled_time_off") is None:
@@ -420,7 +426,9 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
         name = type(manager).__name__
         base = {"scheduler": type(scheduler).__name__, "budget_bytes": kv.budget_bytes,
                 "pool_bytes": kv.pools.total_bytes, "capacity_tokens": kv.capacity_tokens,
-                "layer_groups": None if kv.arena else dict(kv.pools.num_blocks), "host_tier": kv.host_choice}
+                "layer_groups": None if kv.arena else dict(kv.pools.num_blocks), "host_tier": kv.host_choice,
+                # --compare logs the routed plan's events only: each column says what the padding did to it
+                "padding": kv.layout.padding_note(kv.max_seq_len)}
         if kv.arena:
             base["arena_slabs"] = kv.arena_slabs
         bar = _progress(len(workload.requests), f"{name} {workload.name}", progress)
@@ -512,7 +520,9 @@ def _simulate(model: str, workload: str | Workload, requests: int | None, seed: 
     settings = {"device": str(args.device), "max_seq_len": args.max_seq_len, "max_batch_size": args.max_batch_size,
                 "max_num_tokens": args.max_num_tokens, "tokens_per_block": kv.tokens_per_block,
                 "enable_block_reuse": kv.enable_block_reuse, "enable_partial_reuse": kv.enable_partial_reuse,
-                "routed": routed.route.kv_manager}
+                "routed": routed.route.kv_manager,
+                # changes V2's pages (and so its pool bytes and steps) on a shared arena: a report must say it was on
+                "max_page_padding": kv.max_page_padding}
     step_model, why_not = _step_model(routed, hardware)
     settings["hardware"] = HARDWARE[hardware].name
     settings["modeled_time_off"] = why_not

@@ -299,3 +299,20 @@ def test_a_chart_is_written_under_the_longest_file_name(capsys, tmp_path):
 def test_plan_compare_refuses_a_forced_manager(capsys):
     r = run_cli(capsys, "plan", "tiny-llama", "--compare", "--use_kv_cache_manager_v2", "true")
     assert r.code == 2 and r.one_error_line and "drop --use_kv_cache_manager_v2" in r.err
+
+
+@pytest.mark.parametrize(("model", "says"), [
+    ("tests/data/configs/gemma-3-27b-it", "KVCacheManagerV2: pages of 11 layers for 6 groups, at most 9.1%"),
+    ("tiny-gemma3", "KVCacheManagerV2: max_page_padding padded no page: no page larger than gcd(layer counts) = 1"),
+])
+def test_plan_compare_says_what_max_page_padding_did_to_the_v2_column(capsys, model, says):
+    """On a CPU --compare's log holds the routed V1 plan's setting_ignored only: the V2 column says whether it
+    padded pages, or why not, where it would otherwise be silent about a setting the user gave."""
+    flags = ("plan", model, "--device", "cpu", "--max_tokens", "16384", "--max_page_padding", "0.1", "--compare")
+    r = run_cli(capsys, *flags)
+    assert r.code == 0, r.err
+    assert says in r.out[r.out.index("capacity at one budget"):]
+    v2 = run_cli(capsys, *flags, "--json").json()["compare"]["managers"]["KVCacheManagerV2"]
+    assert v2["padding"].startswith(says.removeprefix("KVCacheManagerV2: "))
+    off = run_cli(capsys, "plan", model, "--device", "cpu", "--max_tokens", "16384", "--compare", "--json")
+    assert off.json()["compare"]["managers"]["KVCacheManagerV2"]["padding"] is None  # 0: nothing to say

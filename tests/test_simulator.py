@@ -298,3 +298,38 @@ def test_a_tight_shared_prefix_run_on_v2_does_not_admit_and_suspend_in_a_loop():
     assert v2.finished == 128 and v2.suspends + v2.preemptions <= 8
     assert v2.hit_rate >= 0.98 * v2.ideal_hit_rate  # greedy: 0.97 (cached prefixes evicted while suspended)
     assert v2.steps <= v1.steps
+
+
+def test_a_report_says_max_page_padding_was_on_as_its_pool_bytes_and_steps_depend_on_it():
+    """Two runs of one workload whose pages differ only by max_page_padding must not read as the same settings."""
+    model = "tests/data/configs/gemma-3-27b-it"  # 52 sliding + 10 full layers: at 0.1, 11-layer pages, 6 groups
+    kv = {"use_kv_cache_manager_v2": True, "max_tokens": 4096}
+    off = simulate(model, "no-reuse", **small("no-reuse"), kv_cache_config=kv, **CPU)
+    on = simulate(model, "no-reuse", **small("no-reuse"), kv_cache_config={**kv, "max_page_padding": 0.1}, **CPU)
+    (r_off,), (r_on,) = off.results.values(), on.results.values()
+    assert r_on.budget_bytes != r_off.budget_bytes  # the padded pages do act here
+    assert on.settings["max_page_padding"] == 0.1 and on.to_dict()["settings"]["max_page_padding"] == 0.1
+    assert off.settings["max_page_padding"] == 0
+    assert "max_page_padding 0.1" in on.render() and "max_page_padding" not in off.render()
+
+
+@pytest.mark.parametrize(("model", "says"), [
+    ("tests/data/configs/gemma-3-27b-it", "pages of 11 layers for 6 groups, at most 9.1%"),
+    ("tiny-gemma3", "max_page_padding padded no page: no page larger than gcd(layer counts) = 1"),
+])
+def test_a_comparison_says_what_max_page_padding_did_to_the_v2_column(model, says):
+    """--compare logs the routed (on a CPU, V1) plan's setting_ignored only: V2's result says whether it padded."""
+    report = simulate(model, "no-reuse", compare=True, **small("no-reuse"),
+                      kv_cache_config={"max_tokens": 4096, "max_page_padding": 0.1}, **CPU)
+    v1, v2 = report.results["KVCacheManager"], report.results["KVCacheManagerV2"]
+    assert v2.padding.startswith(says) and v1.padding is None
+    assert report.to_dict()["results"]["KVCacheManagerV2"]["padding"] == v2.padding
+    assert f"KVCacheManagerV2: {v2.padding}" in report.render()
+
+
+def test_a_single_run_leaves_max_page_padding_to_its_log_and_says_it_once():
+    """Routed alone, the run's own setting_ignored already says the padding was inert: the table does not repeat it."""
+    report = simulate("tiny-gemma3", "no-reuse", **small("no-reuse"), **CPU,
+                      kv_cache_config={"use_kv_cache_manager_v2": True, "max_tokens": 4096, "max_page_padding": 0.1})
+    (v2,) = report.results.values()
+    assert v2.padding.startswith("max_page_padding padded no page") and "padded no page" not in report.render()
