@@ -28,7 +28,7 @@ from cache_backends.layout import build_layout
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request, RequestState
 from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
-from engine.driver import Driver, StalledError
+from engine.driver import StalledError
 from tests.kv_v2_support import (
     _entries,
     _entry_value,
@@ -36,9 +36,8 @@ from tests.kv_v2_support import (
     check_kv,
     prefix_values,
     split_sliding_layers,
-    write_kv,
 )
-from tests.test_kv_v2_scheduler import COMPRESSED, _model_token
+from tests.test_kv_v2_scheduler import COMPRESSED, _drafting_driver
 
 LAYOUTS = [split_sliding_layers(8), *COMPRESSED]
 
@@ -157,7 +156,6 @@ def forced_run(seed: int, force: bool) -> tuple[list, int]:
     ledger = EventLedger(m) if rng.random() < .6 else None
     drafting = rng.random() < .7
     force_rng = random.Random(seed * 7 + 1)  # its own stream: the unforced run draws the same workload
-    driver: Driver
 
     if force:
         step, reserve = s.step, m.schedule_tokens
@@ -175,33 +173,7 @@ def forced_run(seed: int, force: bool) -> tuple[list, int]:
         s.step = forced_step  # type: ignore[method-assign]
         m.schedule_tokens = forced_reserve  # type: ignore[method-assign]
 
-    def propose(r: Request, _running: int) -> list[int]:
-        room = min(r.max_new_tokens - len(r.output_token_ids), max_seq_len - r.num_tokens) - 1
-        k = min(room, (_model_token(r, r.num_tokens) + r.num_tokens) % 4) if drafting else 0
-        drafts = [_model_token(r, r.num_tokens + i) for i in range(max(k, 0))]
-        if drafts and r.num_tokens % 3 == 0:  # a draft the model rejects
-            drafts[-1] = (drafts[-1] + 1) % 50
-        return drafts
-
-    driver = Driver(m, s, stop=lambda r, token: token == 0 and len(r.output_token_ids) > 1, propose=propose)
-
-    def compute(out: SchedulerOutput) -> dict[str, list[int]]:
-        tokens = {}
-        for chunk in out.scheduled:
-            r = chunk.request
-            write_kv(m, r, r.num_computed_tokens, chunk.num_tokens, r.all_token_ids + r.draft_token_ids)
-            end = r.num_computed_tokens + chunk.num_tokens
-            if end < r.num_tokens:
-                continue
-            drafts, got = r.draft_token_ids[:end - r.num_tokens], []
-            for i in range(len(drafts) + 1):
-                got.append(_model_token(r, r.num_tokens + i))
-                if i == len(drafts) or drafts[i] != got[-1]:
-                    break
-            tokens[r.req_id] = got
-            for child in driver.forks_for(r.req_id):
-                tokens[child.req_id] = [_model_token(child, child.num_tokens)]
-        return tokens
+    driver, compute = _drafting_driver(m, s, max_seq_len, drafting)
 
     stems = [[rng.randint(0, 3)] + [(i * 5 + j) % 13 for j in range(rng.randint(3, 20))] for i in range(3)]
     requests, aborts = [], {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -1841,40 +1842,13 @@ def _model_token(request: Request, i: int) -> int:
     return (zlib.crc32(request.req_id.encode()) + 7 * i) % 50
 
 
-def _scan_trace(seed: int, two_pass: bool) -> list:
-    """A seeded driven run (the engine's Driver, KV written and checked every step) of shared-stem requests under a
-    tight pool and token budget, over every test layout (one pool, a shared arena with windows, split pools, DeepSeek
-    V4-like compressed groups, a slab arena), with or without a host tier, fcfs or priority, speculative drafts (some
-    rejected), forks of a prompt's samples and stop tokens: every step's reservations in order, admissions and moves,
-    and each request's tokens. ``two_pass``: with the step before decodes were reserved in the scan
-    (``_two_pass_step``)."""
-    import random
-    from types import MethodType
-
-    from cache_backends.budget import plan_arena, slab_bytes
-    from cache_backends.interface import ManagerOptions
-    from cache_backends.layout import build_layout
-    from cache_backends.pools import BlockPools
-    from engine.driver import Driver, StalledError
-    from tests.kv_v2_support import check_kv
-
-    rng = random.Random(seed)
-    layers = rng.choice([FULL, full_sliding_layers(8), split_sliding_layers(8), *COMPRESSED])
-    max_seq_len = rng.choice([40, 4096])
-    layout, slabs, partial = build_layout(layers, "v2", 4, "float32"), rng.randint(3, 12), rng.random() < .5
-    # a slab arena (pool_arena): groups of unequal pages on one budget, no host tier
-    if len(layout.groups) > 1 and not layout.shared and rng.random() < .4:
-        plan = plan_arena(layout, max(slabs, len(layout.groups)) * slab_bytes(layout), max_seq_len)
-        m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
-                             ManagerOptions(max_seq_len=max_seq_len, host_cache_size=0, enable_partial_reuse=partial))
-    else:
-        m = make_manager(layers, rng.randint(8, 30), max_seq_len=max_seq_len, host_cache_size=rng.choice([0, None]),
-                         enable_partial_reuse=partial)
-    s = KVCacheV2Scheduler(m, rng.randint(2, 8), rng.randint(2, 40), scheduling_policy=rng.choice(["fcfs", "priority"]),
-                           init_ratio=rng.choice([0.0, 0.7]))
-    if two_pass:
-        s.step = MethodType(_two_pass_step, s)
-    drafting = rng.random() < .7
+def _drafting_driver(m: KVCacheManagerV2, s: KVCacheV2Scheduler, max_seq_len: int,
+                     drafting: bool) -> tuple[Any, Any]:
+    """A Driver over ``m`` and ``s`` whose 'model' is :func:`_model_token` (stop token 0 past the first output), with
+    up to 3 speculative drafts a step when ``drafting`` (one sometimes wrong), and the ``compute`` that writes each
+    scheduled chunk's synthetic KV and returns the tokens it yields (confirmed drafts, then the next one; a completed
+    prompt's forked samples draw their first)."""
+    from engine.driver import Driver
 
     def propose(r: Request, _running: int) -> list[int]:
         # up to 3 drafts, capped as the n-gram proposer caps them; the model's own tokens, one sometimes wrong
@@ -1904,6 +1878,46 @@ def _scan_trace(seed: int, two_pass: bool) -> list:
             for child in driver.forks_for(r.req_id):  # samples of a prompt this step completes draw their first token
                 tokens[child.req_id] = [_model_token(child, child.num_tokens)]
         return tokens
+
+    return driver, compute
+
+
+def _scan_trace(seed: int, two_pass: bool) -> list:
+    """A seeded driven run (the engine's Driver, KV written and checked every step) of shared-stem requests under a
+    tight pool and token budget, over every test layout (one pool, a shared arena with windows, split pools, DeepSeek
+    V4-like compressed groups, a slab arena), with or without a host tier, fcfs or priority, speculative drafts (some
+    rejected), forks of a prompt's samples and stop tokens: every step's reservations in order, admissions and moves,
+    and each request's tokens. ``two_pass``: with the step before decodes were reserved in the scan
+    (``_two_pass_step``)."""
+    import random
+    from types import MethodType
+
+    from cache_backends.budget import plan_arena, slab_bytes
+    from cache_backends.interface import ManagerOptions
+    from cache_backends.layout import build_layout
+    from cache_backends.pools import BlockPools
+    from engine.driver import StalledError
+    from tests.kv_v2_support import check_kv
+
+    rng = random.Random(seed)
+    layers = rng.choice([FULL, full_sliding_layers(8), split_sliding_layers(8), *COMPRESSED])
+    max_seq_len = rng.choice([40, 4096])
+    layout, slabs, partial = build_layout(layers, "v2", 4, "float32"), rng.randint(3, 12), rng.random() < .5
+    # a slab arena (pool_arena): groups of unequal pages on one budget, no host tier
+    if len(layout.groups) > 1 and not layout.shared and rng.random() < .4:
+        plan = plan_arena(layout, max(slabs, len(layout.groups)) * slab_bytes(layout), max_seq_len)
+        m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
+                             ManagerOptions(max_seq_len=max_seq_len, host_cache_size=0, enable_partial_reuse=partial))
+    else:
+        m = make_manager(layers, rng.randint(8, 30), max_seq_len=max_seq_len, host_cache_size=rng.choice([0, None]),
+                         enable_partial_reuse=partial)
+    s = KVCacheV2Scheduler(m, rng.randint(2, 8), rng.randint(2, 40), scheduling_policy=rng.choice(["fcfs", "priority"]),
+                           init_ratio=rng.choice([0.0, 0.7]))
+    if two_pass:
+        s.step = MethodType(_two_pass_step, s)
+    drafting = rng.random() < .7
+
+    driver, compute = _drafting_driver(m, s, max_seq_len, drafting)
 
     stems = [[rng.randint(0, 3)] + [(i * 5 + j) % 13 for j in range(rng.randint(3, 20))] for i in range(3)]
     requests = []
