@@ -250,6 +250,13 @@ class KvLayout:
                     f"{padded['worst_share']:.1%} of a sequence's page bytes unused (max_page_padding)")
         return f"max_page_padding padded no page: {self.padding_unused}" if self.padding_unused else None
 
+    def unpadded(self) -> KvLayout | None:
+        """These layers laid out at ``max_page_padding`` 0 (pages of ``gcd(layer counts)`` layers), for saying what
+        the padding costs; None when no page is padded."""
+        if not any(g.padding for g in self.groups):
+            return None
+        return build_layout(self.layers, self.manager, self.tokens_per_block, self.dtype)
+
     @property
     def bytes_per_token(self) -> float:
         """What one more token costs once the sequence is longer than every window (no rounding)."""

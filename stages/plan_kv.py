@@ -587,12 +587,22 @@ def budget_reason(budget: KvBudget) -> str:
 
 
 def too_small_message(layout: KvLayout, budget: KvBudget) -> str:
-    """The error for a budget below one block per group: the rule, the numbers, what to change."""
+    """The error for a budget below one block per group: the rule, the numbers, what to change (and, where padded
+    pages raised the floor, the floor at ``max_page_padding`` 0)."""
     field = RULE_FIELDS.get(budget.limited_by or "", "the budget")
     per_group = ", ".join(f"{g.name} {g.bytes_per_block}" for g in layout.groups)
+    floor = layout.min_bytes()
+    needed = f"at least {floor} B needed (bytes per block: {per_group})"
+    advice = f"raise {field} or lower kv_cache_config.tokens_per_block"
+    # padded pages the user opted into raise the floor: a budget between the two fits gcd pages (max_page_padding 0)
+    plain = layout.unpadded()
+    unpadded = plain.min_bytes() if plain is not None and plain.min_bytes() < floor else None
+    if unpadded is not None:
+        needed += f", {unpadded} B with {PADDING_FIELD} 0"
+        if budget.budget_bytes is not None and budget.budget_bytes >= unpadded:
+            advice = f"raise {field}, set {PADDING_FIELD} to 0 or lower kv_cache_config.tokens_per_block"
     return (f"KV budget {budget.budget_bytes} B ({budget_reason(budget)}) cannot hold one block per layer group: "
-            f"at least {layout.min_bytes()} B needed (bytes per block: {per_group}); "
-            f"raise {field} or lower kv_cache_config.tokens_per_block")
+            f"{needed}; {advice}")
 
 
 #: The field that turns KV cache events on, and who reads them (what a setting_ignored about it advises).
@@ -660,12 +670,25 @@ def budget_short(plan: KvPlan) -> KvBudgetShort | None:
     rule = plan.budget.limited_by or ""
     field = RULE_FIELDS.get(rule, rule or "the KV budget")
     flag = _RULE_FLAGS.get(rule)
+    # a byte rule's figure is in the padded pages the user opted into (max_tokens buys a max_seq_len sequence at any
+    # padding): say what a sequence needs in gcd pages (max_page_padding 0), and offer them where the budget holds it
+    plain = None if plan.arena or rule == "max_tokens" else plan.layout.unpadded()
+    unpadded = plain.bytes_for_sequence(plan.max_seq_len) if plain is not None else None
+    if unpadded is not None and unpadded >= need:
+        plain = unpadded = None
+    padding = f" ({unpadded} B with {PADDING_FIELD} 0)" if unpadded is not None else ""
     if rule == "max_tokens":
         raise_to = f"raise {field} ({flag}) to at least {plan.max_seq_len}"
     elif rule == "max_gpu_total_bytes":
-        raise_to = f"raise {field} ({flag}) to at least {need} B"
+        raise_to = f"raise {field} ({flag}) to at least {need} B{padding}"
     else:
-        raise_to = f"raise {field}" + (f" ({flag})" if flag else "") + f" so the pools get at least {need} B"
+        raise_to = f"raise {field}" + (f" ({flag})" if flag else "") + f" so the pools get at least {need} B{padding}"
+    if plain is not None and unpadded is not None:
+        room = plan.budget.budget_bytes or 0  # a byte rule's cap: the same at any padding
+        if plan.budget.max_tokens:  # a token cap is priced in gcd pages there, and may bind instead
+            room = min(room, plain.bytes_for_tokens(plan.budget.max_tokens, plan.max_seq_len))
+        if room >= unpadded:
+            raise_to += f", set {PADDING_FIELD} to 0 (--max_page_padding 0)"
     advice = (f"{raise_to}, or lower max_seq_len (--max_seq_len) to the longest request you serve; "
               f"requests longer than {pools.capacity_tokens} tokens will never be admitted")
     return KvBudgetShort(capacity_tokens=pools.capacity_tokens, max_seq_len=plan.max_seq_len, sequence_bytes=need,

@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from cache_backends import LayerKV, build_layout
+from cache_backends.budget import plan_arena, slab_bytes
 from cache_backends.interface import ManagerOptions, SchedulerOutput
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -132,6 +133,16 @@ def make_manager(layers: list[LayerKV], blocks: int | dict[str, int], *, T: int 
     counts = blocks if isinstance(blocks, dict) else {g.name: blocks for g in layout.groups}
     options.setdefault("max_seq_len", 4096)
     return KVCacheManagerV2(BlockPools(layout, counts, device), ManagerOptions(**options))
+
+
+def slab_manager(num_slabs: int, device: str = "cpu") -> KVCacheManagerV2:
+    """A V2 manager over a slab arena of ``num_slabs`` slabs: DeepSeek V4-like groups of unequal pages (full: a slab
+    a block; sliding_w6: 2 blocks a slab; csa_c8: 4), 2-token blocks, max_seq_len 24, no host tier."""
+    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 2, window=6, compressed_elems=2, compress_rate=8)]
+    layout = build_layout(layers, "v2", 2, "float32")
+    plan = plan_arena(layout, num_slabs * slab_bytes(layout), 24)
+    return KVCacheManagerV2(BlockPools(layout, plan.num_blocks, device, slabs=plan.slabs),
+                            ManagerOptions(max_seq_len=24, host_cache_size=0))
 
 
 def full_sliding_layers(window: int = 8) -> list[LayerKV]:

@@ -51,6 +51,24 @@ GEMMA3_27B = "tests/data/configs/gemma-3-27b-it"
 V2_AT = ("--use_kv_cache_manager_v2", "true", "--device", "cpu", "--max_tokens", "65536", "--max_seq_len", "8192")
 
 
+def test_a_budget_below_the_padded_floor_names_the_floor_at_max_page_padding_0():
+    """Gemma 3 27B at --max_page_padding 0.1 and a 17,000,000 B budget: the six 11-layer pages need 17,301,504 B, gcd
+    pages 16,252,928 B, and the refusal says both. plan shows it under the geometry (exit 0: what it plans); run stops
+    on it: exit 2, the same one line, no traceback."""
+    args = (GEMMA3_27B, "--use_kv_cache_manager_v2", "true", "--device", "cpu", "--max_gpu_total_bytes", "17000000",
+            "--max_page_padding", "0.1")
+    pages = ", ".join(f"{name} 2883584" for name in (*(f"sliding_w1024.{i}" for i in range(5)), "full"))
+    want = ("KV budget 17000000 B (max_gpu_total_bytes caps it at 17000000 B) cannot hold one block per layer group: "
+            f"at least 17301504 B needed (bytes per block: {pages}), 16252928 B with kv_cache_config.max_page_padding "
+            "0; raise kv_cache_config.max_gpu_total_bytes, set kv_cache_config.max_page_padding to 0 or lower "
+            "kv_cache_config.tokens_per_block")
+    planned = kvload("plan", *args)
+    assert planned.returncode == 0, planned.stderr
+    assert f"  load/run would stop here: {want}" in planned.stdout.splitlines()
+    run = kvload("run", *args)
+    assert run.returncode == 2 and run.stderr == f"error: {want}\n" and "Traceback" not in run.stderr
+
+
 def test_plan_shows_the_padded_pages_max_page_padding_opts_into():
     """--max_page_padding 0.1 on Gemma 3 27B: 6 groups of 11-layer pages, and the memory line names what they leave
     unused; without it the 31 gcd groups and no such line."""

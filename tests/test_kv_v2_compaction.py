@@ -225,14 +225,9 @@ def test_a_private_copy_moved_by_compaction_still_takes_the_cached_blocks_place_
     # b's noted copies; the note must follow it (its new id, at the generation that id has now): once a lets go and its
     # blocks are evicted, b's moved copy takes the position, so the prefix stays cached with b's KV, and a later turn
     # hits it. A note left on the old id (freed) or on the old generation would leave the position empty.
-    from cache_backends import LayerKV
-    from tests.kv_v2_support import admit, compute
+    from tests.kv_v2_support import admit, compute, slab_manager
 
-    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 2, window=6, compressed_elems=2, compress_rate=8)]
-    layout = build_layout(layers, "v2", 2, "float32")
-    plan = plan_arena(layout, 24 * slab_bytes(layout), 24)
-    m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
-                         ManagerOptions(max_seq_len=24, host_cache_size=0))
+    m = slab_manager(24)
     a, b, c = Request("a", [2, 4] * 6, 8), Request("b", [2, 4] * 6, 8), Request("c", [1, 3] * 6, 8)
     for r in (a, c, b):
         admit(m, r)

@@ -586,3 +586,84 @@ def test_a_bad_page_padding_is_one_line_naming_the_field_and_range():
         _padding_plan(GEMMA3_27B, 0.5)
     assert str(err.value).startswith("kv_cache_config.max_page_padding: expected a number in [0, 0.5)")
     assert "\n" not in str(err.value)
+
+
+# --- a budget the padded pages outgrow: the refusal and the warning say what gcd pages (max_page_padding 0) need ------
+
+#: Gemma 3 27B's six 11-layer pages at max_page_padding 0.1 (2,883,584 B each); at 0: 31 pages of 524,288 B
+PADDED_PAGES = ", ".join(f"{name} 2883584" for name in (*(f"sliding_w1024.{i}" for i in range(5)), "full"))
+
+
+def _bytes_plan(padding, max_gpu_total_bytes, **kv):
+    import pipeline
+
+    return pipeline.plan(GEMMA3_27B, log=False, device="cpu", kv_cache_config={
+        "use_kv_cache_manager_v2": True, "max_gpu_total_bytes": max_gpu_total_bytes, "max_page_padding": padding, **kv})
+
+
+@pytest.mark.parametrize(("budget", "advice"), [
+    # between the floors: gcd pages fit, so padding 0 is a way out
+    (17_000_000, "raise kv_cache_config.max_gpu_total_bytes, set kv_cache_config.max_page_padding to 0 or lower "
+                 "kv_cache_config.tokens_per_block"),
+    # below both: padding 0 would not fit either, so it is not offered
+    (2_883_583, "raise kv_cache_config.max_gpu_total_bytes or lower kv_cache_config.tokens_per_block"),
+])
+def test_a_budget_below_the_padded_floor_names_the_floor_at_max_page_padding_0(budget, advice, track_pools):
+    """Gemma 3 27B at max_page_padding 0.1 needs 17,301,504 B for one page per group where gcd pages need 16,252,928
+    B: the one-line refusal (plan's problem, load's error) says both, and offers padding 0 only where it fits."""
+    import pipeline
+    from pipeline import KvBuildError
+
+    want = (f"KV budget {budget} B (max_gpu_total_bytes caps it at {budget} B) cannot hold one block per layer group: "
+            f"at least 17301504 B needed (bytes per block: {PADDED_PAGES}), 16252928 B with "
+            f"kv_cache_config.max_page_padding 0; {advice}")
+    assert _bytes_plan(0.1, budget).kv.problem == want
+    with pytest.raises(KvBuildError) as err:
+        pipeline.load(GEMMA3_27B, log=False, device="cpu", kv_cache_config={
+            "use_kv_cache_manager_v2": True, "max_gpu_total_bytes": budget, "max_page_padding": 0.1})
+    assert str(err.value) == want and not track_pools
+    unpadded = _bytes_plan(0.0, budget)  # what the offer promises: padding 0 plans pools at this budget
+    assert (unpadded.kv.problem is None) == (budget >= 16_252_928)
+    if unpadded.kv.problem is not None:  # no padded page: nothing about the padding to say
+        assert "16252928 B needed" in unpadded.kv.problem and "max_page_padding" not in unpadded.kv.problem
+
+
+def test_kvload_llm_refuses_a_budget_below_the_padded_floor_in_one_line_naming_padding_0(tiny_checkpoints):
+    """The Python API on a tiny padded Gemma 3 (9 sliding + 2 full layers; 0.1 gives six 2-layer pages, 98,304 B, gcd
+    pages 90,112 B): a budget between them is refused naming padding 0, and padding 0 then loads."""
+    import kvload
+    from pipeline import KvBuildError
+
+    path = tiny_checkpoints("gemma3-padded")
+    kv = {"use_kv_cache_manager_v2": True, "max_gpu_total_bytes": 95_000}
+    with pytest.raises(KvBuildError) as err:
+        kvload.LLM(str(path), device="cpu", kv_cache_config={**kv, "max_page_padding": 0.1})
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.endswith("cannot hold one block per layer group: at least 98304 B needed (bytes per block: "
+                            + ", ".join(f"sliding_w8.{i} 16384" for i in range(5)) + ", full 16384), 90112 B with "
+                            "kv_cache_config.max_page_padding 0; raise kv_cache_config.max_gpu_total_bytes, set "
+                            "kv_cache_config.max_page_padding to 0 or lower kv_cache_config.tokens_per_block"), message
+    assert kvload.LLM(str(path), device="cpu", kv_cache_config={**kv, "max_page_padding": 0.0}).result.kv_manager
+
+
+#: one sequence of 131,072 tokens: 12,286,951,424 B in the padded pages, 11,187,257,344 B in gcd pages
+SHORT_ADVICE = ("raise kv_cache_config.max_gpu_total_bytes (--max_gpu_total_bytes) to at least 12286951424 B "
+                "(11187257344 B with kv_cache_config.max_page_padding 0)")
+
+
+@pytest.mark.parametrize(("budget", "kv", "offer"), [
+    (12_000_000_000, {}, True),  # between one padded sequence and one in gcd pages
+    (12_000_000_000, {"max_tokens": 65_536}, True),  # a token cap that binds at neither padding
+    # the token cap, priced in gcd pages (10,921,967,616 B), binds at padding 0 and holds no sequence there either
+    (11_500_000_000, {"max_tokens": 21_500}, False),
+    (100_000_000, {}, False),  # below one sequence at either padding
+])
+def test_a_budget_short_of_one_padded_sequence_says_what_it_needs_at_max_page_padding_0(budget, kv, offer):
+    """kv_budget_short's figure is the padded pages' bytes: the advice adds what gcd pages need, and offers padding 0
+    exactly where the plan at padding 0 holds a max_seq_len sequence (no kv_budget_short there)."""
+    (short,) = _bytes_plan(0.1, budget, **kv).audit.of("kv_budget_short")
+    assert short["advice"].startswith(SHORT_ADVICE)
+    offered = "set kv_cache_config.max_page_padding to 0 (--max_page_padding 0), or lower max_seq_len"
+    assert (offered in short["advice"]) == offer
+    assert bool(_bytes_plan(0.0, budget, **kv).audit.of("kv_budget_short")) == (not offer)

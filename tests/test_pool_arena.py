@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_backends import build_layout
-from cache_backends.budget import BudgetError, plan_arena, slab_bytes, slabs_for_sequence
+from cache_backends.budget import BudgetError, plan_arena, slabs_for_sequence
 from cache_backends.interface import ManagerOptions
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
@@ -391,14 +391,9 @@ def test_a_request_alone_in_a_slab_arena_reaches_the_worst_case_never_fits_let_i
     # flight). Found by a seeded driven sweep with aborts and forks (bughunt54: about 1 in 300 runs on slab arenas).
     # The scheduler now packs the used blocks first (KVCacheManagerV2.compact_slabs): b's window blocks move into 2
     # slabs, KV and all (drive checks every running request's KV and the invariants each step), and b completes.
-    from cache_backends import LayerKV
-    from tests.kv_v2_support import drive
+    from tests.kv_v2_support import drive, slab_manager
 
-    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 2, window=6, compressed_elems=2, compress_rate=8)]
-    layout = build_layout(layers, "v2", 2, "float32")
-    plan = plan_arena(layout, 9 * slab_bytes(layout), 24)
-    m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, "cpu", slabs=plan.slabs),
-                         ManagerOptions(max_seq_len=24, host_cache_size=0))
+    m = slab_manager(9)
     s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=16, init_ratio=0.0)
     a, b = Request("a", [1], 4, arrival=0), Request("b", [2] * 4, 8, arrival=1)
     assert m.never_fits(a) is None and m.never_fits(b) is None
@@ -415,14 +410,9 @@ def _fragmented(device: str = "cpu"):
     """A slab arena where ``b``'s window blocks sit one a slab: ``a`` and ``b`` (same layout as above, 16 slabs)
     computed their prompts chunk by chunk side by side (best fit puts their blocks in the same slabs), then ``a``
     finished (its blocks cached): (manager, a, b)."""
-    from cache_backends import LayerKV
-    from tests.kv_v2_support import admit, compute
+    from tests.kv_v2_support import admit, compute, slab_manager
 
-    layers = [LayerKV(0, "full", 4), LayerKV(1, "csa", 2, window=6, compressed_elems=2, compress_rate=8)]
-    layout = build_layout(layers, "v2", 2, "float32")
-    plan = plan_arena(layout, 16 * slab_bytes(layout), 24)
-    m = KVCacheManagerV2(BlockPools(layout, plan.num_blocks, device, slabs=plan.slabs),
-                         ManagerOptions(max_seq_len=24, host_cache_size=0))
+    m = slab_manager(16, device)
     a, b = Request("a", [1, 3] * 6, 8), Request("b", [2, 4] * 6, 8)
     admit(m, a)
     admit(m, b)
