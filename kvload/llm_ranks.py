@@ -159,6 +159,10 @@ class SpawnedRanks:
         self._lock = threading.Lock()
         self._owns_group = False
         self._loading = True  # a failure now ends the LLM's construction (no "close it" advice)
+        # the first rank seen to end mid-call (:meth:`_watch_call`): the one to name, not those ended after it
+        self._first_gone: _Rank | None = None
+        self._call_ended = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     # --- starting -------------------------------------------------------------------------------
 
@@ -276,6 +280,7 @@ class SpawnedRanks:
                 return method(llm, *args, **kwargs)  # Python's own error, before anything is sent
             del bound  # checked: the call's arguments fit the method
             self._send(name, method, args, kwargs)
+            self._start_watch()
             try:
                 try:
                     result = method(llm, *args, **kwargs)
@@ -292,6 +297,8 @@ class SpawnedRanks:
                 self._break(f"tensor_parallel_size={self.world}: a {name} call was interrupted on rank 0, so the "
                             "ranks are no longer in step; this LLM cannot run any more: close it and create a new one")
                 raise
+            finally:
+                self._stop_watch()
         finally:
             self._lock.release()
 
@@ -307,6 +314,7 @@ class SpawnedRanks:
         except BaseException:
             self._lock.release()
             raise
+        self._start_watch()
 
     def end(self, name: str, mine: BaseException | None) -> None:
         """:meth:`call`'s second half, for a stream begun with :meth:`begin`: every other rank's outcome agreed with
@@ -318,7 +326,43 @@ class SpawnedRanks:
                 self._break(f"tensor_parallel_size={self.world}: a {name} call was interrupted on rank 0, so the "
                             "ranks are no longer in step; this LLM cannot run any more: close it and create a new one")
         finally:
+            self._stop_watch()
             self._lock.release()
+
+    def _start_watch(self) -> None:
+        """Watch the ranks' processes while a call runs (:meth:`_watch_call`), on a thread of its own."""
+        self._call_ended.clear()
+        self._watcher = threading.Thread(target=self._watch_call, name="kvload-llm-ranks-watch", daemon=True)
+        self._watcher.start()
+
+    def _stop_watch(self) -> None:
+        self._call_ended.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+
+    def _watch_call(self) -> None:
+        """Once a rank's process ends mid-call, end the others (SIGTERM, then SIGKILL ``PARTED_TERM_S`` later).
+
+        With more than two ranks a death did not reach rank 0: gloo's ring all-reduce in the forward waits on a
+        living neighbour, itself waiting on the dead rank, and the neighbours stay in their failed collective, so
+        rank 0 waited out the collective timeout (``KVLOAD_DIST_TIMEOUT_S``, 600 s) in the forward. Ended, every
+        neighbour's connection fails rank 0's wait at once, and the rank that died first is named (the LLM cannot run
+        any more either way: the CLI's launcher and torchrun end the others so too)."""
+        while not self._call_ended.wait(_POLL_S):
+            gone = next((r for r in self.ranks if r.proc.poll() is not None), None)
+            if gone is None or self.stopping or self.broken is not None:
+                continue
+            self._first_gone = gone
+            for signum in (signal.SIGTERM, signal.SIGKILL):
+                for r in self.ranks:
+                    if r.proc.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(r.proc.pid, signum)
+                deadline = time.monotonic() + PARTED_TERM_S
+                while any(r.proc.poll() is None for r in self.ranks) and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
+            return
 
     def _send(self, name: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Send the call, one pickle per argument, so a rank that cannot unpickle one names it; then "go", or
@@ -354,6 +398,7 @@ class SpawnedRanks:
                 self._lost(name, r)
 
     def _lost(self, name: str, r: _Rank, cause: BaseException | None = None) -> None:
+        r = self._first_gone or r  # not a rank ended because another had (:meth:`_watch_call`)
         gone = r.gone() or f"rank {r.rank} (pid {r.proc.pid}) stopped answering"
         self._fail(name, gone, cause)
 
@@ -408,7 +453,7 @@ class SpawnedRanks:
                     return r.conn.recv()
             except (OSError, EOFError):
                 pass
-            if r.proc.poll() is not None:
+            if r.proc.poll() is not None or self._first_gone is not None:
                 self._lost(name, r, mine)
             if parted is not None and time.monotonic() > parted:
                 return None

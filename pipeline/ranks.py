@@ -194,18 +194,21 @@ def _process_identity() -> tuple[str, str, int, int] | None:
         return None
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command's name (which may hold spaces and ")"): the state first."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _start_ticks(pid: int) -> int:
     """When process ``pid`` started (``/proc/PID/stat``'s 22nd field): a pid reused by a new process differs."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces and ")"
-    return int(fields[19])
+    return int(_stat_fields(pid)[19])
 
 
 def _gone(pid: int, start: int) -> bool:
     """Whether the process ``pid`` started at ``start`` has exited (a zombie not yet reaped counts as exited)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return True
     except OSError:

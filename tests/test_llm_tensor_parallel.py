@@ -533,3 +533,54 @@ def test_a_rank_waiting_in_a_collective_rank_0_left_ends_on_sigterm(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+FOUR_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    import kvload
+    from pipeline.errors import RankError
+
+    def kids():
+        out = set()
+        for t in os.listdir(f"/proc/{os.getpid()}/task"):
+            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
+        return out
+
+    report = {}
+    for victim_rank in (2, 3):
+        llm = kvload.LLM(sys.argv[1], tensor_parallel_size=4, max_seq_len=2048, kv_cache_config={"max_tokens": 8192},
+                         log=False)
+        victim = llm._ranks.ranks[victim_rank - 1].proc.pid
+        threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()  # while it generates (8 x 1000 tokens)
+        start = time.monotonic()
+        try:
+            llm.generate([[1, 2, 3]] * 8, max_tokens=1000, ignore_eos=True)
+            report[victim_rank] = {"error": None}
+        except Exception as exc:
+            report[victim_rank] = {"error": f"{type(exc).__name__}: {exc}", "victim": victim,
+                                   "took": time.monotonic() - start}
+        llm.close()
+        report[victim_rank]["left"] = sorted(kids())
+    print(json.dumps(report), flush=True)
+""")
+
+
+def test_a_rank_killed_mid_generation_among_four_is_named_at_once_and_the_others_end(tmp_path):
+    # With four ranks a death did not reach rank 0: gloo's ring all-reduce in the forward had it wait on a living
+    # neighbour stuck on the dead rank, so killing rank 2 left rank 0 in the forward until the collective timeout
+    # (then a RankError); killing rank 3 gave gloo's raw "Connection reset by peer" RuntimeError after PARTED_S (30 s)
+    # of waiting for rank 1. Now rank 0 ends the other ranks once one dies mid-call and names the one that died.
+    from models.weights import random_model
+    from tests.paged_support import tiny_config
+
+    ckpt = tmp_path / "ckpt"  # four KV heads, so that four ranks split them
+    random_model(tiny_config("llama", num_key_value_heads=4), device="cpu", dtype="float32", seed=0).save_pretrained(
+        ckpt)
+    report = _script_report(tmp_path, FOUR_SCRIPT, str(ckpt))
+    for rank in ("2", "3"):
+        got = report[rank]
+        assert got["error"] is not None and got["error"].startswith(
+            f"RankError: generate: tensor_parallel_size=4: rank {rank} (pid {got['victim']}) was killed by SIGKILL; "
+            "this LLM cannot run any more"), got
+        assert got["took"] < DIST_TIMEOUT_S / 2, got  # a bound, not a speed: neither timeout nor PARTED_S waited out
+        assert got["left"] == [], got
