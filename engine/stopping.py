@@ -43,7 +43,7 @@ class SampleText:
         # the added tokens (special ones and the rest, as vLLM takes them) whose neighbours are joined unspaced
         added = () if skip_special or spaced else (getattr(tokenizer, "added_tokens_decoder", None) or {})
         self._joined = frozenset(int(t) for t in added)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # the most of a stop string text can end in
         self.text = ""
         self.stop_hit: str | None = None
         self._decoded = 0  # token count of the last update
@@ -118,8 +118,11 @@ class SampleText:
         if self.stop and not search:
             self._searched = len(text)
         elif self.stop:
-            start = max(0, self._searched - self.hold)
-            hits = [(pos, s) for s in self.stop if (pos := text.find(s, start)) != -1]
+            # each stop string is looked for only where it would end in the new text (vLLM's lookback of its
+            # length - 1): one common start, the longest's, also found a shorter one wholly inside text decoded
+            # under min_tokens, which is never searched, so an unrelated long stop string changed where a sample ended
+            searched = self._searched
+            hits = [(pos, s) for s in self.stop if (pos := text.find(s, max(0, searched - len(s) + 1))) != -1]
             self._searched = len(text)
             if hits:
                 pos, self.stop_hit = min(hits)
