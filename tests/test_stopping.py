@@ -56,6 +56,16 @@ def test_a_stream_holds_back_what_could_still_become_a_stop_string():
     assert text.delta() == "2 " and text.text == "w1 w2 "
 
 
+def test_include_stop_streams_every_character_at_once_and_still_ends_with_the_stop_string():
+    """vLLM's include_stop_str_in_output holds nothing back (its stop_buffer_length is 0): the cut falls after the
+    stop string, which ends in the newest token's text, so no character already streamed is ever taken back."""
+    text = SampleText(TOKENIZER, ["w3 w4"], include_stop=True)
+    text.update([1, 2, 3])
+    assert text.delta() == "w1 w2 w3"  # excluded, "w1 w" (the last 4 characters could begin the stop string)
+    assert text.update([1, 2, 3, 4, 5]) == "w3 w4"
+    assert text.delta() == " w4" and text.text == "w1 w2 w3 w4"
+
+
 def min_tokens_oracle(ids: list[int], stops: list[str], min_tokens: int) -> tuple[str | None, int]:
     """vLLM's rule by brute force: from token min_tokens + 1 on, a stop string ends a sample when it ends in the
     text that token added (the text decoded before is never searched); the earliest such match wins."""
