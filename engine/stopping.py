@@ -45,7 +45,7 @@ class SampleText:
         # the added tokens (special ones and the rest, as vLLM takes them) whose neighbours are joined unspaced
         added = () if skip_special or spaced else (getattr(tokenizer, "added_tokens_decoder", None) or {})
         self._joined = frozenset(int(t) for t in added)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1  # the most of a stop string text can end in
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # most text an unfinished stop string spans
         # what a stream holds back: only text that a stop string may still cut away
         self._held = 0 if include_stop else self.hold
         self.text = ""
