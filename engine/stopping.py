@@ -4,7 +4,9 @@ streamed text may still become a marker (:func:`marker_prefix`, for the reply pa
 Stop strings are matched on the detokenized text (a stop string may span tokens, or sit inside
 one), as vLLM does; the text is cut before the first match and the stop string is not part of it.
 While streaming, the last ``len(longest stop) - 1`` characters are held back, because the next
-token could complete a stop string that begins there; the final delta releases what remains.
+token could complete a stop string that begins there; the final delta releases what remains. With
+``include_stop`` nothing is held back (vLLM's ``stop_buffer_length`` 0): the text is then cut after
+the stop string, which ends in the newest token's text, so no character already handed out is cut.
 
 The text grows incrementally: each step decodes only a short window — a few tokens already
 decoded (at least :data:`CONTEXT_TOKENS` that are not special) plus the new ones — and appends
@@ -43,7 +45,9 @@ class SampleText:
         # the added tokens (special ones and the rest, as vLLM takes them) whose neighbours are joined unspaced
         added = () if skip_special or spaced else (getattr(tokenizer, "added_tokens_decoder", None) or {})
         self._joined = frozenset(int(t) for t in added)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # most text an unfinished stop string spans
+        # what a stream holds back: only text that a stop string may still cut away
+        self._held = 0 if include_stop else self.hold
         self.text = ""
         self.stop_hit: str | None = None
         self._decoded = 0  # token count of the last update
@@ -118,8 +122,11 @@ class SampleText:
         if self.stop and not search:
             self._searched = len(text)
         elif self.stop:
-            start = max(0, self._searched - self.hold)
-            hits = [(pos, s) for s in self.stop if (pos := text.find(s, start)) != -1]
+            # each stop string is looked for only where it would end in the new text (vLLM's lookback of its
+            # length - 1): one common start, the longest's, also found a shorter one wholly inside text decoded
+            # under min_tokens, which is never searched, so an unrelated long stop string changed where a sample ended
+            searched = self._searched
+            hits = [(pos, s) for s in self.stop if (pos := text.find(s, max(0, searched - len(s) + 1))) != -1]
             self._searched = len(text)
             if hits:
                 pos, self.stop_hit = min(hits)
@@ -128,7 +135,7 @@ class SampleText:
 
     def delta(self, final: bool = False) -> str:
         """The text not handed out yet, minus what a stop string could still claim (all of it when ``final``)."""
-        end = len(self.text) if final or self.stop_hit is not None else len(self.text) - self.hold
+        end = len(self.text) if final or self.stop_hit is not None else len(self.text) - self._held
         if end <= self._emitted:
             return ""
         out = self.text[self._emitted:end]

@@ -118,6 +118,18 @@ def test_min_tokens_holds_a_stop_string_back_until_the_output_is_long_enough(llm
     assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", late, ref.token_ids[:7])
 
 
+def test_a_stop_string_inside_the_min_tokens_text_stays_unsearched_whatever_else_stop_lists(llm):
+    """A stop string the output completed under min_tokens never stops it, a long unrelated one beside it or not
+    (each stop string is looked for only where it would end in new text; the longest's reach found the short one)."""
+    ref = greedy(llm)
+    inside = ref.text.split(" ")[4]  # completed by token 5, inside min_tokens=5, and not generated again
+    alone = greedy(llm, stop=[inside], min_tokens=5)
+    beside = greedy(llm, stop=[inside, "not in this output at all"], min_tokens=5)
+    assert (alone.finish_reason, alone.token_ids) == ("length", ref.token_ids)
+    assert (beside.finish_reason, beside.stop_reason, beside.text, beside.token_ids) == \
+        ("length", None, ref.text, ref.token_ids)
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string_and_skip_special_tokens_shows_them(llm):
     ref = greedy(llm)
     words = ref.text.split(" ")

@@ -271,6 +271,36 @@ def test_include_stop_str_in_output_keeps_the_stop_token_that_ended_a_choice_as_
         assert text == " ".join(f"w{t}" for t in base["token_ids"][:3]), (stream, text)
 
 
+def test_a_stream_keeping_its_stop_string_shows_each_token_as_it_comes_as_vllm_streams_it(served):
+    """With include_stop_str_in_output no text is held back (vLLM's stop_buffer_length 0): each chunk's text is its
+    own token's, where excluding the stop string holds the last len(stop) - 1 characters until they cannot be cut."""
+    body = {"model": "words", "prompt": "w5 w17", "max_tokens": 8, "ignore_eos": True}
+    base = served.http.post("/v1/completions", json=body).json()["choices"][0]
+    stop = " ".join(base["text"].split()[4:6])  # complete at token 6
+    r = served.http.post("/v1/completions", json={**body, "stream": True, "stop": [stop],
+                                                  "include_stop_str_in_output": True})
+    chunks = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [c["text"].strip() for c in chunks] == [f"w{t}" for t in base["token_ids"][:6]]
+    assert "".join(c["text"] for c in chunks) == base["text"][:base["text"].index(stop) + len(stop)]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == stop
+
+
+def test_a_stop_string_inside_min_tokens_text_is_never_searched_whatever_longer_one_comes_with_it(served):
+    """vLLM looks for each stop string only where it would end in new text: one written under min_tokens never ends
+    the choice, also beside a long stop string (whose reach made the server search the min_tokens text)."""
+    body = {"model": "words", "prompt": "w5 w17", "max_tokens": 8, "ignore_eos": True, "min_tokens": 5}
+    base = served.http.post("/v1/completions", json=body).json()["choices"][0]
+    inside = base["text"].split()[4]  # completed by token 5, under min_tokens
+    assert base["text"].split().count(inside) == 1
+    for stop in ([inside], [inside, "a stop string this output never writes"]):
+        for stream in (False, True):
+            r = served.http.post("/v1/completions", json={**body, "stop": stop, "stream": stream})
+            chunks = ([json.loads(line[6:])["choices"][0] for line in r.text.splitlines()
+                       if line.startswith("data: {")] if stream else r.json()["choices"])
+            got = ("".join(c["text"] for c in chunks), chunks[-1]["finish_reason"], chunks[-1]["stop_reason"])
+            assert got == (base["text"], "length", None), (stop, stream)
+
+
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_reads_them(served):
     """lm-evaluation-harness scores a continuation by one completions request: echo, logprobs=1, max_tokens=1; the
     prompt's token_logprobs (the first null) are the model's, the same numbers the Python API's prompt_logprobs give."""

@@ -56,6 +56,45 @@ def test_a_stream_holds_back_what_could_still_become_a_stop_string():
     assert text.delta() == "2 " and text.text == "w1 w2 "
 
 
+def test_include_stop_streams_every_character_at_once_and_still_ends_with_the_stop_string():
+    """vLLM's include_stop_str_in_output holds nothing back (its stop_buffer_length is 0): the cut falls after the
+    stop string, which ends in the newest token's text, so no character already streamed is ever taken back."""
+    text = SampleText(TOKENIZER, ["w3 w4"], include_stop=True)
+    text.update([1, 2, 3])
+    assert text.delta() == "w1 w2 w3"  # excluded, "w1 w" (the last 4 characters could begin the stop string)
+    assert text.update([1, 2, 3, 4, 5]) == "w3 w4"
+    assert text.delta() == " w4" and text.text == "w1 w2 w3 w4"
+
+
+def min_tokens_oracle(ids: list[int], stops: list[str], min_tokens: int) -> tuple[str | None, int]:
+    """vLLM's rule by brute force: from token min_tokens + 1 on, a stop string ends a sample when it ends in the
+    text that token added (the text decoded before is never searched); the earliest such match wins."""
+    for k in range(min_tokens + 1, len(ids) + 1):
+        text, before = TOKENIZER.decode(ids[:k]), len(TOKENIZER.decode(ids[:k - 1]))
+        hits = [(pos, s) for s in stops if (pos := text.find(s, max(0, before - len(s) + 1))) != -1]
+        if hits:
+            return min(hits)[1], k
+    return None, len(ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(1, 39), min_size=1, max_size=16),
+       stops=st.lists(st.text(alphabet="w0123 ", min_size=1, max_size=12), min_size=1, max_size=3),
+       min_tokens=st.integers(0, 8), include=st.booleans())
+def test_min_tokens_and_include_stop_end_a_stream_where_vllm_does_and_deltas_add_up(ids, stops, min_tokens, include):
+    text, deltas = SampleText(TOKENIZER, stops, include_stop=include), []
+    for k in range(1, len(ids) + 1):
+        hit = text.update(ids[:k], search=k > min_tokens)
+        if hit is not None or k == len(ids):
+            if hit is None:
+                text.update(ids[:k], final=True, search=k > min_tokens)
+            deltas.append(text.delta(final=True))
+            break
+        deltas.append(text.delta())
+    assert (text.stop_hit, k) == min_tokens_oracle(ids, stops, min_tokens)
+    assert "".join(deltas) == text.text  # nothing streamed was taken back
+
+
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet="<>/ab", max_size=12),
        markers=st.lists(st.text(alphabet="<>/ab", min_size=1, max_size=6), min_size=1, max_size=3))
