@@ -280,8 +280,8 @@ class SpawnedRanks:
                 return method(llm, *args, **kwargs)  # Python's own error, before anything is sent
             del bound  # checked: the call's arguments fit the method
             self._send(name, method, args, kwargs)
-            self._start_watch()
             try:
+                self._start_watch()  # in the try: a Ctrl-C as it starts finds the ranks in the call, as any other does
                 try:
                     result = method(llm, *args, **kwargs)
                 except Exception as exc:
@@ -350,8 +350,12 @@ class SpawnedRanks:
         neighbour's connection fails rank 0's wait at once, and the rank that died first is named (the LLM cannot run
         any more either way: the CLI's launcher and torchrun end the others so too)."""
         while not self._call_ended.wait(_POLL_S):
+            if self.stopping or self.broken is not None:
+                # the ranks are being ended by close() or _break: nothing left to watch (a stream its consumer holds
+                # unread past close() ends its call only when collected, and polled every rank until then)
+                return
             gone = next((r for r in self.ranks if r.proc.poll() is not None), None)
-            if gone is None or self.stopping or self.broken is not None:
+            if gone is None:
                 continue
             self._first_gone = gone
             for signum in (signal.SIGTERM, signal.SIGKILL):

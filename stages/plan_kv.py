@@ -659,6 +659,39 @@ def blocks_oversized(plan: KvPlan, cap_field: str) -> KvBlocksOversized | None:
                              advice=advice)
 
 
+def least_max_tokens(layout: KvLayout, seq_len: int) -> int:
+    """The least ``max_tokens``, in whole blocks of ``tokens_per_block``, whose pools
+    (:meth:`KvLayout.blocks_for_tokens`) hold one sequence of ``seq_len`` tokens; ``seq_len`` if none up to it does."""
+    T = layout.tokens_per_block
+    most = -(-seq_len // T)
+
+    def holds(n: int) -> bool:
+        return layout.max_sequences(layout.blocks_for_tokens(n * T, seq_len), seq_len) >= 1
+
+    if not holds(most):
+        return seq_len
+    return (longest(lambda n: not holds(n), most - 1) + 1) * T
+
+
+def _token_cap_advice(plan: KvPlan, raise_to: str, plain: KvLayout | None) -> str:
+    """``raise_to`` the least ``max_tokens`` that holds one ``max_seq_len`` sequence; with padded pages, that cap at
+    ``max_page_padding`` 0 too, and padding 0 offered where the cap set already holds a sequence there.
+
+    Not ``max_seq_len``: a shared arena's window groups take a window of each sequence, not a block per token, so it
+    overstated the cap 5.8x (Gemma 3 27B at 131,072 tokens: 22,752 hold one). A token cap binds at padding 0 too:
+    gcd pages hold the same tokens in fewer bytes than padded ones, below every byte rule the padded pages were."""
+    if plan.arena:  # slabs of each group's own: priced by bytes, not by blocks_for_tokens
+        return f"{raise_to} {plan.max_seq_len}"
+    least = least_max_tokens(plan.layout, plan.max_seq_len)
+    text = f"{raise_to} {least}"
+    plain_least = least_max_tokens(plain, plan.max_seq_len) if plain is not None else None
+    if plain_least is not None and plain_least < least:
+        text += f" ({plain_least} with {PADDING_FIELD} 0)"
+        if plan.budget.max_tokens and plain_least <= plan.budget.max_tokens:
+            text += f", set {PADDING_FIELD} to 0 (--max_page_padding 0)"
+    return text
+
+
 def budget_short(plan: KvPlan) -> KvBudgetShort | None:
     """``kv_budget_short`` when the planned pools hold less than one sequence of ``max_seq_len``, else None."""
     pools = plan.pools
@@ -670,18 +703,19 @@ def budget_short(plan: KvPlan) -> KvBudgetShort | None:
     rule = plan.budget.limited_by or ""
     field = RULE_FIELDS.get(rule, rule or "the KV budget")
     flag = _RULE_FLAGS.get(rule)
-    # a byte rule's figure is in the padded pages the user opted into (max_tokens buys a max_seq_len sequence at any
-    # padding): say what a sequence needs in gcd pages (max_page_padding 0), and offer them where the budget holds it
-    plain = None if plan.arena or rule == "max_tokens" else plan.layout.unpadded()
+    # the figure is in the padded pages the user opted into: say what a sequence needs in gcd pages (max_page_padding
+    # 0) too, and offer them where the budget holds it
+    plain = None if plan.arena else plan.layout.unpadded()
+    if rule == "max_tokens":
+        raise_to = _token_cap_advice(plan, f"raise {field} ({flag}) to at least", plain)
+        plain = None
     unpadded = plain.bytes_for_sequence(plan.max_seq_len) if plain is not None else None
     if unpadded is not None and unpadded >= need:
         plain = unpadded = None
     padding = f" ({unpadded} B with {PADDING_FIELD} 0)" if unpadded is not None else ""
-    if rule == "max_tokens":
-        raise_to = f"raise {field} ({flag}) to at least {plan.max_seq_len}"
-    elif rule == "max_gpu_total_bytes":
+    if rule == "max_gpu_total_bytes":
         raise_to = f"raise {field} ({flag}) to at least {need} B{padding}"
-    else:
+    elif rule != "max_tokens":
         raise_to = f"raise {field}" + (f" ({flag})" if flag else "") + f" so the pools get at least {need} B{padding}"
     if plain is not None and unpadded is not None:
         room = plan.budget.budget_bytes or 0  # a byte rule's cap: the same at any padding

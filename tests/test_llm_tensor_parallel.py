@@ -584,3 +584,59 @@ def test_a_rank_killed_mid_generation_among_four_is_named_at_once_and_the_others
             "this LLM cannot run any more"), got
         assert got["took"] < DIST_TIMEOUT_S / 2, got  # a bound, not a speed: neither timeout nor PARTED_S waited out
         assert got["left"] == [], got
+
+
+# --- the watch over a call's ranks (no model: processes that stand in for ranks) ------------------------------------
+
+
+def _stand_in_ranks(world: int):
+    """A ``SpawnedRanks`` whose ranks 1..world-1 are ``sleep`` processes (each with its socket and stderr file)."""
+    import socket
+    import tempfile
+    from multiprocessing.connection import Connection
+
+    from kvload import llm_ranks
+
+    spawned = llm_ranks.SpawnedRanks(world, "stand-in", {})
+    spawned._loading = False
+    for rank in range(1, world):
+        mine, theirs = socket.socketpair()
+        theirs.close()
+        proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        spawned.ranks.append(llm_ranks._Rank(rank, proc, Connection(mine.detach()),
+                                             tempfile.TemporaryFile()))  # noqa: SIM115 (close() closes it)
+    return spawned
+
+
+def test_the_watch_over_a_stream_ends_when_the_llm_closes_though_the_stream_is_never_read_again():
+    """A stream its consumer holds unread keeps its call open (lock and watch) until collected; close() ends the
+    ranks, and the watch with them: it had polled the ended ranks every 50 ms for as long as the stream lived."""
+    spawned = _stand_in_ranks(3)
+    assert spawned._lock.acquire(blocking=False)  # as begin() holds it for the stream's life
+    spawned._start_watch()
+    watcher = spawned._watcher
+    spawned.close()
+    watcher.join(30)  # a bound, not a speed: it ends at its next poll (50 ms)
+    assert not watcher.is_alive()
+    assert all(r.proc.returncode is not None for r in spawned.ranks)
+    spawned.end("generate_stream", None)  # the stream collected at last: nothing left to stop
+    assert spawned._lock.acquire(blocking=False)
+
+
+def test_a_ctrl_c_as_the_watch_starts_breaks_the_llm_like_any_other_mid_call():
+    """The ranks were sent the call: a KeyboardInterrupt between that and rank 0's own call (the watch starting) must
+    leave the LLM broken and the ranks ended, as one inside the call does, not a usable LLM out of step with them."""
+    spawned = _stand_in_ranks(3)
+    spawned._send = lambda *a: None  # the ranks "took" the call
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    spawned._start_watch = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        spawned.call("generate", lambda llm: "done", object(), (), {})
+    try:
+        assert spawned.broken is not None and "interrupted" in spawned.broken
+        assert all(r.proc.returncode is not None for r in spawned.ranks)
+    finally:
+        spawned.close()

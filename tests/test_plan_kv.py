@@ -667,3 +667,32 @@ def test_a_budget_short_of_one_padded_sequence_says_what_it_needs_at_max_page_pa
     offered = "set kv_cache_config.max_page_padding to 0 (--max_page_padding 0), or lower max_seq_len"
     assert (offered in short["advice"]) == offer
     assert bool(_bytes_plan(0.0, budget, **kv).audit.of("kv_budget_short")) == (not offer)
+
+
+def _tokens_plan(padding, max_tokens):
+    import pipeline
+
+    return pipeline.plan(GEMMA3_27B, log=False, device="cpu", kv_cache_config={
+        "use_kv_cache_manager_v2": True, "max_tokens": max_tokens, "max_page_padding": padding})
+
+
+#: one 131,072-token sequence in Gemma 3 27B's shared arena: 711 blocks a group in the six padded groups, 689 in the
+#: 31 gcd ones (the sliding groups take a window, not a block per token): not max_seq_len, which the advice said
+CAP_ADVICE = ("raise kv_cache_config.max_tokens (--max_tokens) to at least 22752 (22048 with "
+              "kv_cache_config.max_page_padding 0)")
+
+
+@pytest.mark.parametrize(("max_tokens", "offer"), [(20_000, False), (22_300, True)])
+def test_a_token_cap_short_of_one_sequence_names_the_least_cap_and_offers_padding_0_where_it_holds_one(max_tokens,
+                                                                                                       offer):
+    """kv_budget_short under a max_tokens cap names the least cap that holds one max_seq_len sequence (it said
+    max_seq_len, 5.8x too many), that cap at max_page_padding 0, and offers padding 0 where the cap set holds a
+    sequence there (it never did: a cap of 22,300 is short in padded pages, enough in gcd ones)."""
+    (short,) = _tokens_plan(0.1, max_tokens).audit.of("kv_budget_short")
+    offered = f"{CAP_ADVICE}, set kv_cache_config.max_page_padding to 0 (--max_page_padding 0), or lower max_seq_len"
+    assert short["advice"].startswith(offered if offer else f"{CAP_ADVICE}, or lower max_seq_len"), short["advice"]
+    assert bool(_tokens_plan(0.0, max_tokens).audit.of("kv_budget_short")) == (not offer)
+    # the figures are the least whole-block caps: one block fewer is short
+    for padding, least in ((0.1, 22_752), (0.0, 22_048)):
+        assert not _tokens_plan(padding, least).audit.of("kv_budget_short")
+        assert _tokens_plan(padding, least - 32).audit.of("kv_budget_short")
