@@ -57,6 +57,10 @@ PARTED_S = 30.0
 #: (:func:`_exit_on_term`): a rank waiting in a collective that rank 0 left runs no handler on its main thread, and
 #: was ended only by the SIGKILL ``PARTED_TERM_S`` later; a rank in Python closes its LLM well within this.
 TERM_GRACE_S = 0.5
+#: How long rank 0 is given to end a call by itself once another rank answered it with an error while rank 0 was still
+#: in it: ranks that fail alike end the call within this (they run in step); past it rank 0 waits in a collective the
+#: failed rank left (it waits for rank 0's next message), which ended only at the collective timeout.
+ALONE_S = 5.0
 _POLL_S = 0.05
 #: ``LLM`` arguments only rank 0 uses: the other ranks log nothing and have no subscribers, no KV event publisher.
 RANK0_ONLY = ("subscribers", "log", "kv_events_config")
@@ -118,6 +122,7 @@ class _Rank:
 
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, stderr: Any) -> None:
         self.rank, self.proc, self.conn, self.stderr = rank, proc, conn, stderr
+        self.early: list[tuple[Any, ...]] = []  # its answer to the call, read while rank 0 was still in it
 
     def last_words(self) -> str:
         """The last line the rank wrote to stderr ('' if none)."""
@@ -163,6 +168,10 @@ class SpawnedRanks:
         self._first_gone: _Rank | None = None
         self._call_ended = threading.Event()
         self._watcher: threading.Thread | None = None
+        # rank 0's own part of the call ended: from then on only its thread reads the ranks' answers
+        self._returned = threading.Event()
+        self._reading = threading.Lock()
+        self._parted: str | None = None  # a rank that failed the call alone, ended by :meth:`_watch_call`
 
     # --- starting -------------------------------------------------------------------------------
 
@@ -285,8 +294,10 @@ class SpawnedRanks:
                 try:
                     result = method(llm, *args, **kwargs)
                 except Exception as exc:
+                    self._returning()
                     self._agree(name, exc)
                     raise
+                self._returning()
                 self._agree(name, None)
                 return result
             except Exception:
@@ -320,6 +331,7 @@ class SpawnedRanks:
         """:meth:`call`'s second half, for a stream begun with :meth:`begin`: every other rank's outcome agreed with
         rank 0's ``mine`` (None: it ended, or its consumer left, where every rank stopped after the same step)."""
         try:
+            self._returning()
             if mine is None or isinstance(mine, Exception):
                 self._agree(name, mine)
             else:  # Ctrl-C on rank 0's generating thread: the others cannot be known to be in step
@@ -329,9 +341,17 @@ class SpawnedRanks:
             self._stop_watch()
             self._lock.release()
 
+    def _returning(self) -> None:
+        """Rank 0's part of the call ended: the watcher reads no more answers (this thread reads them now)."""
+        with self._reading:
+            self._returned.set()
+
     def _start_watch(self) -> None:
         """Watch the ranks' processes while a call runs (:meth:`_watch_call`), on a thread of its own."""
         self._call_ended.clear()
+        self._returned.clear()
+        for r in self.ranks:
+            r.early.clear()
         self._watcher = threading.Thread(target=self._watch_call, name="kvload-llm-ranks-watch", daemon=True)
         self._watcher.start()
 
@@ -340,6 +360,8 @@ class SpawnedRanks:
         if self._watcher is not None:
             self._watcher.join()
             self._watcher = None
+        for r in self.ranks:
+            r.early.clear()  # answers to this call only (all read by now, unless the call broke the LLM)
 
     def _watch_call(self) -> None:
         """Once a rank's process ends mid-call, end the others (SIGTERM, then SIGKILL ``PARTED_TERM_S`` later).
@@ -348,16 +370,30 @@ class SpawnedRanks:
         living neighbour, itself waiting on the dead rank, and the neighbours stay in their failed collective, so
         rank 0 waited out the collective timeout (``KVLOAD_DIST_TIMEOUT_S``, 600 s) in the forward. Ended, every
         neighbour's connection fails rank 0's wait at once, and the rank that died first is named (the LLM cannot run
-        any more either way: the CLI's launcher and torchrun end the others so too)."""
+        any more either way: the CLI's launcher and torchrun end the others so too).
+
+        A rank that answers the call with an error while rank 0 is still in it (an exception of its own mid-forward)
+        stays alive, waiting for rank 0's next message, and left the collective that rank 0 then waited in to the
+        timeout: unless rank 0 ends the call within :data:`ALONE_S` (the ranks failed alike), the ranks are ended so
+        too, and that rank and its error are named."""
+        alone: tuple[float, str, _Rank] | None = None  # when a rank answered with an error, the words, the rank
         while not self._call_ended.wait(_POLL_S):
             if self.stopping or self.broken is not None:
                 # the ranks are being ended by close() or _break: nothing left to watch (a stream its consumer holds
                 # unread past close() ends its call only when collected, and polled every rank until then)
                 return
             gone = next((r for r in self.ranks if r.proc.poll() is not None), None)
-            if gone is None:
+            if gone is None and alone is None:
+                alone = self._answered_alone()
+            if gone is None and (alone is None or time.monotonic() < alone[0] + ALONE_S):
                 continue
-            self._first_gone = gone
+            if gone is None and alone is not None:
+                with self._reading:
+                    if self._returned.is_set():
+                        continue  # rank 0 ended the call by itself after all: its thread compares the answers
+                    self._parted, self._first_gone = alone[1], alone[2]
+            else:
+                self._first_gone = gone
             for signum in (signal.SIGTERM, signal.SIGKILL):
                 for r in self.ranks:
                     if r.proc.poll() is None:
@@ -367,6 +403,20 @@ class SpawnedRanks:
                 while any(r.proc.poll() is None for r in self.ranks) and time.monotonic() < deadline:
                     time.sleep(_POLL_S)
             return
+
+    def _answered_alone(self) -> tuple[float, str, _Rank] | None:
+        """Read the answers the ranks sent while rank 0 is still in the call; the first error's time, words, rank."""
+        with self._reading:
+            if self._returned.is_set():
+                return None
+            for r in self.ranks:
+                with contextlib.suppress(OSError, EOFError):
+                    if not r.early and r.conn.poll(0):
+                        r.early.append(r.conn.recv())
+                        if r.early[0][0] == "error":
+                            return (time.monotonic(), f"rank {r.rank} (pid {r.proc.pid}) failed the call while rank "
+                                    f"0 was still in it: {r.early[0][1]}: {str(r.early[0][2])[:300]}", r)
+        return None
 
     def _send(self, name: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Send the call, one pickle per argument, so a rank that cannot unpickle one names it; then "go", or
@@ -402,6 +452,8 @@ class SpawnedRanks:
                 self._lost(name, r)
 
     def _lost(self, name: str, r: _Rank, cause: BaseException | None = None) -> None:
+        if self._parted is not None:  # a rank failed the call alone and the ranks were ended (:meth:`_watch_call`)
+            self._fail(name, self._parted, cause)
         r = self._first_gone or r  # not a rank ended because another had (:meth:`_watch_call`)
         gone = r.gone() or f"rank {r.rank} (pid {r.proc.pid}) stopped answering"
         self._fail(name, gone, cause)
@@ -423,6 +475,8 @@ class SpawnedRanks:
         """Every other rank's outcome of the call; ``RankError`` naming a rank that died or ended it otherwise."""
         if self.stopping:
             return  # closed during the call: rank 0's error ("the LLM was closed") says it
+        if self._parted is not None:  # a rank failed alone and the ranks were ended: rank 0's error was its effect
+            self._fail(name, self._parted, mine)
         # the ranks agree when they failed alike: by the error's type, not its text, which may hold what differs
         # between processes (an object's address in a repr, a set's order under per-process string hashing)
         kind = type(mine).__name__ if mine is not None else None
@@ -449,6 +503,8 @@ class SpawnedRanks:
         its death raises ``RankError``."""
         from pipeline.ranks import timeout_s
 
+        if r.early:  # read by the watcher while rank 0 was still in the call
+            return r.early.pop()
         deadline = time.monotonic() + timeout_s()
         parted = None if within_s is None else time.monotonic() + within_s
         while True:

@@ -640,3 +640,68 @@ def test_a_ctrl_c_as_the_watch_starts_breaks_the_llm_like_any_other_mid_call():
         assert all(r.proc.returncode is not None for r in spawned.ranks)
     finally:
         spawned.close()
+
+
+#: rank 2's ``sitecustomize``: once rank 0 creates the flag file (mid-generation), its MLP's activation raises
+_RANK_2_RAISES = """
+import os
+if os.environ.get("RANK") == "2":
+    import torch.nn.functional as F
+
+    silu = F.silu
+
+    def failing(*args, **kwargs):
+        if os.path.exists(os.environ["KVLOAD_TEST_FLAG"]):
+            raise RuntimeError("rank two broke on its own")
+        return silu(*args, **kwargs)
+
+    F.silu = failing
+"""
+
+RAISES_SCRIPT = textwrap.dedent("""
+    import json, os, sys, threading, time
+    inject = os.path.join(os.getcwd(), "inject")
+    os.environ["PYTHONPATH"] = inject + os.pathsep + os.environ["PYTHONPATH"]  # the ranks' sitecustomize
+    flag = os.environ["KVLOAD_TEST_FLAG"] = os.path.join(os.getcwd(), "flag")
+    import kvload
+
+    def kids():
+        out = set()
+        for t in os.listdir(f"/proc/{os.getpid()}/task"):
+            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
+        return out
+
+    llm = kvload.LLM(sys.argv[1], tensor_parallel_size=4, max_seq_len=2048, kv_cache_config={"max_tokens": 8192},
+                     log=False)
+    failing = llm._ranks.ranks[1].proc.pid
+    threading.Timer(1.0, lambda: open(flag, "w").close()).start()  # while it generates (8 x 1000 tokens)
+    start = time.monotonic()
+    try:
+        llm.generate([[1, 2, 3]] * 8, max_tokens=1000, ignore_eos=True)
+        report = {"error": None}
+    except Exception as exc:
+        report = {"error": f"{type(exc).__name__}: {exc}", "failing": failing, "took": time.monotonic() - start}
+    llm.close()
+    report["left"] = sorted(kids())
+    print(json.dumps(report), flush=True)
+""")
+
+
+def test_a_rank_that_raises_alone_mid_generation_among_four_is_named_and_the_others_end(tmp_path):
+    # rank 2 of 4 raised on its own mid-forward (not killed): it answered rank 0 with its error and stayed alive, so
+    # rank 0 waited in the forward's all-reduce for it until the collective timeout, then raised gloo's raw "Timed
+    # out waiting ... for recv". Now the ranks are ended once a rank failed the call alone, and it is named.
+    from models.weights import random_model
+    from tests.paged_support import tiny_config
+
+    ckpt = tmp_path / "ckpt"  # four KV heads, so that four ranks split them
+    random_model(tiny_config("llama", num_key_value_heads=4), device="cpu", dtype="float32", seed=0).save_pretrained(
+        ckpt)
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(_RANK_2_RAISES)
+    got = _script_report(tmp_path, RAISES_SCRIPT, str(ckpt))
+    assert got["error"] is not None and got["error"].startswith(
+        f"RankError: generate: tensor_parallel_size=4: rank 2 (pid {got['failing']}) failed the call while rank 0 was "
+        "still in it: RuntimeError: rank two broke on its own; this LLM cannot run any more"), got
+    assert got["took"] < DIST_TIMEOUT_S / 2, got  # a bound, not a speed: the collective timeout was not waited out
+    assert got["left"] == [], got

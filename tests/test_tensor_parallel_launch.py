@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -273,3 +274,68 @@ def test_a_rank_signalled_alone_is_named_when_the_others_end_in_the_same_poll(ca
     assert launcher._report() == 128 + signal.SIGTERM
     assert capsys.readouterr().err == ("error: rank 1 of 2 (pid 4101) was sent SIGTERM, not through kvload; kvload "
                                        "stopped the other ranks\n")
+
+
+def test_a_rank_other_than_0_that_fails_on_its_own_is_named_in_the_line(capsys):
+    # rank 2 of 4 raised (its own error, not a lost peer); the others lost contact after it. Its line was printed as
+    # it was, "error: RuntimeError: ...", which did not say which of the four ranks to look at
+    from types import SimpleNamespace
+
+    from kvload.cli import launch
+
+    launcher = launch.Launcher(["generate", "ckpt"], 4)
+    lost = b"error: lost contact with another rank (it exited or was killed): Connection closed by peer\n"
+    own = b"error: RuntimeError: boom (run with --debug for the traceback)\n"
+    launcher.ranks = [launch._Rank(r, SimpleNamespace(pid=4100 + r, returncode=1), own if r == 2 else lost,
+                                   7.0 if r == 2 else 7.1, 1) for r in range(4)]
+    assert launcher._report() == 1
+    assert capsys.readouterr().err == ("error: rank 2 of 4 (pid 4102): RuntimeError: boom (run with --debug for the "
+                                       "traceback)\n")
+    # the same error on rank 0 (every rank refusing a flag, or rank 0's alone) stays rank 0's words, as one process
+    launcher.ranks[0].error, launcher.ranks[0].ended_at = own, 7.0
+    assert launcher._report() == 1
+    assert capsys.readouterr().err == own.decode()
+
+
+#: rank 2's ``sitecustomize``: its first broadcast in generation raises (an error of its own, not a lost peer)
+_RANK_2_RAISES = """
+import os
+import re
+if os.environ.get("RANK") == "2":
+    import pipeline.ranks
+
+    def broadcast(self, obj, src=0):
+        raise RuntimeError("rank two broke")
+
+    pipeline.ranks.Ranks.broadcast = broadcast
+"""
+
+
+@pytest.mark.slow  # four ranks load a tiny model and generate (~30-60 s on two busy cores)
+def test_a_rank_among_four_that_raises_mid_generation_is_named_and_the_others_end(tmp_path):
+    # rank 2 of 4 fails on its own at its first generation collective; the others meet its absence. The command ends
+    # with rank 2's line naming it (it was "error: RuntimeError: rank two broke", no rank), its status, nothing left
+    from models.weights import random_model
+    from tests.paged_support import tiny_config
+
+    ckpt = tmp_path / "ckpt"  # four KV heads, so that four ranks split them
+    random_model(tiny_config("llama", num_key_value_heads=4), device="cpu", dtype="float32", seed=0).save_pretrained(
+        ckpt)
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_RANK_2_RAISES)
+    env = {**_env(), "PYTHONPATH": f"{inject}{os.pathsep}{REPO}"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvload", "generate", str(ckpt), "--tp_size", "4", "--prompt-ids",
+                             "1,2,3", "--max_new_tokens", "8", "--max_tokens", "4096"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=signals_as_a_terminal_gives_them, start_new_session=True)
+    try:
+        err = proc.communicate(timeout=START_S)[1]
+    finally:
+        _cleanup(proc, {})
+    assert proc.returncode == 1, err[-3000:]
+    assert _left_in(tmp_path) == []
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert re.fullmatch(r"error: rank 2 of 4 \(pid \d+\): RuntimeError: rank two broke \(run with --debug for the "
+                        r"traceback\)", line), line

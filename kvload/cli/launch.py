@@ -7,13 +7,13 @@ run again as N children of this process (``python -m kvload`` with the same argu
 ``KVLOAD_LAUNCHER=kvload`` (each rank's audit then records ``ranks_launched``). From there each rank runs the torchrun
 path unchanged: it starts the process group (gloo on CPU, NCCL on CUDA), rank 0 prints and writes ``--audit-log``.
 
-This process supervises: the children share its stdout (only rank 0 prints there); their stderr comes through it,
-rank 0's as it arrives and the others' only with ``--debug``, so nothing is said twice, and of the ranks' ``error:``
-lines the one of the rank that failed first (its cause, not the "lost contact" its failure gave the others) is
-printed, once. The exit status is that rank's. SIGINT, SIGTERM and SIGHUP are passed on to every rank; a rank that
-fails leaves the others a few seconds to end on their own (they meet its absence at their next collective), then
-they get SIGTERM, then SIGKILL; every child is reaped, and a child whose parent dies gets SIGTERM (the kernel's
-parent-death signal), so none outlives it.
+This process supervises: the children share its stdout (only rank 0 prints there); their stderr comes through it, rank
+0's as it arrives and the others' only with ``--debug``, so nothing is said twice, and of the ranks' ``error:`` lines
+the one of the rank that failed first (its cause, not the "lost contact" its failure gave the others) is printed,
+once, naming that rank when it is not rank 0. The exit status is that rank's. SIGINT, SIGTERM and SIGHUP are passed on
+to every rank; a rank that fails leaves the others a few seconds to end on their own (they meet its absence at their
+next collective), then they get SIGTERM, then SIGKILL; every child is reaped, and a child whose parent dies gets
+SIGTERM (the kernel's parent-death signal), so none outlives it.
 """
 
 from __future__ import annotations
@@ -301,6 +301,11 @@ class Launcher:
             rest = error.split(b";", 1)[1].strip().decode(errors="replace") if b";" in error else ""
             line = (f"error: rank {cause.rank} of {self.world} (pid {cause.proc.pid}) was sent {signalled}, not "
                     f"through kvload; kvload stopped the other ranks{'; ' + rest if rest else ''}\n").encode()
+        elif cause.error is not None and cause.rank != 0 and not cause.error.startswith(_CONSEQUENCES):
+            # a rank other than 0 failed on its own (rank 0's words win when every rank says the same): its line as
+            # it was did not say which of the N ranks failed, so where to look (its --debug output, its machine)
+            line = (f"error: rank {cause.rank} of {self.world} (pid {cause.proc.pid}): ".encode()
+                    + cause.error[len(b"error: "):])
         elif cause.error is not None:
             line = cause.error
         else:
