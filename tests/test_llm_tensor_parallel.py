@@ -594,10 +594,14 @@ def _stand_in_ranks(world: int):
     import socket
     import tempfile
     from multiprocessing.connection import Connection
+    from unittest import mock
 
     from kvload import llm_ranks
 
-    spawned = llm_ranks.SpawnedRanks(world, "stand-in", {})
+    # the module's `pair` (an LLM of two ranks, rank 0 in this process) holds a process group until the module ends,
+    # which SpawnedRanks refuses to start beside; these stand-ins start none
+    with mock.patch("torch.distributed.is_initialized", return_value=False):
+        spawned = llm_ranks.SpawnedRanks(world, "stand-in", {})
     spawned._loading = False
     for rank in range(1, world):
         mine, theirs = socket.socketpair()
