@@ -24,24 +24,13 @@ from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from pipeline.errors import GenerationError
 from tests.llm_support import with_tokenizer
-from tests.tp_support import DIST_TIMEOUT_S, REPO
+from tests.tp_support import DIST_TIMEOUT_S, REPO, all_children, four_kv_head_llama
 
 VOCAB = 512
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1{% endif %}"
 KW = {"max_seq_len": 128, "kv_cache_config": {"max_tokens": 1024, "tokens_per_block": 4}, "max_beam_width": 3,
       "log": False}
 SCRIPT_S = 300
-
-
-def _children(pid: int) -> set[int]:
-    """The live child processes of ``pid`` (any of its threads may have started them)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
-            continue
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -65,9 +54,9 @@ def pair(words):
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             mp.delenv(name, raising=False)
         mp.setenv("KVLOAD_DIST_TIMEOUT_S", str(DIST_TIMEOUT_S))
-        before = _children(os.getpid())
+        before = all_children(os.getpid())
         with kvload.LLM(str(words), tensor_parallel_size=2, **KW) as tp, kvload.LLM(str(words), **KW) as alone:
-            workers = _children(os.getpid()) - before
+            workers = all_children(os.getpid()) - before
             yield tp, alone, workers
         deadline = time.monotonic() + 30
         while any(_alive(p) for p in workers) and time.monotonic() < deadline:
@@ -236,11 +225,10 @@ SCRIPT = textwrap.dedent("""
     import kvload
     from pipeline.errors import RankError
 
+    from tests.tp_support import all_children
+
     def kids():
-        out = set()
-        for t in os.listdir(f"/proc/{os.getpid()}/task"):
-            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
-        return out
+        return all_children(os.getpid())
 
     class Tokens(dict):  # defined in the script: rank 1's __main__ is not this one, so it cannot unpickle these
         pass
@@ -315,11 +303,10 @@ EARLY_SCRIPT = textwrap.dedent("""
     import kvload.llm_ranks as llm_ranks
     from pipeline.errors import RankError
 
+    from tests.tp_support import all_children
+
     def kids():
-        out = set()
-        for t in os.listdir(f"/proc/{os.getpid()}/task"):
-            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
-        return out
+        return all_children(os.getpid())
 
     kw = dict(tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
     report = {}
@@ -364,11 +351,10 @@ HANDSHAKE_SCRIPT = textwrap.dedent("""
     import kvload.llm_ranks as llm_ranks
     from pipeline.errors import RankError
 
+    from tests.tp_support import all_children
+
     def kids():
-        out = set()
-        for t in os.listdir(f"/proc/{os.getpid()}/task"):
-            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
-        return out
+        return all_children(os.getpid())
 
     def listening(port):
         found = []
@@ -436,11 +422,10 @@ NCCL_GROUP_SCRIPT = textwrap.dedent("""
     import pipeline.ranks as ranks
     from pipeline.errors import RankError
 
+    from tests.tp_support import all_children
+
     def kids():
-        out = set()
-        for t in os.listdir(f"/proc/{os.getpid()}/task"):
-            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
-        return out
+        return all_children(os.getpid())
 
     kw = dict(tensor_parallel_size=2, kv_cache_config={"max_tokens": 1024}, log=False)
     report, seen = {}, {}
@@ -540,11 +525,10 @@ FOUR_SCRIPT = textwrap.dedent("""
     import kvload
     from pipeline.errors import RankError
 
+    from tests.tp_support import all_children
+
     def kids():
-        out = set()
-        for t in os.listdir(f"/proc/{os.getpid()}/task"):
-            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
-        return out
+        return all_children(os.getpid())
 
     report = {}
     for victim_rank in (2, 3):
@@ -570,12 +554,7 @@ def test_a_rank_killed_mid_generation_among_four_is_named_at_once_and_the_others
     # neighbour stuck on the dead rank, so killing rank 2 left rank 0 in the forward until the collective timeout
     # (then a RankError); killing rank 3 gave gloo's raw "Connection reset by peer" RuntimeError after PARTED_S (30 s)
     # of waiting for rank 1. Now rank 0 ends the other ranks once one dies mid-call and names the one that died.
-    from models.weights import random_model
-    from tests.paged_support import tiny_config
-
-    ckpt = tmp_path / "ckpt"  # four KV heads, so that four ranks split them
-    random_model(tiny_config("llama", num_key_value_heads=4), device="cpu", dtype="float32", seed=0).save_pretrained(
-        ckpt)
+    ckpt = four_kv_head_llama(tmp_path / "ckpt")
     report = _script_report(tmp_path, FOUR_SCRIPT, str(ckpt))
     for rank in ("2", "3"):
         got = report[rank]
@@ -669,11 +648,10 @@ RAISES_SCRIPT = textwrap.dedent("""
     flag = os.environ["KVLOAD_TEST_FLAG"] = os.path.join(os.getcwd(), "flag")
     import kvload
 
+    from tests.tp_support import all_children
+
     def kids():
-        out = set()
-        for t in os.listdir(f"/proc/{os.getpid()}/task"):
-            out |= {int(c) for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()}
-        return out
+        return all_children(os.getpid())
 
     llm = kvload.LLM(sys.argv[1], tensor_parallel_size=4, max_seq_len=2048, kv_cache_config={"max_tokens": 8192},
                      log=False)
@@ -695,12 +673,7 @@ def test_a_rank_that_raises_alone_mid_generation_among_four_is_named_and_the_oth
     # rank 2 of 4 raised on its own mid-forward (not killed): it answered rank 0 with its error and stayed alive, so
     # rank 0 waited in the forward's all-reduce for it until the collective timeout, then raised gloo's raw "Timed
     # out waiting ... for recv". Now the ranks are ended once a rank failed the call alone, and it is named.
-    from models.weights import random_model
-    from tests.paged_support import tiny_config
-
-    ckpt = tmp_path / "ckpt"  # four KV heads, so that four ranks split them
-    random_model(tiny_config("llama", num_key_value_heads=4), device="cpu", dtype="float32", seed=0).save_pretrained(
-        ckpt)
+    ckpt = four_kv_head_llama(tmp_path / "ckpt")
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(_RANK_2_RAISES)
     got = _script_report(tmp_path, RAISES_SCRIPT, str(ckpt))

@@ -315,12 +315,9 @@ if os.environ.get("RANK") == "2":
 def test_a_rank_among_four_that_raises_mid_generation_is_named_and_the_others_end(tmp_path):
     # rank 2 of 4 fails on its own at its first generation collective; the others meet its absence. The command ends
     # with rank 2's line naming it (it was "error: RuntimeError: rank two broke", no rank), its status, nothing left
-    from models.weights import random_model
-    from tests.paged_support import tiny_config
+    from tests.tp_support import four_kv_head_llama
 
-    ckpt = tmp_path / "ckpt"  # four KV heads, so that four ranks split them
-    random_model(tiny_config("llama", num_key_value_heads=4), device="cpu", dtype="float32", seed=0).save_pretrained(
-        ckpt)
+    ckpt = four_kv_head_llama(tmp_path / "ckpt")
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(_RANK_2_RAISES)

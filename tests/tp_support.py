@@ -75,6 +75,28 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def all_children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` that any of its threads started (Linux's /proc); a thread that ended as it
+    was read is skipped."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            continue
+    return found
+
+
+def four_kv_head_llama(path: Path) -> Path:
+    """The tiny llama with four KV heads (so that four ranks split them), random weights saved at ``path``."""
+    from models.weights import random_model
+    from tests.paged_support import tiny_config
+
+    random_model(tiny_config("llama", num_key_value_heads=4), device="cpu", dtype="float32", seed=0).save_pretrained(
+        path)
+    return path
+
+
 def run_scenarios(out_dir: Path, *names: str) -> list[dict[str, Any]]:
     """Run scenarios on 2 ranks; each rank's results, in rank order."""
     r = torchrun("-m", "tests.tp_support", str(out_dir), *names)
