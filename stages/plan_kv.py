@@ -596,8 +596,8 @@ def too_small_message(layout: KvLayout, budget: KvBudget) -> str:
     advice = f"raise {field} or lower kv_cache_config.tokens_per_block"
     # padded pages the user opted into raise the floor: a budget between the two fits gcd pages (max_page_padding 0)
     plain = layout.unpadded()
-    unpadded = plain.min_bytes() if plain is not None and plain.min_bytes() < floor else None
-    if unpadded is not None:
+    unpadded = plain.min_bytes() if plain is not None else None
+    if unpadded is not None and unpadded < floor:
         needed += f", {unpadded} B with {PADDING_FIELD} 0"
         if budget.budget_bytes is not None and budget.budget_bytes >= unpadded:
             advice = f"raise {field}, set {PADDING_FIELD} to 0 or lower kv_cache_config.tokens_per_block"
