@@ -275,8 +275,12 @@ def test_simulate_sizes_are_bounded_before_the_workload_is_built(capsys, workloa
     """Hypothesis: --requests and one --workload-arg, at least one of them far too large."""
     key = data.draw(st.sampled_from(SIZES[workload]))
     big = st.integers(min_value=10**6 + 1, max_value=2**63 - 1)
-    requests, value = data.draw(st.one_of(st.tuples(big, st.integers(1, 64)),
-                                          st.tuples(st.integers(1, 10**6), st.integers(10**8, 2**63 - 1))))
+    too_many = st.tuples(big, st.integers(1, 64))
+    # multi-turn builds the requests asked for: a huge `turns` alone is no large workload (they are its first
+    # turns), nor is a huge user_len / answer_len under fewer requests than the 4 turns that read them
+    least = 4 if workload == "multi-turn" else 1
+    requests, value = data.draw(too_many if key == "turns" else st.one_of(
+        too_many, st.tuples(st.integers(least, 10**6), st.integers(10**8, 2**63 - 1))))
     r = run_cli(capsys, "simulate", "tiny-llama", "--workload", workload, "--requests", requests,
                 "--workload-arg", f"{key}={value}")
     assert_refused(r, f"workload {workload}", "--requests")
