@@ -114,10 +114,11 @@ def shared_prefix(requests: int = 1024, seed: int = 0, *, group_size: int = 16, 
 
 def multi_turn(requests: int = 256, seed: int = 0, *, turns: int = 4, first_len: int = 512, user_len: int = 64,
                answer_len: int = 128, vocab: int = 32000) -> Workload:
-    """Conversations whose each turn's prompt extends the previous prompt and answer; turn k waits for k-1."""
+    """Conversations whose each turn's prompt extends the previous prompt and answer; turn k waits for k-1.
+    ``requests`` not a multiple of ``turns``: the last conversation has the turns left over."""
     rng = random.Random(seed)
     fresh = _Segments(rng, vocab)
-    conversations = max(1, requests // turns)
+    conversations = -(-requests // turns)  # rounded up: the count asked for, not the whole conversations below it
     out = []
     for c in range(conversations):
         history: tuple[int, ...] = ()
@@ -261,8 +262,11 @@ def planned_tokens(name: str, requests: int, params: dict[str, int], seed: int =
         return requests * (p["prefix_len"] + p["question_len"] + p["answer_len"])
     if name == "multi-turn":
         turns, step = p["turns"], p["answer_len"] + p["user_len"]
-        per_conversation = turns * (p["first_len"] + p["answer_len"]) + step * turns * (turns - 1) // 2
-        return max(1, requests // turns) * per_conversation
+
+        def conversation(t: int) -> int:  # t turns: each prompt is the last one, its answer and a user message
+            return t * (p["first_len"] + p["answer_len"]) + step * t * (t - 1) // 2
+
+        return requests // turns * conversation(turns) + conversation(requests % turns)
     if name == "mixed-priority":
         urgent = requests // p["urgent_every"]
         return (requests - urgent) * (p["prompt_len"] + p["answer_len"]) + urgent * (p["urgent_len"]

@@ -137,6 +137,7 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
     names = _SPECULATIVE_NAMES  # kvload's field → the speculative_config key that set it
     own = _known(LlmArgs)
     for key, value in tree.items():
+        _dashed(key, value, python, vllm_first, own)
         if key == "trust_remote_code" and key not in own:
             if not isinstance(value, bool):
                 raise ConfigError(f"trust_remote_code: expected true or false, got {short(value)}",
@@ -200,6 +201,30 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                               path="speculative_config", detail="given under two names")
         kept[field] = value
     return kept, ignored
+
+
+def _dashed(key: Any, value: Any, python: bool, vllm_first: bool, own: set[str]) -> None:
+    """Refuse a dashed key whose underscored spelling kvload knows (vLLM's config files spell keys as its flags,
+    ``max-num-seqs``) with that spelling and what kvload says of it: difflib offered ``max_num_tokens`` for
+    ``max-num-seqs``, another setting, and ``block-size`` got the whole list of keys. Any other key: nothing."""
+    if not isinstance(key, str) or "-" not in key or key in own:
+        return
+    under = key.replace("-", "_")
+    lead = f"{key}: {'a keyword is spelled' if python else 'a config file spells its keys'} with underscores"
+    try:
+        _, ignored = split_ignored({under: value}, python, vllm_first)
+    except ConfigError as exc:
+        if "unknown key" in str(exc):  # no name kvload knows either way: the usual message, for the key as given
+            return
+        raise ConfigError(f"{lead} ({under}); {exc}", path=key, detail="unknown key") from None
+    if ignored:
+        why = ignored[0][2].split(":")[0]
+        said = f"{under} is taken ({why}, said setting_ignored)"
+    elif under in own:  # a mapping (kv_cache_config) is no value to write out on one line
+        said = f"write it as {under}" if isinstance(value, Mapping | list) else write_as(under, value, python)
+    else:
+        return
+    raise ConfigError(f"{lead}; {said}", path=key, detail="unknown key")
 
 
 def _vllm_ignored(key: str, value: Any, why: str) -> tuple[str, Any, str]:

@@ -275,8 +275,12 @@ def test_simulate_sizes_are_bounded_before_the_workload_is_built(capsys, workloa
     """Hypothesis: --requests and one --workload-arg, at least one of them far too large."""
     key = data.draw(st.sampled_from(SIZES[workload]))
     big = st.integers(min_value=10**6 + 1, max_value=2**63 - 1)
-    requests, value = data.draw(st.one_of(st.tuples(big, st.integers(1, 64)),
-                                          st.tuples(st.integers(1, 10**6), st.integers(10**8, 2**63 - 1))))
+    too_many = st.tuples(big, st.integers(1, 64))
+    # multi-turn builds the requests asked for: a huge `turns` alone is no large workload (they are its first
+    # turns), nor is a huge user_len / answer_len under fewer requests than the 4 turns that read them
+    least = 4 if workload == "multi-turn" else 1
+    requests, value = data.draw(too_many if key == "turns" else st.one_of(
+        too_many, st.tuples(st.integers(least, 10**6), st.integers(10**8, 2**63 - 1))))
     r = run_cli(capsys, "simulate", "tiny-llama", "--workload", workload, "--requests", requests,
                 "--workload-arg", f"{key}={value}")
     assert_refused(r, f"workload {workload}", "--requests")
@@ -1043,6 +1047,27 @@ def test_the_chain_catches_what_the_replay_cannot(real_log, tmp_path, name, edit
     write_events(path, records)
     check = verify_log(AuditLog.from_jsonl(path))
     assert not check["ok"] and any(needle in p for p in check["problems"]), check["problems"]
+
+
+def test_explain_and_audit_of_a_log_whose_chain_is_broken_say_so_on_stderr(capsys, real_log, tmp_path):
+    """An edited log was explained without a word: `kvload explain` of one whose kv_cache_config.max_tokens `new` was
+    changed showed the recorded final value over a chain that ends at another. The output is still the file's, but
+    one warning line on stderr names the break (exit 0; `audit --verify` is still the check that exits 1)."""
+    clean = [run_cli(capsys, "explain", real_log), run_cli(capsys, "audit", real_log)]
+    assert [(r.code, r.err) for r in clean] == [(0, ""), (0, "")]
+    records = read_events(real_log)
+    records[9].update(stage="x")
+    path = tmp_path / "t.jsonl"
+    write_events(path, records)
+    for argv in (["explain", path], ["explain", path, "--json"], ["audit", path], ["audit", path, "--json"]):
+        r = run_cli(capsys, *argv)
+        assert r.code == 0 and r.out, argv
+        assert r.err == (f"warning: {path}: its hash chain is broken (line 11: chain broken ('prev' does not match "
+                         "the record before): a record was edited, removed, inserted or reordered): what follows is "
+                         f"what the file says, not necessarily what kvload recorded; kvload audit {path} --verify "
+                         "lists every problem\n"), argv
+    r = run_cli(capsys, "audit", path, "--verify")
+    assert r.code == 1 and "warning" not in r.err  # the error line says it
 
 
 # --- files -----------------------------------------------------------------------------------------

@@ -316,6 +316,28 @@ def test_a_config_file_refuses_a_vllm_name_with_the_key_to_write(capsys, tmp_pat
                      "write kv_cache_config: {tokens_per_block: 16}\n")
 
 
+@pytest.mark.parametrize(("line", "said"), [
+    # vLLM's own config files spell keys as its flags, dashed: `max-num-seqs` was offered 'max_num_tokens', another
+    # setting, and `block-size` got the whole list of keys; now the underscored key's own words, and that spelling
+    ("max-num-seqs: 4", "max-num-seqs: a config file spells its keys with underscores (max_num_seqs); max_num_seqs: "
+                        "vLLM's name for max_batch_size; write max_batch_size: 4"),
+    ("block-size: 16", "block-size: a config file spells its keys with underscores (block_size); block_size: vLLM's "
+                       "name for kv_cache_config.tokens_per_block; write kv_cache_config: {tokens_per_block: 16}"),
+    ("max-seq-len: 2048", "max-seq-len: a config file spells its keys with underscores; write max_seq_len: 2048"),
+    ("max-tokens: 64", "max-tokens: a config file spells its keys with underscores (max_tokens); max_tokens: a "
+                       "kv_cache_config field, not a top-level one; write kv_cache_config: {max_tokens: 64}"),
+    ("enforce-eager: true", "enforce-eager: a config file spells its keys with underscores; enforce_eager is taken "
+                            "(a vLLM option kvload does not act on, said setting_ignored)"),
+    ("kv-cache-config: {max_tokens: 64}", "kv-cache-config: a config file spells its keys with underscores; write it "
+                                          "as kv_cache_config"),
+])
+def test_a_config_files_dashed_key_is_refused_with_the_underscored_keys_own_words(capsys, tmp_path, line, said):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(line + "\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg)
+    assert (r.code, r.out, r.err) == (2, "", f"error: config file {cfg}: {said}\n")
+
+
 @pytest.mark.parametrize(("argv", "field", "value"), [
     (["--max-model-len", "32k"], "max_seq_len", 32_000),
     (["--max-model-len", "32K"], "max_seq_len", 32_768),

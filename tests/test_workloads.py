@@ -37,6 +37,20 @@ def test_multi_turn_each_turn_extends_the_last_prompt_and_answer_and_waits_for_i
     assert w.requests[3].arrival_step == 1
 
 
+@pytest.mark.parametrize("requests", [1, 3, 5, 7, 10])
+def test_multi_turn_gives_the_requests_asked_for_when_they_are_not_whole_conversations(requests):
+    # `kvload simulate --workload multi-turn --requests 5` simulated 4 (5 // 4 conversations of 4 turns), 10 gave 8,
+    # while 3 gave 3: the last conversation is now cut short, as it already was under `turns` requests
+    params = {"turns": 4, "first_len": 10, "user_len": 4, "answer_len": 5}
+    w = make_workload("multi-turn", requests, **params)
+    assert len(w.requests) == requests
+    assert [r.req_id for r in w.requests][:5] == ["mt-0-0", "mt-0-1", "mt-0-2", "mt-0-3", "mt-1-0"][:requests]
+    assert planned_tokens("multi-turn", requests, params) == sum(len(r.prompt) + len(r.answer) for r in w.requests)
+    assert default_budget_sequences(w) == -(-requests // 4)  # one per conversation, the short one too
+    # a conversation of more turns than requests is its first turns: sized as built, not refused as one of 10**8
+    assert len(make_workload("multi-turn", requests, **{**params, "turns": 10**8}).requests) == requests
+
+
 @pytest.mark.parametrize("name", ["long-context", "no-reuse"])
 def test_unrelated_prompts_share_not_even_a_first_token(name):
     w = make_workload(name, 50, prompt_len=16, answer_len=2)

@@ -18,11 +18,26 @@ def _read_audit(path: str) -> Any:
     return read_log(path)
 
 
+def _warn_broken_chain(path: str, log: Any) -> None:
+    """One stderr line when the log's hash chain was checked and is broken: explain and audit print what an edited
+    file says (a final value over a chain that ends at another) and, without it, said nothing of the edit. Only
+    ``--verify`` fails on it; a signed log read without its key is no warning (nothing was checked)."""
+    chain = getattr(log, "chain", None)
+    if not chain or not chain.get("checked") or chain.get("ok"):
+        return
+    sys.stdout.flush()  # the warning after what came before it on a shared terminal
+    print(error_text(f"warning: {path}: its hash chain is broken ({chain['problem']}): what follows is what the "
+                     f"file says, not necessarily what kvload recorded; kvload audit {path} --verify lists every "
+                     "problem"), file=sys.stderr)
+
+
 def cmd_explain(ns: argparse.Namespace) -> int:
     """Print each field's chain of changes recorded in an audit log."""
     from kvload.explain import explain, render_explain
 
-    chains = explain(_read_audit(ns.audit), ns.fields or None, aliases=flag_aliases())
+    log = _read_audit(ns.audit)
+    _warn_broken_chain(ns.audit, log)
+    chains = explain(log, ns.fields or None, aliases=flag_aliases())
     print_result(json.dumps({c["field"]: c for c in chains}, indent=2, default=str) if ns.json
                  else render_explain(chains))
     return 0
@@ -33,6 +48,8 @@ def cmd_audit(ns: argparse.Namespace) -> int:
     from kvload.explain import render_summary, summarize, verify_log
 
     log = _read_audit(ns.audit)
+    if not ns.verify:  # --verify's error line names the break
+        _warn_broken_chain(ns.audit, log)
     summary = summarize(log, ns.audit)
     check = verify_log(log) if ns.verify else None
     if ns.json:
