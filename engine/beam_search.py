@@ -168,8 +168,10 @@ class BeamSearchOutput:
 
 
 def beam_search(executor: Executor, prompts: Any, params: BeamSearchParams, *, max_beam_width: int,
-                salt: str | None = None) -> list[BeamSearchOutput]:
-    """Run beam search for every prompt (see the module doc); one :class:`BeamSearchOutput` per prompt, in order."""
+                salt: str | None = None, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """Run beam search for every prompt (see the module doc); one :class:`BeamSearchOutput` per prompt, in order.
+    ``concurrency_limit``: at most that many prompts searched at once, the next ones after them (vLLM's); every
+    prompt is checked first, and a refusal names its place in ``prompts``, not in its group."""
     if not isinstance(params, BeamSearchParams):
         raise GenerationError(f"beam_search: params: expected a BeamSearchParams, got {type(params).__name__}")
     k = params.beam_width
@@ -178,7 +180,10 @@ def beam_search(executor: Executor, prompts: Any, params: BeamSearchParams, *, m
                               f"model was loaded for; load it with max_beam_width >= {k}")
     check_salt(salt)
     items = executor._prompts(prompts, chat=False)
-    return BeamSearch(executor, items, params, salt).run()
+    if concurrency_limit is None:
+        return BeamSearch(executor, items, params, salt).run()
+    return [out for start in range(0, len(items), concurrency_limit)
+            for out in BeamSearch(executor, items[start:start + concurrency_limit], params, salt, first=start).run()]
 
 
 @attrs.define(eq=False)
@@ -231,7 +236,9 @@ class BeamSearch:
     does it all, the serving loop steps it (``start``, ``advance``, ``finish`` or ``fail``)."""
 
     def __init__(self, executor: Executor, items: list[tuple[str | None, list[int]]], params: BeamSearchParams,
-                 salt: str | None) -> None:
+                 salt: str | None, first: int = 0) -> None:
+        """``first``: the place of ``items[0]`` among the call's prompts (a ``concurrency_limit`` group's), by which
+        its prompts are named."""
         self.executor = executor
         self.params = params
         self.k = params.beam_width
@@ -248,7 +255,7 @@ class BeamSearch:
         self.beams: dict[str, _Beam] = {}
         self._ids = itertools.count()
         self.prompts: list[_Prompt] = []
-        for i, (text, ids) in enumerate(items):
+        for i, (text, ids) in enumerate(items, start=first):
             room = min(params.max_tokens, executor.max_seq_len - len(ids))
             beam = self._new_beam(i, ids, room)
             executor._check_fits(i, beam.request, params.max_tokens)

@@ -629,8 +629,9 @@ class GenerationExecutor:
         return ordered
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *,
-                    salt: str | None = None) -> list[Any]:
-        """Beam search (``engine.beam_search``): the best ``params.beam_width`` hypotheses of every prompt."""
+                    salt: str | None = None, concurrency_limit: int | None = None) -> list[Any]:
+        """Beam search (``engine.beam_search``): the best ``params.beam_width`` hypotheses of every prompt, at most
+        ``concurrency_limit`` prompts at once."""
         from engine.beam_search import beam_search
 
         self._check_open()
@@ -638,7 +639,8 @@ class GenerationExecutor:
         refused = self.beam_refusal()
         if refused is not None:
             raise GenerationError(refused)
-        return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt)
+        return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt,
+                           concurrency_limit=concurrency_limit)
 
     def check_generates(self, call: str) -> None:
         """``GenerationError`` when the model cannot generate: a sequence-classification model (``models.classifier``)

@@ -884,11 +884,9 @@ class LLM:
         with self._exclusive("beam_search"):
             self._no_progress_bar(use_tqdm, "beam_search")
             with self._running("beam_search") as executor:
-                many = isinstance(prompts, (list, tuple)) and not all(is_token_id(p) for p in prompts)
-                if concurrency_limit is None or not many:
-                    return executor.beam_search(prompts, params)
-                return [out for start in range(0, len(prompts), concurrency_limit)
-                        for out in executor.beam_search(list(prompts[start:start + concurrency_limit]), params)]
+                # the groups are cut from the checked prompts, so a refusal names a prompt by its place in prompts
+                # (a group's slice named the third prompt "prompt 0", once the groups before it had been searched)
+                return executor.beam_search(prompts, params, concurrency_limit=concurrency_limit)
 
     @_keywords
     @_followed

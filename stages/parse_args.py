@@ -15,7 +15,17 @@ from pipeline.limits import short
 from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
-from pipeline.vllm_compat import hf_overrides, reasoning_parser_named, take_same_meaning
+from pipeline.vllm_compat import (
+    DIFFERENT_MEANING,
+    IGNORED,
+    NO_OP_ONLY,
+    REFUSED,
+    SAME_MEANING,
+    TAKEN_ELSEWHERE,
+    hf_overrides,
+    reasoning_parser_named,
+    take_same_meaning,
+)
 
 #: vLLM's ``convert`` (``task``) value that acts: a causal LM made a classifier (``models.classifier.CONVERT_CLASSIFY``;
 #: not imported, this stage loads nothing of models/)
@@ -239,7 +249,7 @@ class ParseArgs:
             if call is not None and key and "." not in key and str(detail).startswith("unknown key"):
                 others = call.other_call_keywords
                 known = [a.name for a in public_fields(LlmArgs)] + list(call.call_keywords) + list(others)
-                near = close_names(key, known)
+                near = close_names(key, known + list(VLLM_KEYWORDS))
                 if key in others:  # plan(..., load_weights=True): was "known keys: <the fields>"
                     detail = f"unknown key; {_whose(key, call)}"
                     message = f"{key}: {detail}"
@@ -248,8 +258,30 @@ class ParseArgs:
                     foreign = [_whose(name, call) for name in near if name in others]
                     detail += f" ({'; '.join(foreign)})" if foreign else ""
                     message = f"{key}: {detail}"
+                elif near and all(name in VLLM_KEYWORDS for name in near):
+                    # a typo of a vLLM name LLM(...) takes (max_num_seq): the fields alone offered another setting
+                    # (max_num_tokens) or the whole list
+                    detail = f"unknown key{did_you_mean(key, near)} ({'; '.join(_vllm_note(n) for n in near)})"
+                    message = f"{key}: {detail}"
             raise ConfigError(f"{where}{message}", path=exc.path, detail=detail, source=label) from None
         return {path: get_in(args, path) for path in flatten(tree)}
+
+
+#: vLLM's engine argument names a Python call answers to (acts on, reports ignored, or refuses naming kvload's
+#: setting): offered for a mistyped keyword nearest one of them, as kvload's own fields are
+VLLM_KEYWORDS = frozenset({*SAME_MEANING, *DIFFERENT_MEANING, *IGNORED, *NO_OP_ONLY, *REFUSED, *TAKEN_ELSEWHERE,
+                           "trust_remote_code", "hf_overrides"})
+
+
+def _vllm_note(name: str) -> str:
+    """What kvload does with vLLM's ``name``, in a few words, after the suggestion of it."""
+    if name in SAME_MEANING:
+        return f"vLLM's name for {SAME_MEANING[name]}"
+    if name in DIFFERENT_MEANING:
+        return f"vLLM's name, refused naming kvload's setting ({', '.join(DIFFERENT_MEANING[name][2])})"
+    if name in IGNORED or name == "trust_remote_code":
+        return f"vLLM's {name}, taken and reported setting_ignored"
+    return f"vLLM's {name}"
 
 
 def _whose(keyword: str, call: LoadRequest) -> str:

@@ -202,6 +202,24 @@ def test_llm_beam_search_takes_vllms_other_arguments(tiny_checkpoints, tmp_path,
             llm.beam_search(prompts, params, lora_request=object())
 
 
+def test_concurrency_limit_names_a_bad_prompt_by_its_place_and_searches_nothing_first(tiny_checkpoints, tmp_path):
+    """With concurrency_limit, each group was searched as a call of its own: a prompt too long in the third group was
+    refused as "prompt 0" (its place in the group), after the groups before it had been searched."""
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path / "ckpt", 512)
+    params = kvload.BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    with kvload.LLM(str(words), max_beam_width=2, **{**llm_kwargs("v1"), "max_seq_len": 16}) as llm:
+        segments = len(llm.audit.of("generation_started"))
+        with pytest.raises(GenerationError, match=r"^beam_search: prompt 2: 20 tokens leave no room to generate"):
+            llm.beam_search([[5, 6], [7, 8], list(range(1, 21))], params, concurrency_limit=1)
+        assert len(llm.audit.of("generation_started")) == segments  # refused before any group ran
+        assert llm.result.kv_manager.stats().usage == 0
+        # the groups still give what one call gives, in the prompts' order
+        prompts = ["w5 w17 w300", [7, 8, 9], [4, 4]]
+        apart = llm.beam_search(prompts, params, concurrency_limit=2)
+        together = llm.beam_search(prompts, params)
+        assert [[s.tokens for s in o.sequences] for o in apart] == [[s.tokens for s in o.sequences] for o in together]
+
+
 def test_a_width_past_ten_still_gets_its_2k_alternatives_a_step(tiny_checkpoints):
     """A step asks for 2 x beam_width alternatives: past the MAX_LOGPROBS (20) a caller may ask for, and allowed."""
     with load_beams(tiny_checkpoints("llama"), width=11) as result:

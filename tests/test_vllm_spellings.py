@@ -357,3 +357,23 @@ def test_a_binary_suffix_on_a_decimal_is_refused_as_vllm_refuses_it(capsys):
     r = run_cli(capsys, "plan", "tiny-llama", "--max-model-len", "1.5K")
     assert (r.code, r.one_error_line) == (2, True) and r.err.startswith(
         "error: --max-model-len: a binary suffix (K) takes a whole number, got '1.5K'"), r.err
+
+
+@pytest.mark.parametrize(("key", "said"), [
+    ("max_num_seq", "did you mean 'max_num_seqs'? (vLLM's name for max_batch_size)"),  # was: 'max_num_tokens'
+    ("max_model_length", "did you mean 'max_model_len'? (vLLM's name for max_seq_len)"),  # was: every field
+    ("enable_prefix_cache", "did you mean 'enable_prefix_caching'? (vLLM's name for "
+                            "kv_cache_config.enable_block_reuse)"),
+    ("gpu_memory_util", "did you mean 'gpu_memory_utilization'? (vLLM's name, refused naming kvload's setting "
+                        "(kv_cache_config.free_gpu_memory_fraction, kv_cache_config.max_gpu_total_bytes))"),
+    ("enforce_eger", "did you mean 'enforce_eager'? (vLLM's enforce_eager, taken and reported setting_ignored)"),
+])
+def test_a_mistyped_vllm_keyword_is_offered_the_vllm_name_the_api_takes(key, said):
+    """``LLM(...)`` / ``plan(...)`` take vLLM's names; a typo of one was offered only kvload's fields: another
+    setting (``max_num_seq``: 'max_num_tokens') or the whole list of them."""
+    with pytest.raises(ConfigError) as err:
+        kvload.plan("tiny-llama", **{key: 4})
+    assert str(err.value) == f"{key}: unknown key; {said}"
+    suggested = said.split("'")[1]
+    if suggested in SAME_MEANING:  # what was offered is taken
+        assert kvload.plan("tiny-llama", **{suggested: True if suggested.startswith("enable") else 64}).args is not None
