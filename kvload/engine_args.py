@@ -24,7 +24,7 @@ from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, VLLM_LIST_
 from kvload.cli.values import integer, json_object, json_or_text, number, size
 from pipeline.errors import did_you_mean
 from pipeline.vllm_compat import (
-    DIFFERENT_MEANING,
+    ANSWERED_NAMES,
     IGNORED,
     NO_OP_ONLY,
     REFUSED,
@@ -210,8 +210,7 @@ class _GivenFields:
 def _engine_args_class(cls: type) -> type:
     """``cls`` made the dataclass of ``model`` and every vLLM engine argument kvload knows (each None unless set)."""
     names = dict.fromkeys(("model", *SAME_MEANING, *SAME_NAME, *(n for n, _, _ in OTHER_FLAGS), "served_model_name",
-                           *(key for _, key, _, _ in VLLM_KNOB_FLAGS), *DIFFERENT_MEANING, *IGNORED, *NO_OP_ONLY,
-                           *REFUSED, *TAKEN_ELSEWHERE, *VLLM_ONLY))
+                           *(key for _, key, _, _ in VLLM_KNOB_FLAGS), *ANSWERED_NAMES, *VLLM_ONLY))
     cls.__annotations__ = dict.fromkeys(names, Any)
     for name in names:
         setattr(cls, name, None)

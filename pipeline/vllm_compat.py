@@ -249,6 +249,11 @@ TAKEN_ELSEWHERE: dict[str, str] = {
     "served_model_name": "the model name vLLM's server answers to; kvload serve --served-model-name takes it",
 }
 
+#: every vLLM engine argument name the tables above answer (act on, report ignored, refuse naming kvload's setting,
+#: or take elsewhere), in the tables' order: ``kvload.EngineArgs``' fields and the names a mistyped keyword is offered
+ANSWERED_NAMES: tuple[str, ...] = (*SAME_MEANING, *DIFFERENT_MEANING, *IGNORED, *NO_OP_ONLY, *REFUSED, *TAKEN_ELSEWHERE)
+
+
 class VllmOnly(NamedTuple):
     """One vLLM engine argument kvload implements no counterpart for: what kvload does with it, why, its flag."""
 

@@ -16,12 +16,10 @@ from pipeline.paths import flatten, get_in, unflatten
 from pipeline.sources import overrides_to_tree, read_yaml
 from pipeline.trtllm_compat import split_ignored
 from pipeline.vllm_compat import (
+    ANSWERED_NAMES,
     DIFFERENT_MEANING,
     IGNORED,
-    NO_OP_ONLY,
-    REFUSED,
     SAME_MEANING,
-    TAKEN_ELSEWHERE,
     hf_overrides,
     reasoning_parser_named,
     take_same_meaning,
@@ -269,8 +267,7 @@ class ParseArgs:
 
 #: vLLM's engine argument names a Python call answers to (acts on, reports ignored, or refuses naming kvload's
 #: setting): offered for a mistyped keyword nearest one of them, as kvload's own fields are
-VLLM_KEYWORDS = frozenset({*SAME_MEANING, *DIFFERENT_MEANING, *IGNORED, *NO_OP_ONLY, *REFUSED, *TAKEN_ELSEWHERE,
-                           "trust_remote_code", "hf_overrides"})
+VLLM_KEYWORDS = frozenset({*ANSWERED_NAMES, "trust_remote_code", "hf_overrides"})
 
 
 def _vllm_note(name: str) -> str:
