@@ -22,7 +22,7 @@ does not fill: its unused layer slots are bytes it takes from the arena and neve
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import attrs
@@ -568,6 +568,24 @@ def share_pages(groups: list[LayerGroup], dtype_bytes: int,
             out.append(attrs.evolve(g, name=f"{g.name}.{i}", layers=g.layers[i * size:i * size + n],
                                     bytes_per_block=page, padding=size - n))
     return out, None
+
+
+def cut_families(groups: Sequence[LayerGroup]) -> list[int]:
+    """Per group, the index of its *family*: the cuts :func:`share_pages` made of one group (``name.0``, ``name.1``,
+    ... of one kind, window and block span) share one; every other group is a family of its own.
+
+    Why: the cuts of one group hold a prefix position together (they take, slide and release blocks at the same
+    moments), and a hit needs every one of them, so the shared arena evicts a position's blocks of a family together
+    (``SharedPool._row_rest``)."""
+    first: dict[tuple[str, str, int | None, int], int] = {}
+    out: list[int] = []
+    for i, g in enumerate(groups):
+        base, dot, tail = g.name.rpartition(".")
+        if not dot or not tail.isdigit():
+            out.append(i)
+            continue
+        out.append(first.setdefault((base, g.kind, g.window, g.tokens_per_block), i))
+    return out
 
 
 def _group_name(kind: str, layer_kind: str, window: int | None, rate: int | None) -> str:

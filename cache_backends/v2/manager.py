@@ -86,7 +86,7 @@ import torch
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.kv_events import KvEventBuffer
-from cache_backends.layout import KvLayout, LayerGroup, longest
+from cache_backends.layout import KvLayout, LayerGroup, cut_families, longest
 from cache_backends.pools import BlockPools, even_run, move_pages
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
@@ -273,7 +273,7 @@ class KVCacheManagerV2:
         self._pool_sets: list[tuple[GroupPool | SharedPool, list[str]]]
         if self.layout.shared:
             names = [g.name for g in self.groups]
-            self._arena = SharedPool(names, pools.num_blocks[names[0]])
+            self._arena = SharedPool(names, pools.num_blocks[names[0]], cut_families(self.groups))
             self._pool: dict[str, GroupPool | GroupShare] = dict(zip(names, self._arena.shares, strict=True))
             self._pool_sets = [(self._arena, names)]
         elif pools.slabs is not None:

@@ -134,9 +134,21 @@ def _interleave_tails(tables: list[list[int]], lens: list[int]) -> list[int]:
 class SharedPool:
     """Free list, reference counts, radix owners and eviction queue of an arena shared by ``names``."""
 
-    def __init__(self, names: Sequence[str], num_blocks: int) -> None:
+    def __init__(self, names: Sequence[str], num_blocks: int, families: Sequence[int] | None = None) -> None:
         self.names = list(names)
         self.num_blocks = num_blocks
+        #: ``families[g]``: the group ``g`` was cut from (:func:`~cache_backends.layout.cut_families`); the cuts of
+        #: one family leave the cache a whole row at a time (:meth:`_row_rest`). None: every group its own family.
+        self._members: list[tuple[int, ...]] | None = None
+        if families is not None:
+            if len(families) != len(self.names):
+                raise ValueError(f"{len(families)} families for {len(self.names)} groups")
+            of: dict[int, list[int]] = {}
+            for g, f in enumerate(families):
+                of.setdefault(f, []).append(g)
+            if any(len(m) > 1 for m in of.values()):
+                # per group: every cut of its family, itself included, in arena order (None: a family of one)
+                self._members = [tuple(of[f]) if len(of[f]) > 1 else () for f in families]
         self.ref = [0] * num_blocks
         self.gen = [0] * num_blocks
         self.node: list[RadixNode | None] = [None] * num_blocks
@@ -189,6 +201,9 @@ class SharedPool:
         if total > k:
             group_of = self.group_of
             evicted = self.evictable.pop_many(total - k)
+            rest = self._row_rest(evicted) if self._members is not None else None
+            if rest:  # detached with the evicted blocks, then freed (below): not handed out by this take
+                evicted += rest
             names, cached, evictions = self.names, self.cached, self.evicted
             if detach_mixed is not None:  # one call for every group's evicted blocks, in eviction order
                 of = list(map(group_of.__getitem__, evicted))
@@ -203,6 +218,8 @@ class SharedPool:
                         cached[g] = cached[g] - 1
                         evictions[g] = evictions[g] + 1
                 detach_mixed(evicted, of)
+                if rest:
+                    self._free_rest(evicted, len(rest))
                 out += evicted
                 return self._hand_out(out, groups, counts)
             # every evicted block's group, then one detach per group: a finish queues its groups' blocks position
@@ -220,8 +237,66 @@ class SharedPool:
                 cached[g] -= len(blocks)
                 evictions[g] += len(blocks)
                 detach(names[g], blocks)
+            if rest:
+                self._free_rest(evicted, len(rest))
             out += evicted
         return self._hand_out(out, groups, counts)
+
+    def _row_rest(self, evicted: list[int]) -> list[int]:
+        """The queued blocks of the rows ``evicted`` (just popped, not detached yet) leaves behind: for each evicted
+        block of a cut group, the blocks its family's other cuts hold at the same radix position, where nobody holds
+        them; in the order the rows were first evicted, each row's cuts in arena order.
+
+        Why: the cuts :func:`~cache_backends.layout.share_pages` makes of one group hold a prefix position together
+        and a hit needs every one of them (``KVCacheManagerV2._usable_prefix``), yet the queue hands out pages one at a
+        time, so a take of ``n`` pages split rows: a third of the rows evictions touched on tiny-gemma3 (BENCHMARKS.md
+        "tie57"), and the cuts left behind stayed cached, useless, while whole rows were evicted in their place. Taking
+        the rest of each row with it frees them instead (tiny-gemma3 ``mixed`` at a quarter of the budget: 13.5% of
+        prompt tokens reused against 19.8% with whole rows). A cut some request holds stays: it is not cached waste."""
+        members, node, pos, group_of, ref = self._members, self.node, self.pos, self.group_of, self.ref
+        assert members is not None
+        rows: dict[tuple[object, int, int], list[int]] = {}  # (run, position, family's first group) -> groups evicted
+        for b in evicted:  # this loop runs for every evicted block: kept lean
+            g = group_of[b]
+            fam = members[g]
+            if not fam:
+                continue
+            key = (node[b], pos[b], fam[0])
+            got = rows.get(key)
+            if got is None:
+                rows[key] = [g]
+            else:
+                got.append(g)
+        if not rows:
+            return []
+        names, queued = self.names, self.evictable
+        rest: list[int] = []
+        for (run, p, first), gs in rows.items():
+            fam = members[first]
+            if len(gs) == len(fam) or run is None:
+                continue
+            i = p - run.start  # type: ignore[attr-defined]
+            have = set(gs)
+            for s in fam:
+                if s in have:
+                    continue
+                blocks = run.blocks.get(names[s])  # type: ignore[attr-defined]
+                if blocks is not None and i < len(blocks):
+                    b = blocks[i]
+                    if b >= 0 and not ref[b] and b in queued:
+                        rest.append(b)
+        if rest:
+            queued.remove_many(rest)
+        return rest
+
+    def _free_rest(self, evicted: list[int], n: int) -> None:
+        """Move the last ``n`` of ``evicted`` (a take's :meth:`_row_rest`, detached now) to the free list."""
+        rest = evicted[len(evicted) - n:]
+        del evicted[len(evicted) - n:]
+        group_of = self.group_of
+        for b in rest:
+            group_of[b] = -1
+        self._free += rest
 
     def take_one_each(self, groups: Sequence[int], detach_mixed: DetachMixed) -> list[int]:
         """A page for each of ``groups`` (``groups[i]`` gets the ``i``-th): exactly :meth:`take_each` with every count
@@ -241,12 +316,17 @@ class SharedPool:
         group_of = self.group_of
         if total > k:
             evicted = self.evictable.pop_many(total - k)
+            rest = self._row_rest(evicted) if self._members is not None else None
+            if rest:  # detached with the evicted blocks, then freed: not handed out by this take
+                evicted += rest
             of = list(map(group_of.__getitem__, evicted))
             cached, evictions = self.cached, self.evicted
             for g in of:
                 cached[g] = cached[g] - 1
                 evictions[g] = evictions[g] + 1
             detach_mixed(evicted, of)
+            if rest:
+                self._free_rest(evicted, len(rest))
             out += evicted
         gen, ref, used = self.gen, self.ref, self.used
         for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
