@@ -1972,6 +1972,8 @@ class KVCacheManagerV2:
                     or len(used) != pool.num_used:
                 problems.append(f"{self._where(names)}: free {len(free)} + evictable {len(evictable)} + used "
                                 f"{len(used)} != {pool.num_blocks} (num_used {pool.num_used})")
+        if self._arena is not None:
+            problems += self._check_rows(self._arena)
         for g in self.groups:
             pool = self._pool[g.name]
             holds = pool.holds if isinstance(pool, GroupShare) else None
@@ -2036,6 +2038,21 @@ class KVCacheManagerV2:
                         problems.append(f"group {name}: suspended page {j}'s block {b} changed hands unwritten")
         if problems:
             raise AssertionError("; ".join(problems))
+
+    def _check_rows(self, arena: SharedPool) -> list[str]:
+        """A shared arena's cut families leave no partial row cached: where a cut of a family holds a page at a cached
+        position (in the tree or a pending prefix), every cut of the family does (``SharedPool._row_rest``)."""
+        members = arena._members
+        if members is None:
+            return []
+        rows: dict[tuple[int, int, int], list[int]] = {}
+        for b in range(arena.num_blocks):
+            g, run = arena.group_of[b], arena.node[b]
+            if run is not None and g >= 0 and members[g]:
+                rows.setdefault((id(run), arena.pos[b], members[g][0]), []).append(g)
+        return [f"shared arena: position {p} holds cuts {sorted(arena.names[g] for g in gs)} of "
+                f"{len(members[first])}: a partial row is cached"
+                for (_, p, first), gs in rows.items() if len(gs) != len(members[first])]
 
     def _check_tree(self, on_path: dict[str, RadixNode]) -> list[str]:
         """The radix tree's invariants (:mod:`cache_backends.v2.radix`); ``on_path``: each cache's last run."""
