@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import pipeline
 from cache_backends import LayerKV, build_layout
+from cache_backends.layout import cut_families
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v2 import KVCacheManagerV2
@@ -1348,4 +1349,52 @@ def test_a_padded_layout_keeps_every_layers_entries_through_hits_slides_and_susp
     for r in reqs:
         check_kv(m, r)
     assert any(held(m.block_table(r, padded_group.name)) for r in reqs)
+    m.check_invariants()
+
+
+def _cached_rows(m: KVCacheManagerV2) -> dict[tuple[int, int], set[str]]:
+    """Every cached radix position of a shared arena -> the sliding cuts holding a page there."""
+    arena = m._arena
+    assert arena is not None
+    rows: dict[tuple[int, int], set[str]] = {}
+    for b in range(arena.num_blocks):
+        g, node = arena.group_of[b], arena.node[b]
+        if node is not None and g >= 0 and arena.names[g].startswith("sliding"):
+            rows.setdefault((id(node), arena.pos[b]), set()).add(arena.names[g])
+    return rows
+
+
+def test_cut_families_tie_the_cuts_of_one_group_and_nothing_else():
+    layout = build_layout(gemma_like(), "v2", 4, "float32")
+    assert [g.name for g in layout.groups] == [*(f"sliding_w8.{i}" for i in range(5)), "full"]
+    assert cut_families(layout.groups) == [0, 0, 0, 0, 0, 5]
+    mixed = [LayerKV(i, "sliding", 4, window=8) for i in range(4)] + [LayerKV(4 + i, "full", 4) for i in range(6)]
+    layout = build_layout(mixed, "v2", 4, "float32")  # 4 sliding + 6 full layers: pages of 2 layers
+    assert [g.name for g in layout.groups] == ["sliding_w8.0", "sliding_w8.1", "full.0", "full.1", "full.2"]
+    assert cut_families(layout.groups) == [0, 0, 2, 2, 2]
+
+
+def test_an_eviction_takes_every_cut_s_page_of_a_position_so_no_useless_part_of_a_prefix_stays_cached():
+    """The five sliding cuts of tiny-gemma3's window group hold a position together and a hit needs all five; a take
+    of six pages (a block for each group) used to evict five pages of one position and one of the next, leaving that
+    position's other four cached where no hit could use them. Now the rest of a position goes with it, to the free
+    list, and every cached position is whole."""
+    m = make_manager(gemma_like(window=8), {name: 24 for name in _names()})
+    a = Request("a", list(range(1, 17)), 0)  # 16 tokens: 4 full + 5 x 4 sliding pages, all keyed, all cached
+    prefill(m, a)
+    m.free(a)
+    assert {len(cuts) for cuts in _cached_rows(m).values()} == {5}
+    b = Request("b", list(range(500, 516)), 0)  # another prefix: every take evicts
+    admit(m, b)
+    for _ in range(4):
+        compute(m, b, 4)
+        rows = _cached_rows(m)
+        assert all(len(cuts) == 5 for cuts in rows.values()), {k[1]: sorted(v) for k, v in rows.items()}
+        m.check_invariants()
+    check_kv(m, b)
+    m.free(b)
+    c = Request("c", [*range(500, 516), 7], 0)  # b's prefix: every page of it still cached, whole
+    admit(m, c)
+    assert c.num_computed_tokens == 16
+    check_kv(m, c)
     m.check_invariants()
