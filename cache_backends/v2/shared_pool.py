@@ -27,6 +27,13 @@ its life cycle — they take a block, leave the window and are released at the s
 31 groups would otherwise cost 31 calls where one group costs one. Each batch method hands out or takes back
 exactly the blocks, in exactly the order, that the per-group calls would (``scripts/kv_diffcheck.py`` checks it
 step by step); only the per-block work remains per group.
+
+Rows (``families``, :func:`~cache_backends.layout.cut_families`): a prefix position's pages of one family's cuts are a
+*row*; a hit needs the whole row. An eviction that takes some of a row's pages frees the row's other queued pages with
+them (:meth:`SharedPool._row_rest`), so no partial row stays cached (``KVCacheManagerV2.check_invariants`` checks
+it). This is the eviction rule of a tie of the cuts into one logical block (BENCHMARKS.md "tie57"). With families, a
+take per group and one batch take may free different rows (the rest a group's take frees serves the next group's),
+so the batch methods equal the per-group calls only without families (``tests/test_kv_v2_shared.py`` checks them so).
 """
 
 from __future__ import annotations
