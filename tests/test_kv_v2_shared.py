@@ -1398,3 +1398,24 @@ def test_an_eviction_takes_every_cut_s_page_of_a_position_so_no_useless_part_of_
     assert c.num_computed_tokens == 16
     check_kv(m, c)
     m.check_invariants()
+
+
+def test_a_suspended_request_s_pages_evicted_as_whole_rows_are_written_back_and_read_back_after_resume():
+    """The rest of a row an eviction frees goes through the same detach as the evicted pages: a suspended request's
+    cached pages (kept on the device, a host slot reserved) are written back before another group's data lands on
+    them, so every layer's KV reads back right after the resume."""
+    m = make_manager(gemma_like(window=8), {name: 24 for name in _names()}, host_cache_size=1 << 20)
+    a = Request("a", list(range(1, 17)), 0)
+    prefill(m, a)
+    assert m.suspend(a)
+    b = Request("b", list(range(500, 516)), 0)  # another prefix: takes a's pages, rows split by six-page takes
+    admit(m, b)
+    for _ in range(4):
+        compute(m, b, 4)
+        assert all(len(cuts) == 5 for cuts in _cached_rows(m).values())
+        m.check_invariants()
+    check_kv(m, b)
+    m.free(b)
+    assert m.resume(a)
+    check_kv(m, a)
+    m.check_invariants()
