@@ -266,7 +266,7 @@ class SharedPool:
         members, node, ref = self._members, self.node, self.ref
         assert members is not None
         # rows by (run, position, family's first group), counted at C speed: a decode's block boundary on Gemma 3 27B
-        # evicts a row or two of 26 + 5 pages, and a loop per block here cost multi-turn 3% more Python work
+        # evicts a row or two of 26 + 5 pages, so the Python loop runs per row, not per page
         of = list(map(self.group_of.__getitem__, evicted))
         rows = Counter(zip(map(node.__getitem__, evicted), map(self.pos.__getitem__, evicted),
                            map(self._first.__getitem__, of), strict=True))
