@@ -281,8 +281,8 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
             # the same blocks detached from the same runs, per group (take_each detaches once per group, in
             # eviction order; radix detaching is confluent, so only what is detached matters)
             assert got_a == got_b and _detached(seen_a) == _detached(seen_b) and _pool_state(a) == _pool_state(b)
-            for g, table in enumerate(tables_a):  # a window of every group slides past 2 blocks
-                for j in range(2):
+            for j in range(2):  # a window of every group slides past 2 blocks, released position by position
+                for g, table in enumerate(tables_a):
                     a.release(g, (table[j],), 1, True, lambda n, x: None)
                     table[j] = -1
             b.release_slices(list(enumerate(tables_b)), 0, 2, 1)
@@ -1418,4 +1418,26 @@ def test_a_suspended_request_s_pages_evicted_as_whole_rows_are_written_back_and_
     m.free(b)
     assert m.resume(a)
     check_kv(m, a)
+    m.check_invariants()
+
+
+def test_a_window_slide_of_two_positions_is_queued_row_by_row_so_a_take_evicts_only_the_row_it_needs():
+    """A prefill that moves the window past two positions at once lets go of both positions' pages of the five
+    sliding cuts. Queued cut by cut ((0, cut 0), (1, cut 0), (0, cut 1), ...), a take of five pages touched both rows
+    and, as rows leave whole, freed both (ten pages for five); queued position by position, it evicts position 0's row
+    alone and position 1's stays cached, whole."""
+    m = make_manager(gemma_like(window=8), {name: 25 for name in _names()})
+    a = Request("a", list(range(1, 17)), 0)  # 16 tokens: the window (8) leaves positions 0 and 1 at once
+    prefill(m, a)
+    assert sorted(p for _, p in _cached_rows(m)) == [0, 1]
+    arena = m._arena
+    assert arena is not None and len(arena._free) == 1
+    b = Request("b", list(range(500, 504)), 0)  # a block for each of the six groups: one page free, five evicted
+    admit(m, b)
+    compute(m, b, 4)
+    assert arena.evicted == [1, 1, 1, 1, 1, 0]
+    rows = _cached_rows(m)
+    assert [p for _, p in rows] == [1] and all(len(cuts) == 5 for cuts in rows.values())
+    check_kv(m, a)
+    check_kv(m, b)
     m.check_invariants()

@@ -560,10 +560,13 @@ class SharedPool:
                         return
         leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
         shared: list[int] = []
-        for group, table in members:
-            released = 0
-            n_cached = len(leaves) + len(shared)
-            for j in range(lo, hi):
+        used, kept = self.used, self.cached
+        # position by position (each position's blocks of every group, then the next position's): the queue then
+        # holds each row of a family's cuts (SharedPool._row_rest) together, as a finish's interleave does; group by
+        # group, a slide of two positions queued (j, cut 0), (j + 1, cut 0), (j, cut 1), ..., so a take of two pages
+        # split two rows and freed both (a tie of the cuts, one logical block a row, needs each row in one place)
+        for j in range(lo, hi):
+            for group, table in members:
                 b = table[j]
                 if b < 0:
                     continue
@@ -573,15 +576,14 @@ class SharedPool:
                 ref[b] = ref[b] - 1
                 if ref[b]:
                     continue
-                released += 1
+                used[group] -= 1
                 node = owner[b]
                 if node is None:
                     free.append(b)
                     group_of[b] = -1
                 else:
+                    kept[group] += 1
                     (shared if node.children else leaves).append(b)
-            self.used[group] -= released
-            self.cached[group] += len(leaves) + len(shared) - n_cached
         self._queue(leaves, shared, priority)
 
     def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int,
