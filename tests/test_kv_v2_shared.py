@@ -1222,9 +1222,9 @@ def test_a_keyed_finish_requeues_its_window_s_last_leavings_a_set_at_once_as_gro
                                                                                            monkeypatch):
     """At a keyed cache's finish on a shared arena, the blocks its window let go that the next turn's hit reads are
     requeued as the youngest (``_refresh_window_head``): looked up once for the window set and read for all its groups
-    in one pass, in the per-group loop's order (groups, then positions tail first). Every step's arena and queue must
-    be the loop's, and the one pass must have requeued blocks of keyed finishes. (A reuse unit of two token blocks,
-    as a group spanning two would make it, has a finish requeue two positions of each group.)"""
+    in one pass, in the per-group loop's order (positions tail first, each position's groups together). Every step's
+    arena and queue must be the loop's, and the one pass must have requeued blocks of keyed finishes. (A reuse unit of
+    two token blocks, as a group spanning two would make it, has a finish requeue two positions of each group.)"""
     import tests.test_kv_v2_shared as here
 
     convs = [([5, 6, 7, 8, 9, 10, 11], [[21, 22], [23, 24, 25, 26, 27], [28]], 3),

@@ -834,17 +834,18 @@ class KVCacheManagerV2:
                 lo, hi = max(0, m - window + 1) // tpb, released[first]  # (a set's groups release in lockstep)
                 if lo < hi:
                     step = tpb // T
-                    if pending is not None:  # at C speed
+                    if pending is not None:  # at C speed; position by position (a row's pages together: below)
                         cut = itemgetter(slice((lo + 1) * step - 1, hi * step, step))
-                        got += chain.from_iterable(map(reversed, map(cut, map(pending.blocks.get, names,
-                                                                               repeat(())))))
+                        got += interleave([x[::-1] for x in map(cut, map(pending.blocks.get, names, repeat(())))])
                         continue
                     # keyed: the set's positions looked up on the path once, then every group's block at each in one
                     # comprehension (the loop below made one a group: 26 on Gemma 3 27B, at a third of its finishes)
                     tree, keyed, last = self._tree, cache.keyed, cache.last
                     at = [tree.position(last, p) for j in range(hi - 1, lo - 1, -1)  # type: ignore[arg-type]
                           if (p := (j + 1) * step - 1) < keyed]
-                    got += [run.blocks[name][i] for name in names for run, i in at]
+                    # position by position, tail first: each row of the set's cuts requeued together, so the queue
+                    # keeps every row's pages next to each other (``KVCacheManagerV2._check_rows``)
+                    got += [run.blocks[name][i] for run, i in at for name in names]
             if got:
                 got = list(filter((0).__le__, got))
                 got = list(compress(got, map(not_, map(arena.ref.__getitem__, got))))  # type: ignore[union-attr]
@@ -858,7 +859,7 @@ class KVCacheManagerV2:
         spots: dict[tuple[int, int], list[tuple[RadixNode, int]]] = {}  # (keyed) per set and bound: (run, offset)
         by_group = pending.blocks if pending is not None else None
         one = self._arena is not None  # a shared arena: one queue for every group
-        shared: list[int] = []
+        shared: list[list[int]] = []  # a shared arena's window groups' blocks, group by group
         queues: dict[int, tuple[EvictionQueue, list[int]]] = {}
         for name, pool, k in self._window_groups:
             lo, step = bounds[k]
@@ -878,12 +879,19 @@ class KVCacheManagerV2:
                                          if (p := (j + 1) * step - 1) < keyed]
                 seg = [run.blocks[name][i] for run, i in at]
             ref = pool.ref
-            got = shared if one else queues.setdefault(id(pool.evictable), (pool.evictable, []))[1]
+            if one:  # the arena's: interleaved below, a row's pages together as the one pass above queues them
+                shared.append(seg)  # type: ignore[arg-type]
+                continue
+            got = queues.setdefault(id(pool.evictable), (pool.evictable, []))[1]
             for b in seg:
                 if b >= 0 and not ref[b]:
                     got.append(b)
         if shared:
-            self._arena.evictable.refresh(shared)  # type: ignore[union-attr]
+            arena = self._arena
+            assert arena is not None
+            rows = [b for b in interleave(shared) if b >= 0 and not arena.ref[b]]  # type: ignore[arg-type]
+            if rows:
+                arena.evictable.refresh(rows)
         for queue, blocks in queues.values():
             if blocks:
                 queue.refresh(blocks)
@@ -2041,7 +2049,8 @@ class KVCacheManagerV2:
 
     def _check_rows(self, arena: SharedPool) -> list[str]:
         """A shared arena's cut families leave no partial row cached: where a cut of a family holds a page at a cached
-        position (in the tree or a pending prefix), every cut of the family does (``SharedPool._row_rest``)."""
+        position (in the tree or a pending prefix), every cut of the family does (``SharedPool._row_rest``); and
+        each queued row's pages lie next to each other in the eviction queue."""
         members = arena._members
         if members is None:
             return []
@@ -2050,9 +2059,35 @@ class KVCacheManagerV2:
             g, run = arena.group_of[b], arena.node[b]
             if run is not None and g >= 0 and members[g]:
                 rows.setdefault((id(run), arena.pos[b], members[g][0]), []).append(g)
-        return [f"shared arena: position {p} holds cuts {sorted(arena.names[g] for g in gs)} of "
-                f"{len(members[first])}: a partial row is cached"
-                for (_, p, first), gs in rows.items() if len(gs) != len(members[first])]
+        problems = [f"shared arena: position {p} holds cuts {sorted(arena.names[g] for g in gs)} of "
+                    f"{len(members[first])}: a partial row is cached"
+                    for (_, p, first), gs in rows.items() if len(gs) != len(members[first])]
+        # a queued row lies whole and in one piece in the eviction order (one bucket, its pages next to each other):
+        # the queue then evicts rows as a queue of whole rows would, the order a tie of the cuts into one logical
+        # block (its pages evicted together) can keep exactly
+        seen: set[tuple[int, int, int]] = set()
+        for _, got in arena.evictable.buckets():
+            row: tuple[int, int, int] | None = None
+            n = 0
+            for b, _ in got:
+                g, run = arena.group_of[b], arena.node[b]
+                key = (id(run), arena.pos[b], members[g][0]) if run is not None and members[g] else None
+                if key is not None and key == row:
+                    n += 1
+                    continue
+                if row is not None and n != len(members[row[2]]):
+                    problems.append(f"shared arena: a queued row of {arena.names[row[2]]}'s family at position "
+                                    f"{row[1]} has {n} of its {len(members[row[2]])} pages together in the queue")
+                if key is not None and key in seen:
+                    problems.append(f"shared arena: the queued row of {arena.names[key[2]]}'s family at position "
+                                    f"{key[1]} lies in pieces in the queue")
+                row, n = key, 1
+                if key is not None:
+                    seen.add(key)
+            if row is not None and n != len(members[row[2]]):
+                problems.append(f"shared arena: a queued row of {arena.names[row[2]]}'s family at position {row[1]} "
+                                f"has {n} of its {len(members[row[2]])} pages together in the queue")
+        return problems
 
     def _check_tree(self, on_path: dict[str, RadixNode]) -> list[str]:
         """The radix tree's invariants (:mod:`cache_backends.v2.radix`); ``on_path``: each cache's last run."""
