@@ -4,12 +4,15 @@ per row of a family's cuts, weighing its pages, must evict the rows a page queue
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_backends.v2.group_pool import EvictionQueue
-from cache_backends.v2.tied_pool import RowQueue
+from cache_backends.v2.shared_pool import SharedPool
+from cache_backends.v2.tied_pool import RowQueue, TiedArena
 
 #: rows 0..11: even rows of a family of 3 cuts (a sliding group cut in three), odd rows of 1 (an uncut full group)
 ROWS = 12
@@ -118,3 +121,115 @@ def test_a_row_queue_s_refresh_moves_its_clock_by_the_row_s_pages_as_the_page_qu
     pages.refresh(_pages([2, 0]))
     rows.refresh([2, 0])
     _same(pages, rows)
+
+
+class _Run:
+    """A radix run as the arenas read it: its blocks per group from position ``start``, children if shared."""
+
+    def __init__(self, name: str, shared: bool) -> None:
+        self.name, self.start, self.blocks = name, 0, {}
+        self.children = {"child": 1} if shared else {}
+
+
+def _tie_twins(pages: int) -> tuple[SharedPool, TiedArena]:
+    """A page arena of a 3-cut family (``a.0`` .. ``a.2``) and an uncut group ``b``, and its tie (``a`` k=3, ``b``)."""
+    return (SharedPool(["a.0", "a.1", "a.2", "b"], pages, [0, 0, 0, 3]), TiedArena(["a", "b"], [3, 1], pages))
+
+
+def _detacher(pool: SharedPool | TiedArena) -> Callable[[str, list[int]], None]:
+    def detach(name: str, blocks: list[int]) -> None:  # as the manager's: the run forgets the evicted blocks
+        for b in blocks:
+            run = pool.node[b]
+            run.blocks[name][pool.pos[b]] = -1  # type: ignore[union-attr]
+            pool.node[b] = None
+    return detach
+
+
+def _rows_of(pool: SharedPool | TiedArena, fam: Callable[[int], str]) -> list[tuple[int, list[tuple[str, int, str]]]]:
+    """The queue's buckets as rows (run, position, family), each row once where its pages lie together."""
+    out = []
+    for key, got in pool.evictable.buckets():
+        rows: list[tuple[str, int, str]] = []
+        for b, _ in got:
+            row = (pool.node[b].name, pool.pos[b], fam(pool.group_of[b]))  # type: ignore[union-attr]
+            if not rows or rows[-1] != row:
+                rows.append(row)
+        out.append((key, rows))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_tied_arena_takes_evicts_and_counts_as_the_page_arena_of_its_cuts(seed):
+    """Requests take rows of both families, are keyed (shared or not), finish, and come back as hits while the arena
+    is full: after every step the tie and the page arena hold the same rows in the same queue order and count the
+    same free and evictable pages, shared pages, clock, and per family the same used, cached and evicted blocks."""
+    import random
+
+    rng = random.Random(seed)
+    page, tied = _tie_twins(30)
+    fam_page = lambda g: "a" if g < 3 else "b"  # noqa: E731
+    fam_tied = lambda g: "ab"[g]  # noqa: E731
+    active: dict[str, tuple[list[list[int]], list[list[int]]]] = {}  # name -> (page tables, tied tables)
+    done: dict[str, tuple[_Run, _Run, int]] = {}  # finished, keyed: its runs and rows
+    for step in range(60):
+        what = rng.random()
+        if what < 0.45 and len(active) < 4:
+            n_a, n_b = rng.randint(1, 3), rng.randint(0, 3)
+            if 3 * n_a + n_b > page.available:
+                continue
+            name = f"r{seed}.{step}"
+            got_p = page.take_each(range(4), [n_a] * 3 + [n_b], _detacher(page))
+            got_t = tied.take_each(range(2), [n_a, n_b], _detacher(tied))
+            active[name] = (got_p, got_t)
+        elif what < 0.8 and active:
+            name = rng.choice(sorted(active))
+            got_p, got_t = active.pop(name)
+            shared = rng.random() < 0.3
+            run_p, run_t = _Run(name, shared), _Run(name, shared)
+            for pool, run, tables, names in ((page, run_p, got_p, page.names), (tied, run_t, got_t, tied.names)):
+                for g, table in enumerate(tables):
+                    run.blocks[names[g]] = table
+                    for i, b in enumerate(table):
+                        pool.node[b], pool.pos[b] = run, i
+            priority = rng.randint(0, 1)
+            page.release_tables(list(enumerate(got_p)), priority)
+            tied.release_tables(list(enumerate(got_t)), priority)
+            done[name] = (run_p, run_t, len(got_t[0]))
+        elif done:
+            name = rng.choice(sorted(done))
+            run_p, run_t, _ = done[name]
+            whole_p = all(b >= 0 for table in run_p.blocks.values() for b in table)
+            whole_t = all(b >= 0 for table in run_t.blocks.values() for b in table)
+            assert whole_p == whole_t
+            if not whole_p:
+                continue
+            del done[name]  # a hit claims the whole history back
+            got_p = [list(run_p.blocks[n]) for n in page.names]
+            got_t = [list(run_t.blocks[n]) for n in tied.names]
+            for g, table in enumerate(got_p):
+                page.incref_many(g, table)
+            for g, table in enumerate(got_t):
+                tied.incref_many(g, table)
+            for pool, tables in ((page, got_p), (tied, got_t)):
+                for table in tables:
+                    for b in table:
+                        pool.node[b] = None
+            active[name] = (got_p, got_t)
+        assert page.available == tied.available
+        assert page.evictable.num_shared == tied.evictable.num_shared
+        assert page.evictable._clock == tied.evictable._clock
+        for g in range(4):
+            f = 0 if g < 3 else 1
+            assert (page.used[g], page.cached[g], page.evicted[g]) == (tied.used[f], tied.cached[f], tied.evicted[f])
+        assert _rows_of(page, fam_page) == _rows_of(tied, fam_tied)
+        assert tied.check() == []
+
+
+def test_a_tied_arena_s_check_finds_a_page_in_two_blocks_and_a_block_short_of_pages():
+    tied = TiedArena(["a", "b"], [3, 1], 12)
+    (a1, a2), (b1,) = tied.take_each(range(2), [2, 1], lambda n, x: None)
+    assert tied.check() == []
+    tied.pages[a2] = (tied.pages[a2][0], tied.pages[a2][1], tied.pages[a1][0])  # a page of a1 in a2 as well
+    assert any("owned by blocks" in p for p in tied.check())
+    tied.pages[b1] = ()  # b1 lost its page
+    assert any(f"block {b1} of b owns pages []" in p for p in tied.check())

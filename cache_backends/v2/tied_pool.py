@@ -1,4 +1,4 @@
-"""The eviction queue of a tie of a shared arena's cuts: one entry per logical block, counted in pages (PROTOTYPE).
+"""A tie of a shared arena's cuts: logical blocks of k pages and their eviction queue, counted in pages (PROTOTYPE).
 
 Why: Gemma 3 27B's arena is 31 groups (26 sliding cuts and 5 full cuts of 2 layers each, ``layout.share_pages``)
 that take, slide, release and leave the cache a row at a time (``SharedPool._row_rest``; BENCHMARKS.md "tie57",
@@ -16,15 +16,19 @@ Invariants (weights fixed while an entry is queued): ``len(q) == sum(weight[b] f
 ``q.num_shared`` is the same sum over the shared buckets; ``q._clock`` is the pages ever queued (a refresh counts its
 entries' pages again, as the page queue counts each refreshed page).
 
-Not wired yet: the arena whose logical block owns ``k`` pages and the manager's use of it are missing (see
+:class:`TiedArena` is the arena of the tie: logical blocks owning ``k`` pages each, per-logical-block references,
+radix owners and queue, free space in pages (its take, finish release and hit claim checked against ``SharedPool``
+of the cuts in ``tests/test_kv_v2_tied.py``). Not wired yet: the manager still runs on the cuts; its batch paths
+(``take_one_each``, ``release_slices``, ``incref_groups``, ...) and the manager's use of a tie are missing (see
 BENCHMARKS.md "tie57b" for the list, file by function).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from cache_backends.v2.group_pool import _SHARED_BIT, STALE_POOLS, EvictionQueue
+from cache_backends.v2.shared_pool import interleave
 
 
 class RowQueue(EvictionQueue):
@@ -131,3 +135,164 @@ class RowQueue(EvictionQueue):
             if self.num_shared != before:
                 self.num_shared -= w - 1
         return out
+
+
+class TiedArena:
+    """Logical blocks of tied groups (PROTOTYPE: the core of a tie, not used by the manager yet): logical group ``g``'s
+    block ``L`` owns ``k[g]`` pages of one page arena, ``pages[L]`` (one a cut, in cut order); reference counts, radix
+    owners, priorities and the eviction queue (:class:`RowQueue`) are per logical block, free space is in pages.
+
+    Invariants: a used or cached logical block owns exactly ``k`` distinct pages and no other block owns them; a free
+    logical id owns none (``pages[L] == ()``); ``len(free pages) + Σ k over used and cached blocks == num_pages``;
+    ``ref[L] >= 1`` for a used block, ``ref[L] == 0`` and queued for a cached one. What a take of ``n`` blocks of
+    several groups evicts equals what ``SharedPool.take_each`` of their cuts evicts when each queued row's pages lie
+    together in its queue (``KVCacheManagerV2._check_rows``): whole rows, in the same order, until the pages are there.
+    """
+
+    def __init__(self, names: Sequence[str], k: Sequence[int], num_pages: int) -> None:
+        if len(k) != len(names) or min(k, default=1) < 1:
+            raise ValueError(f"pages per block {list(k)} for groups {list(names)}")
+        self.names, self.k, self.num_pages = list(names), list(k), num_pages
+        n = num_pages  # (a logical block owns a page at least: never more ids than pages)
+        self.pages: list[tuple[int, ...]] = [()] * n
+        self.ref = [0] * n
+        self.gen = [0] * n
+        self.node: list[object | None] = [None] * n
+        self.pos = [0] * n
+        self.priority = [0] * n
+        self.group_of = [-1] * n
+        self.weight = [0] * n  # pages of a used or cached block (what the queue weighs it)
+        self._free_pages = list(range(num_pages - 1, -1, -1))  # stacks: pop() hands out low ids first
+        self._free_ids = list(range(n - 1, -1, -1))
+        self.evictable = RowQueue(self.priority, self.weight, num_pages)
+        self.used = [0] * len(self.names)
+        self.cached = [0] * len(self.names)
+        self.evicted = [0] * len(self.names)
+
+    @property
+    def available(self) -> int:
+        """Pages any group can get: free plus those of evictable blocks."""
+        return len(self._free_pages) + len(self.evictable)
+
+    def _let_go(self, blocks: Iterable[int]) -> None:
+        """``blocks`` (used or cached no more) give their pages and ids back."""
+        pages, free_pages, free_ids, group_of, weight = (self.pages, self._free_pages, self._free_ids, self.group_of,
+                                                          self.weight)
+        for b in blocks:
+            free_pages += pages[b]
+            pages[b] = ()
+            group_of[b] = -1
+            weight[b] = 0
+            free_ids.append(b)
+
+    def take_each(self, groups: Sequence[int], counts: Sequence[int],
+                  detach: Callable[[str, list[int]], None]) -> list[list[int]]:
+        """``counts[i]`` blocks for ``groups[i]`` each (``ref == 1``), each with its group's pages: free pages first,
+        then the pages of whole cached blocks in eviction order (:meth:`RowQueue.pop_pages`), detached per group."""
+        need = sum(self.k[g] * c for g, c in zip(groups, counts, strict=True))
+        if need > self.available:
+            raise IndexError(f"tied arena: {need} pages asked, {self.available} free or evictable")
+        short = need - len(self._free_pages)
+        if short > 0:
+            evicted = self.evictable.pop_pages(short)
+            by_group: dict[int, list[int]] = {}
+            for b in evicted:
+                by_group.setdefault(self.group_of[b], []).append(b)
+            for g, blocks in by_group.items():
+                self.cached[g] -= len(blocks)
+                self.evicted[g] += len(blocks)
+                detach(self.names[g], blocks)
+            self._let_go(evicted)
+        out: list[list[int]] = []
+        free_pages, free_ids = self._free_pages, self._free_ids
+        for g, c in zip(groups, counts, strict=True):
+            k = self.k[g]
+            piece = []
+            for _ in range(c):
+                b = free_ids.pop()
+                got = tuple(free_pages[len(free_pages) - k:][::-1])
+                del free_pages[len(free_pages) - k:]
+                self.pages[b] = got
+                self.weight[b] = k
+                self.gen[b] += 1
+                self.ref[b] = 1
+                self.group_of[b] = g
+                piece.append(b)
+            self.used[g] += c
+            out.append(piece)
+        return out
+
+    def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int) -> None:
+        """Let go of every block of every ``(group, table)``, the tables' blocks tail first and position by position
+        (ids below 0 skipped); cached blocks (a radix owner) are queued, leaves before shared prefixes' blocks, the
+        others freed: ``SharedPool.release_tables`` per logical block."""
+        by_table: list[tuple[list[int], list[int]]] = []  # each table's cached (leaves, shared), tail first
+        gone: list[int] = []
+        ref, group_of, owner = self.ref, self.group_of, self.node
+        for _, table in tables:  # table by table, then the cached ones interleaved: SharedPool.release_tables' loop
+            leaves: list[int] = []
+            shared: list[int] = []
+            for b in table[::-1]:
+                if b < 0:
+                    continue
+                if ref[b] <= 0:
+                    raise RuntimeError(f"tied arena: block {b} released more often than held")
+                ref[b] -= 1
+                if ref[b]:
+                    continue
+                g = group_of[b]
+                self.used[g] -= 1
+                node = owner[b]
+                if node is None:
+                    gone.append(b)
+                else:
+                    self.cached[g] += 1
+                    (shared if getattr(node, "children", None) else leaves).append(b)
+            by_table.append((leaves, shared))
+        self._let_go(gone)
+        leaves = interleave([lv for lv, _ in by_table])
+        shared = interleave([sh for _, sh in by_table])
+        if leaves:
+            self.evictable.add_many(leaves, priority)
+        if shared:
+            self.evictable.add_many(shared, priority, True)
+
+    def incref_many(self, group: int, blocks: Sequence[int]) -> None:
+        """One more holder of each of ``blocks`` (used or cached blocks of ``group``): a prefix hit's claim."""
+        cached = []
+        for b in blocks:
+            if self.group_of[b] != group:
+                raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached blocks")
+            if not self.ref[b]:
+                cached.append(b)
+            self.ref[b] += 1
+        self.evictable.remove_many(cached)
+        self.cached[group] -= len(cached)
+        self.used[group] += len(cached)
+
+    def check(self) -> list[str]:
+        """The tie's invariants (see the class): what is broken, or nothing."""
+        problems: list[str] = []
+        owner: dict[int, int] = {}
+        queued = set(self.evictable.blocks())
+        for b in range(len(self.pages)):
+            got, g = self.pages[b], self.group_of[b]
+            if g < 0:
+                if got:
+                    problems.append(f"tied arena: free block {b} owns pages {list(got)}")
+                continue
+            if len(got) != self.k[g] or len(set(got)) != len(got) or self.weight[b] != len(got):
+                problems.append(f"tied arena: block {b} of {self.names[g]} owns pages {list(got)}, not {self.k[g]} "
+                                f"distinct ones (weighs {self.weight[b]})")
+            if (self.ref[b] > 0) == (b in queued):
+                problems.append(f"tied arena: block {b} has ref {self.ref[b]} and is{'' if b in queued else ' not'} "
+                                "queued")
+            for p in got:
+                if p in owner:
+                    problems.append(f"tied arena: page {p} is owned by blocks {owner[p]} and {b}")
+                owner[p] = b
+        free = set(self._free_pages)
+        if len(free) != len(self._free_pages) or free & owner.keys() or len(free) + len(owner) != self.num_pages:
+            problems.append(f"tied arena: {len(self._free_pages)} free pages and {len(owner)} owned of "
+                            f"{self.num_pages}, {len(free & owner.keys())} both")
+        return problems
