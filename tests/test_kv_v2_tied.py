@@ -160,44 +160,64 @@ def _rows_of(pool: SharedPool | TiedArena, fam: Callable[[int], str]) -> list[tu
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_tied_arena_takes_evicts_and_counts_as_the_page_arena_of_its_cuts(seed):
-    """Requests take rows of both families, are keyed (shared or not), finish, and come back as hits while the arena
-    is full: after every step the tie and the page arena hold the same rows in the same queue order and count the
-    same free and evictable pages, shared pages, clock, and per family the same used, cached and evicted blocks."""
+    """Requests take rows of both families, slide a window of the cut family, are keyed (shared or not), finish, and
+    come back as hits while the arena is full: after every step the tie and the page arena hold the same rows in the
+    same queue order and count the same free and evictable pages, shared pages, clock, and per family the same used,
+    cached and evicted blocks."""
     import random
 
     rng = random.Random(seed)
     page, tied = _tie_twins(30)
     fam_page = lambda g: "a" if g < 3 else "b"  # noqa: E731
     fam_tied = lambda g: "ab"[g]  # noqa: E731
-    active: dict[str, tuple[list[list[int]], list[list[int]]]] = {}  # name -> (page tables, tied tables)
-    done: dict[str, tuple[_Run, _Run, int]] = {}  # finished, keyed: its runs and rows
+    # name -> (page tables, tied tables, their runs once keyed: a window slide keys the request's rows first)
+    active: dict[str, tuple[list[list[int]], list[list[int]], _Run | None, _Run | None]] = {}
+    done: dict[str, tuple[_Run, _Run]] = {}  # finished, keyed: its runs
+
+    def key(name: str, tables_p: list[list[int]], tables_t: list[list[int]]) -> tuple[_Run, _Run]:
+        shared = rng.random() < 0.3
+        run_p, run_t = _Run(name, shared), _Run(name, shared)
+        for pool, run, tables, names in ((page, run_p, tables_p, page.names), (tied, run_t, tables_t, tied.names)):
+            for g, table in enumerate(tables):
+                run.blocks[names[g]] = list(table)
+                for i, b in enumerate(table):
+                    if b >= 0:
+                        pool.node[b], pool.pos[b] = run, i
+        return run_p, run_t
+
     for step in range(60):
         what = rng.random()
-        if what < 0.45 and len(active) < 4:
+        if what < 0.4 and len(active) < 4:
             n_a, n_b = rng.randint(1, 3), rng.randint(0, 3)
             if 3 * n_a + n_b > page.available:
                 continue
             name = f"r{seed}.{step}"
             got_p = page.take_each(range(4), [n_a] * 3 + [n_b], _detacher(page))
             got_t = tied.take_each(range(2), [n_a, n_b], _detacher(tied))
-            active[name] = (got_p, got_t)
+            active[name] = (got_p, got_t, None, None)
+        elif what < 0.55 and active:  # family a's window slides past its first live positions (keyed now)
+            name = rng.choice(sorted(active))
+            got_p, got_t, run_p, run_t = active[name]
+            if run_p is None:
+                run_p, run_t = key(name, got_p, got_t)
+                active[name] = (got_p, got_t, run_p, run_t)
+            lo = next((j for j, b in enumerate(got_t[0]) if b >= 0), len(got_t[0]))
+            hi = min(len(got_t[0]), lo + rng.randint(1, 2))
+            priority = rng.randint(0, 1)
+            page.release_slices(list(enumerate(got_p[:3])), lo, hi, priority)
+            tied.release_slices([(0, got_t[0])], lo, hi, priority)
         elif what < 0.8 and active:
             name = rng.choice(sorted(active))
-            got_p, got_t = active.pop(name)
-            shared = rng.random() < 0.3
-            run_p, run_t = _Run(name, shared), _Run(name, shared)
-            for pool, run, tables, names in ((page, run_p, got_p, page.names), (tied, run_t, got_t, tied.names)):
-                for g, table in enumerate(tables):
-                    run.blocks[names[g]] = table
-                    for i, b in enumerate(table):
-                        pool.node[b], pool.pos[b] = run, i
+            got_p, got_t, run_p, run_t = active.pop(name)
+            if run_p is None:
+                run_p, run_t = key(name, got_p, got_t)
             priority = rng.randint(0, 1)
             page.release_tables(list(enumerate(got_p)), priority)
             tied.release_tables(list(enumerate(got_t)), priority)
-            done[name] = (run_p, run_t, len(got_t[0]))
+            done[name] = (run_p, run_t)  # type: ignore[assignment]
         elif done:
             name = rng.choice(sorted(done))
-            run_p, run_t, _ = done[name]
+            run_p, run_t = done[name]
             whole_p = all(b >= 0 for table in run_p.blocks.values() for b in table)
             whole_t = all(b >= 0 for table in run_t.blocks.values() for b in table)
             assert whole_p == whole_t
@@ -214,7 +234,7 @@ def test_a_tied_arena_takes_evicts_and_counts_as_the_page_arena_of_its_cuts(seed
                 for table in tables:
                     for b in table:
                         pool.node[b] = None
-            active[name] = (got_p, got_t)
+            active[name] = (got_p, got_t, None, None)
         assert page.available == tied.available
         assert page.evictable.num_shared == tied.evictable.num_shared
         assert page.evictable._clock == tied.evictable._clock

@@ -296,3 +296,35 @@ class TiedArena:
             problems.append(f"tied arena: {len(self._free_pages)} free pages and {len(owner)} owned of "
                             f"{self.num_pages}, {len(free & owner.keys())} both")
         return problems
+
+    def release_slices(self, members: Sequence[tuple[int, list[int]]], lo: int, hi: int, priority: int) -> None:
+        """Let go of ``table[lo:hi]`` of every ``(group, table)`` and mark them -1, position by position (a window
+        slide): ``SharedPool.release_slices`` per logical block (cached ones queued, leaves before shared)."""
+        ref, group_of, owner = self.ref, self.group_of, self.node
+        leaves: list[int] = []
+        shared: list[int] = []
+        gone: list[int] = []
+        for j in range(lo, hi):
+            for _, table in members:
+                b = table[j]
+                if b < 0:
+                    continue
+                if ref[b] <= 0:
+                    raise RuntimeError(f"tied arena: block {b} released more often than held")
+                table[j] = -1
+                ref[b] -= 1
+                if ref[b]:
+                    continue
+                g = group_of[b]
+                self.used[g] -= 1
+                node = owner[b]
+                if node is None:
+                    gone.append(b)
+                else:
+                    self.cached[g] += 1
+                    (shared if getattr(node, "children", None) else leaves).append(b)
+        self._let_go(gone)
+        if leaves:
+            self.evictable.add_many(leaves, priority)
+        if shared:
+            self.evictable.add_many(shared, priority, True)
