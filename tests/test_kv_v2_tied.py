@@ -145,6 +145,12 @@ def _detacher(pool: SharedPool | TiedArena) -> Callable[[str, list[int]], None]:
     return detach
 
 
+def _mixed(pool: SharedPool | TiedArena) -> Callable[[list[int], list[int]], None]:
+    """A ``detach_mixed`` callback: each evicted block detached as its group's."""
+    detach = _detacher(pool)
+    return lambda blocks, groups: [detach(pool.names[g], [b]) for b, g in zip(blocks, groups, strict=True)]
+
+
 def _rows_of(pool: SharedPool | TiedArena, fam: Callable[[int], str]) -> list[tuple[int, list[tuple[str, int, str]]]]:
     """The queue's buckets as rows (run, position, family), each row once where its pages lie together."""
     out = []
@@ -192,8 +198,13 @@ def test_a_tied_arena_takes_evicts_and_counts_as_the_page_arena_of_its_cuts(seed
             if 3 * n_a + n_b > page.available:
                 continue
             name = f"r{seed}.{step}"
-            got_p = page.take_each(range(4), [n_a] * 3 + [n_b], _detacher(page))
-            got_t = tied.take_each(range(2), [n_a, n_b], _detacher(tied))
+            if n_a == n_b == 1:  # a decode's block boundary: a block for every group, detached in one call
+                mixed_p, mixed_t = _mixed(page), _mixed(tied)
+                got_p = [[b] for b in page.take_one_each(range(4), mixed_p)]
+                got_t = [[b] for b in tied.take_one_each(range(2), mixed_t)]
+            else:
+                got_p = page.take_each(range(4), [n_a] * 3 + [n_b], _detacher(page))
+                got_t = tied.take_each(range(2), [n_a, n_b], _detacher(tied))
             active[name] = (got_p, got_t, None, None)
         elif what < 0.55 and active:  # family a's window slides past its first live positions (keyed now)
             name = rng.choice(sorted(active))
@@ -226,10 +237,14 @@ def test_a_tied_arena_takes_evicts_and_counts_as_the_page_arena_of_its_cuts(seed
             del done[name]  # a hit claims the whole history back
             got_p = [list(run_p.blocks[n]) for n in page.names]
             got_t = [list(run_t.blocks[n]) for n in tied.names]
-            for g, table in enumerate(got_p):
-                page.incref_many(g, table)
-            for g, table in enumerate(got_t):
-                tied.incref_many(g, table)
+            if rng.random() < 0.5:
+                for g, table in enumerate(got_p):
+                    page.incref_many(g, table)
+                for g, table in enumerate(got_t):
+                    tied.incref_many(g, table)
+            else:  # every group's claim in one call
+                page.incref_groups(range(4), got_p)
+                tied.incref_groups(range(2), got_t)
             for pool, tables in ((page, got_p), (tied, got_t)):
                 for table in tables:
                     for b in table:
@@ -253,3 +268,17 @@ def test_a_tied_arena_s_check_finds_a_page_in_two_blocks_and_a_block_short_of_pa
     assert any("owned by blocks" in p for p in tied.check())
     tied.pages[b1] = ()  # b1 lost its page
     assert any(f"block {b1} of b owns pages []" in p for p in tied.check())
+
+
+def test_a_tied_arena_s_release_queues_or_frees_whole_logical_blocks_and_reset_empties_it():
+    tied = TiedArena(["a", "b"], [3, 1], 12)
+    (a1, a2), (b1,) = tied.take_each(range(2), [2, 1], lambda n, x: None)
+    run = _Run("r", False)
+    tied.node[a1] = run
+    seen: list = []
+    tied.release(0, [a1, a2], 0, True, lambda n, x: seen.append((n, list(x))))
+    assert len(tied.evictable) == 3 and tied.available == 12 - 1  # a1's 3 pages queued, a2's free, b1 held
+    tied.release(1, [b1], 0, False, lambda n, x: seen.append((n, list(x))))
+    assert seen == [] and tied.available == 12
+    tied.reset()
+    assert len(tied.evictable) == 0 and tied.available == 12 and tied.node[a1] is None and tied.check() == []

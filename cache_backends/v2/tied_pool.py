@@ -328,3 +328,68 @@ class TiedArena:
             self.evictable.add_many(leaves, priority)
         if shared:
             self.evictable.add_many(shared, priority, True)
+
+    def take_one_each(self, groups: Sequence[int],
+                      detach_mixed: Callable[[list[int], list[int]], None]) -> list[int]:
+        """A block for each of ``groups`` (a decode's block boundary): :meth:`take_each` with every count 1, the
+        evicted blocks detached in one call with their groups (``SharedPool.take_one_each``)."""
+        seen: list[tuple[list[int], list[int]]] = []
+        by_name = {name: g for g, name in enumerate(self.names)}
+
+        def detach(name: str, blocks: list[int]) -> None:
+            seen.append((blocks, [by_name[name]] * len(blocks)))
+
+        out = [piece[0] for piece in self.take_each(groups, [1] * len(groups), detach)]
+        if seen:
+            detach_mixed([b for blocks, _ in seen for b in blocks], [g for _, gs in seen for g in gs])
+        return out
+
+    def incref_groups(self, groups: Sequence[int], pieces: Sequence[Sequence[int]]) -> None:
+        """:meth:`incref_many` of ``pieces[i]`` for ``groups[i]``, for each ``i`` in order (a hit's claim of every
+        logical group's blocks)."""
+        for g, piece in zip(groups, pieces, strict=True):
+            self.incref_many(g, piece)
+
+    def release(self, group: int, blocks: Iterable[int], priority: int, keep_cached: bool,
+                detach: Callable[[str, list[int]], None]) -> None:
+        """``group`` lets go of ``blocks`` (ids below 0 skipped): a block nobody holds any more is queued where cached
+        and ``keep_cached``, else freed (detached first where cached): ``SharedPool.release`` per logical block."""
+        cached: list[int] = []
+        shared: list[int] = []
+        dropped: list[int] = []
+        gone: list[int] = []
+        for b in blocks:
+            if b < 0:
+                continue
+            if self.ref[b] <= 0 or self.group_of[b] != group:
+                raise RuntimeError(f"group {self.names[group]}: block {b} released more often than held")
+            self.ref[b] -= 1
+            if self.ref[b]:
+                continue
+            self.used[group] -= 1
+            node = self.node[b]
+            if node is None:
+                gone.append(b)
+            elif keep_cached:
+                (shared if getattr(node, "children", None) else cached).append(b)
+            else:
+                dropped.append(b)
+        if dropped:
+            detach(self.names[group], dropped)
+        self._let_go(gone + dropped)
+        self.cached[group] += len(cached) + len(shared)
+        if cached:
+            self.evictable.add_many(cached, priority)
+        if shared:
+            self.evictable.add_many(shared, priority, True)
+
+    def reset(self) -> None:
+        """Every cached block freed (the manager empties the radix tree); none may be in use."""
+        if sum(self.used):
+            raise RuntimeError(f"tied arena: {sum(self.used)} blocks are in use; the cache cannot be reset")
+        queued = self.evictable.blocks()
+        self._let_go(queued)
+        for b in queued:
+            self.node[b] = None
+        self.evictable = RowQueue(self.priority, self.weight, self.num_pages)
+        self.cached[:] = [0] * len(self.names)
