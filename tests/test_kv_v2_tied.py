@@ -52,7 +52,7 @@ def _same(pages: EvictionQueue, rows: RowQueue) -> None:
     assert _as_rows(pages.buckets()) == [(key, [b for b, _ in got]) for key, got in rows.buckets()]
 
 
-_op = st.tuples(st.sampled_from(["queue", "hit", "claim", "pop", "requeue"]),
+_op = st.tuples(st.sampled_from(["queue", "hit", "claim", "pop", "requeue", "refresh"]),
                 st.lists(st.integers(0, ROWS - 1), max_size=5, unique=True), st.integers(0, 2), st.booleans(),
                 st.integers(1, PAGES))
 
@@ -89,6 +89,10 @@ def test_a_row_queue_evicts_the_rows_a_page_queue_evicts_and_counts_its_pages(op
             pages.remove_many(rest)  # the rest of every row the pop touched leaves with it
             assert rows.pop_pages(n) == touched
             queued.difference_update(touched)
+        elif what == "refresh":  # a finish requeues its window's last rows: each row one segment at one clock
+            mine = [r for r in picked if r in queued]
+            pages.refresh(_pages(mine), [K[r] for r in mine])
+            rows.refresh(mine)
         else:
             mine = [r for r in picked if r in queued]
             leaves, held = mine[: len(mine) // 2], mine[len(mine) // 2:]
@@ -118,9 +122,10 @@ def test_a_row_queue_s_refresh_moves_its_clock_by_the_row_s_pages_as_the_page_qu
     pages, rows = _pair()
     pages.add_many(_pages([0, 1, 2]), 0, True)
     rows.add_many([0, 1, 2], 0, True)
-    pages.refresh(_pages([2, 0]))
+    pages.refresh(_pages([2, 0]), [3, 3])
     rows.refresh([2, 0])
     _same(pages, rows)
+    assert len({seg[4] for bucket in pages._by_key.values() for seg in bucket if seg[0]}) == 3  # a clock a row
 
 
 class _Run:
@@ -282,3 +287,20 @@ def test_a_tied_arena_s_release_queues_or_frees_whole_logical_blocks_and_reset_e
     assert seen == [] and tied.available == 12
     tied.reset()
     assert len(tied.evictable) == 0 and tied.available == 12 and tied.node[a1] is None and tied.check() == []
+
+
+def test_a_refreshed_row_of_a_page_queue_is_demoted_whole_when_it_goes_stale():
+    """A finish refreshes a shared row of three pages; once stale it is demoted. Refreshed page by page (a clock a
+    page), the demotion took the row's first page and left the other two (the row in two buckets, where a tie's queue
+    holds it as one entry); refreshed as a row, it moves whole, as the tie's."""
+    pages, rows = _pair()
+    pages._stale = rows._stale = 4
+    pages.add_many(_pages([0]), 0, True)
+    rows.add_many([0], 0, True)
+    pages.refresh(_pages([0]), [3])
+    rows.refresh([0])
+    for r in (1, 3):  # a page at a time: the stale limit passes the row's clock one page at a time
+        pages.add_many(_pages([r]), 0)
+        rows.add_many([r], 0)
+        _same(pages, rows)
+    assert rows.num_shared == pages.num_shared == 0  # demoted: the row whole among the leaves

@@ -850,7 +850,7 @@ class KVCacheManagerV2:
                 got = list(filter((0).__le__, got))
                 got = list(compress(got, map(not_, map(arena.ref.__getitem__, got))))  # type: ignore[union-attr]
                 if got:
-                    arena.evictable.refresh(got)  # type: ignore[union-attr]
+                    arena.evictable.refresh(got, self._row_runs(got))  # type: ignore[union-attr]
             return
         tree = self._tree
         # per (window, span) set, once: the first position a hit on m tokens reads, and the span in token blocks
@@ -891,10 +891,34 @@ class KVCacheManagerV2:
             assert arena is not None
             rows = [b for b in interleave(shared) if b >= 0 and not arena.ref[b]]  # type: ignore[arg-type]
             if rows:
-                arena.evictable.refresh(rows)
+                arena.evictable.refresh(rows, self._row_runs(rows))
         for queue, blocks in queues.values():
             if blocks:
                 queue.refresh(blocks)
+
+    def _row_runs(self, blocks: list[int]) -> list[int] | None:
+        """The lengths of the runs of ``blocks`` (an arena's queued pages, each row's together) that are one row of a
+        cut family each (a page of a family of one: a row of its own); None without families (page by page).
+
+        Why: a refresh then moves each row as one segment at one clock (``EvictionQueue.refresh``), so a stale
+        demotion never splits a row, as a tie of the cuts, one queue entry a row, would not."""
+        arena = self._arena
+        assert arena is not None
+        first = arena._first
+        if not first:
+            return None
+        of, node, pos = arena.group_of, arena.node, arena.pos
+        sizes: list[int] = []
+        last: object = None
+        for b in blocks:
+            f = first[of[b]]
+            key = (id(node[b]), pos[b], f) if f >= 0 else None
+            if key is not None and key == last:
+                sizes[-1] += 1
+            else:
+                sizes.append(1)
+            last = key
+        return sizes
 
     def preempt(self, request: Request) -> None:
         """Drop ``request``'s cache so it is recomputed later (its prefix stays cached for reuse); what it loses is
