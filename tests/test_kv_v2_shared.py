@@ -1441,3 +1441,23 @@ def test_a_window_slide_of_two_positions_is_queued_row_by_row_so_a_take_evicts_o
     check_kv(m, a)
     check_kv(m, b)
     m.check_invariants()
+
+
+def test_a_held_source_row_goes_back_to_the_queue_as_one_segment_per_row():
+    """A partial hit holds the source's block of every group at one position and lets go of them after its copy
+    (``SharedPool.decref_each``). A cut family's blocks there are one row: queued in one call, at one clock, so a stale
+    demotion moves the row whole (a tie of the cuts queues it as one entry); the uncut group's block is a row alone."""
+    arena = SharedPool(["s.0", "s.1", "s.2", "full"], 12, [0, 0, 0, 3])
+    keep = lambda n, x: None  # noqa: E731
+    older = arena.take(3, 1, keep)  # a shared block queued before: the one-call path for all-leaves is not taken
+    arena.node[older[0]] = _Run("older", {"child": 1})  # type: ignore[assignment]
+    arena.release(3, older, 0, True, keep)
+    src = [piece[0] for piece in arena.take_each(range(4), [1, 1, 1, 1], keep)]
+    run = _Run("src", {"child": 1})
+    for b in src:
+        arena.node[b], arena.pos[b] = run, 0  # type: ignore[call-overload]
+    arena.decref_each(range(4), src, [0, 0, 0, 0])
+    (_, got), = arena.evictable.buckets()
+    clocks = dict(got)
+    assert clocks[src[0]] == clocks[src[1]] == clocks[src[2]] != clocks[src[3]]
+    assert arena.evictable._clock == 5  # (the clock still counts every block)

@@ -451,12 +451,14 @@ class SharedPool:
         in order, in one pass (what :meth:`incref_each` held goes back: a cached block to the queue, an uncached one
         free).
 
-        The blocks that go to the queue are queued in order, one by one as the calls would queue them; in one
-        ``add_many`` when that is the same: all leaves of one priority while no shared block is queued (then no
-        stale shared block is demoted between them)."""
+        The blocks that go to the queue are queued in order, one by one as the calls would queue them, but a row's
+        (a cut family's blocks of one run position, next to each other, of one priority and sharedness) in one call,
+        as a tie of the cuts queues the row as one entry; in one ``add_many`` when that is the same: all leaves of one
+        priority while no shared block is queued (then no stale shared block is demoted between them)."""
         ref, group_of, owner, free = self.ref, self.group_of, self.node, self._free
         cached, used = self.cached, self.used
-        queued: list[tuple[int, int, bool]] = []
+        # (block, priority, shared, its family's first group or -1, its run, its position)
+        queued: list[tuple[int, int, bool, int, int, int]] = []
         for g, b, p in zip(groups, blocks, priorities, strict=True):
             if b < 0:
                 continue
@@ -473,16 +475,27 @@ class SharedPool:
                 group_of[b] = -1
             else:
                 cached[g] = cached[g] + 1
-                queued.append((b, p, bool(node.children)))
+                queued.append((b, p, bool(node.children), self._first[g] if self._first else -1, id(node), self.pos[b]))
         if not queued:
             return
         queue = self.evictable
         p = queued[0][1]
-        if not queue.num_shared and all(not s and q == p for _, q, s in queued):
-            queue.add_many([b for b, _, _ in queued], p)
+        if not queue.num_shared and all(not s and q == p for _, q, s, *_ in queued):
+            queue.add_many([b for b, *_ in queued], p)
             return
-        for b, q, s in queued:
-            queue.add_many((b,), q, s)
+        # one by one, but a row of a cut family (its cuts' blocks next to each other, of one priority and sharedness)
+        # in one call: one segment at one clock, as a tie of the cuts queues the row as one entry (a stale demotion
+        # then moves the row whole)
+        row: list[int] = []
+        key: tuple[int, bool, int, int, int] | None = None
+        for b, *at in queued:
+            if at[2] >= 0 and key == tuple(at):
+                row.append(b)
+                continue
+            if row:
+                queue.add_many(row, *key[:2])  # type: ignore[index]
+            row, key = [b], tuple(at)  # type: ignore[assignment]
+        queue.add_many(row, *key[:2])  # type: ignore[index]
 
     def drop_each(self, groups: Sequence[int], blocks: Sequence[int], detach_mixed: DetachMixed) -> None:
         """For each ``i`` in order, ``blocks[i]`` of ``groups[i]`` (ids below 0 skipped) goes free if nobody holds it
