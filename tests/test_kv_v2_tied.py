@@ -211,7 +211,32 @@ def test_a_tied_arena_takes_evicts_and_counts_as_the_page_arena_of_its_cuts(seed
                 got_p = page.take_each(range(4), [n_a] * 3 + [n_b], _detacher(page))
                 got_t = tied.take_each(range(2), [n_a, n_b], _detacher(tied))
             active[name] = (got_p, got_t, None, None)
-        elif what < 0.55 and active:  # family a's window slides past its first live positions (keyed now)
+        elif what < 0.48 and done:  # a partial hit: a finished run's first row held, copied to a new request, let go
+            name = rng.choice(sorted(done))
+            run_p, run_t = done[name]
+            srcs_p = [run_p.blocks[n][0] if run_p.blocks[n] else -1 for n in page.names]
+            srcs_t = [run_t.blocks[n][0] if run_t.blocks[n] else -1 for n in tied.names]
+            assert (min(srcs_p) >= 0) == (min(srcs_t) >= 0)
+            if min(srcs_p) < 0 or len(active) >= 4:
+                continue
+            page.incref_each(range(4), srcs_p)
+            tied.incref_each(range(2), srcs_t)
+            assert page.available == tied.available
+            if page.available >= 4:  # the manager's room check: a page a cut (Σ k of the tie's groups)
+                got_p = [[b] for b in page.take_one_each(range(4), _mixed(page))]
+                got_t = [[b] for b in tied.take_one_each(range(2), _mixed(tied))]
+                active[f"p{seed}.{step}"] = (got_p, got_t, None, None)
+            page.decref_each(range(4), srcs_p, [page.priority[b] for b in srcs_p])
+            tied.decref_each(range(2), srcs_t, [tied.priority[b] for b in srcs_t])
+        elif what < 0.52 and done:  # a finished turn's stale tail row goes free (held blocks stay)
+            name = rng.choice(sorted(done))
+            run_p, run_t = done[name]
+            j = len(run_t.blocks["a"]) - 1
+            page.drop_each(range(4), [run_p.blocks[n][j] if j < len(run_p.blocks[n]) else -1 for n in page.names],
+                           _mixed(page))
+            tied.drop_each(range(2), [run_t.blocks[n][j] if j < len(run_t.blocks[n]) else -1 for n in tied.names],
+                           _mixed(tied))
+        elif what < 0.62 and active:  # family a's window slides past its first live positions (keyed now)
             name = rng.choice(sorted(active))
             got_p, got_t, run_p, run_t = active[name]
             if run_p is None:
@@ -304,3 +329,21 @@ def test_a_refreshed_row_of_a_page_queue_is_demoted_whole_when_it_goes_stale():
         rows.add_many([r], 0)
         _same(pages, rows)
     assert rows.num_shared == pages.num_shared == 0  # demoted: the row whole among the leaves
+
+
+def test_a_tied_group_s_view_counts_logical_blocks_of_k_pages_and_has_no_page_free_list():
+    """A logical group's view (what the manager's per-group code reads) counts blocks of its ``k`` pages: the arena's
+    12 pages are 4 blocks of the 3-cut family and 12 of the uncut group; it has no ``_free`` list, so an inlined
+    ``len(pool._free) + len(pool.evictable)`` (blocks of one page) fails loudly instead of counting pages as blocks."""
+    tied = TiedArena(["a", "b"], [3, 1], 12)
+    a, b = tied.shares
+    assert (a.available, a.num_free, a.num_blocks, b.available, b.num_blocks) == (4, 4, 4, 12, 12)
+    (a1,) = a.allocate_many(1, lambda n, x: None)
+    b1 = b.allocate(lambda n, x: None)
+    assert (a.available, b.available, a.num_used, b.num_used) == (2, 8, 1, 1)  # 8 pages left: 2 blocks of a
+    assert a.holds(a1) and not b.holds(a1) and b.holds(b1)
+    tied.node[a1] = _Run("r", False)
+    a.decref(a1, 0, True, lambda n, x: None)
+    assert (a.num_evictable, a.num_used, a.available, len(a.evictable)) == (1, 0, 3, 3)  # queued: its 3 pages
+    assert not hasattr(a, "_free")
+    assert len(a.free_ids()) == 12 - 2 and tied.check() == []

@@ -17,10 +17,11 @@ Invariants (weights fixed while an entry is queued): ``len(q) == sum(weight[b] f
 entries' pages again, as the page queue counts each refreshed page).
 
 :class:`TiedArena` is the arena of the tie: logical blocks owning ``k`` pages each, per-logical-block references,
-radix owners and queue, free space in pages (its take, finish release and hit claim checked against ``SharedPool``
-of the cuts in ``tests/test_kv_v2_tied.py``). Not wired yet: the manager still runs on the cuts; its batch paths
-(``take_one_each``, ``release_slices``, ``incref_groups``, ...) and the manager's use of a tie are missing (see
-BENCHMARKS.md "tie57b" for the list, file by function).
+radix owners and queue, free space in pages (its takes, slides, finish release, hit claims, a partial hit's source
+hold and a stale tail's drop checked against ``SharedPool`` of the cuts in ``tests/test_kv_v2_tied.py``);
+:class:`TiedShare` is a logical group's view with ``GroupShare``'s interface, counted in blocks of ``k`` pages. Not
+wired yet: the manager still runs on the cuts (see BENCHMARKS.md "tie57b" and "tie57c" for what is left, file by
+function).
 """
 
 from __future__ import annotations
@@ -168,11 +169,17 @@ class TiedArena:
         self.used = [0] * len(self.names)
         self.cached = [0] * len(self.names)
         self.evicted = [0] * len(self.names)
+        self.shares = [TiedShare(self, i) for i in range(len(self.names))]
 
     @property
     def available(self) -> int:
         """Pages any group can get: free plus those of evictable blocks."""
         return len(self._free_pages) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        """Logical blocks in use by any group."""
+        return sum(self.used)
 
     def _let_go(self, blocks: Iterable[int]) -> None:
         """``blocks`` (used or cached no more) give their pages and ids back."""
@@ -393,3 +400,171 @@ class TiedArena:
             self.node[b] = None
         self.evictable = RowQueue(self.priority, self.weight, self.num_pages)
         self.cached[:] = [0] * len(self.names)
+
+    def incref(self, group: int, b: int) -> None:
+        """One more holder of ``b`` (a used or cached block of ``group``): ``SharedPool.incref`` per logical block."""
+        self.incref_many(group, (b,))
+
+    def incref_each(self, groups: Sequence[int], blocks: Sequence[int]) -> None:
+        """One more holder of ``blocks[i]`` of ``groups[i]``, for each ``i`` in order (a partial hit holds its source
+        run's block of every logical group while it copies them): ``SharedPool.incref_each`` per logical block."""
+        ref, group_of = self.ref, self.group_of
+        queued: list[int] = []
+        for g, b in zip(groups, blocks, strict=True):
+            if group_of[b] != g:
+                raise RuntimeError(f"group {self.names[g]}: block {b} is not one of its used or cached blocks")
+            if not ref[b]:
+                queued.append(b)
+                self.cached[g] -= 1
+                self.used[g] += 1
+            ref[b] += 1
+        if queued:
+            self.evictable.remove_many(queued)
+
+    def decref_each(self, groups: Sequence[int], blocks: Sequence[int], priorities: Sequence[int]) -> None:
+        """What :meth:`incref_each` held goes back (ids below 0 skipped): a block nobody holds any more is queued at
+        ``priorities[i]`` where cached (shared where its run has children), else freed: ``SharedPool.decref_each``,
+        whose row of a cut family (one call, one segment) is one logical block here.
+
+        Queued one entry a call, in order, as the page arena queues row by row; all in one call where it does so too
+        (only leaves of one priority while no shared block is queued: no stale demotion can fall between them)."""
+        ref, group_of, owner = self.ref, self.group_of, self.node
+        queued: list[tuple[int, int, bool]] = []
+        gone: list[int] = []
+        for g, b, p in zip(groups, blocks, priorities, strict=True):
+            if b < 0:
+                continue
+            if ref[b] <= 0 or group_of[b] != g:
+                raise RuntimeError(f"group {self.names[g]}: block {b} released more often than held")
+            ref[b] -= 1
+            if ref[b]:
+                continue
+            self.used[g] -= 1
+            node = owner[b]
+            if node is None:
+                gone.append(b)
+            else:
+                self.cached[g] += 1
+                queued.append((b, p, bool(getattr(node, "children", None))))
+        self._let_go(gone)
+        if not queued:
+            return
+        queue = self.evictable
+        p = queued[0][1]
+        if not queue.num_shared and all(not s and q == p for _, q, s in queued):
+            queue.add_many([b for b, _, _ in queued], p)
+            return
+        for b, q, s in queued:
+            queue.add_many([b], q, s)
+
+    def drop_each(self, groups: Sequence[int], blocks: Sequence[int],
+                  detach_mixed: Callable[[list[int], list[int]], None]) -> None:
+        """For each ``i`` in order, ``blocks[i]`` of ``groups[i]`` (ids below 0 skipped) goes free with its pages if
+        nobody holds it (out of the queue, detached from its run: a finished turn's stale partial tail):
+        ``SharedPool.drop_each`` per logical block."""
+        ref, group_of, owner = self.ref, self.group_of, self.node
+        queued: list[int] = []
+        gone: list[int] = []
+        gone_groups: list[int] = []
+        for g, b in zip(groups, blocks, strict=True):
+            if b < 0:
+                continue
+            if group_of[b] != g:
+                raise RuntimeError(f"group {self.names[g]}: block {b} is not one of its used or cached blocks")
+            if ref[b]:
+                continue  # held by a table: it stays
+            queued.append(b)
+            self.cached[g] -= 1
+            if owner[b] is not None:
+                gone.append(b)
+                gone_groups.append(g)
+        if queued:
+            self.evictable.remove_many(queued)
+        if gone:
+            detach_mixed(gone, gone_groups)
+        self._let_go(queued)
+
+
+class TiedShare:
+    """One logical group's view of a :class:`TiedArena`, with ``GroupShare``'s interface counted in logical blocks:
+    ``available`` is the arena's free and evictable pages // ``k`` (the blocks this group alone could get now).
+
+    Deliberately without ``GroupShare._free``: the manager's inlined checks ``len(pool._free) + len(pool.evictable)``
+    count blocks of one page, which a tie's pages are not (``KVCacheManagerV2._reserve_split``, ``_finish_parked``);
+    each must weigh a logical block by its ``k`` pages, and a missing attribute finds the ones not yet converted."""
+
+    def __init__(self, arena: TiedArena, index: int) -> None:
+        self.arena = arena
+        self.index = index
+        self.name = arena.names[index]
+        self.k = arena.k[index]
+        self.num_blocks = arena.num_pages // self.k  # what the group could hold alone
+        self.ref, self.gen, self.node, self.pos, self.priority = (arena.ref, arena.gen, arena.node, arena.pos,
+                                                                   arena.priority)
+
+    @property
+    def evictable(self) -> RowQueue:
+        """The arena's eviction queue (every logical group's cached blocks; its length in pages)."""
+        return self.arena.evictable
+
+    @property
+    def num_free(self) -> int:
+        """Blocks of this group the arena's free pages would make."""
+        return len(self.arena._free_pages) // self.k
+
+    @property
+    def num_evictable(self) -> int:
+        """This group's cached blocks nobody owns."""
+        return self.arena.cached[self.index]
+
+    @property
+    def available(self) -> int:
+        """Blocks this group could get now: the arena's free plus evictable pages // ``k``."""
+        return self.arena.available // self.k
+
+    @property
+    def num_used(self) -> int:
+        """This group's blocks in use."""
+        return self.arena.used[self.index]
+
+    @property
+    def evictions(self) -> int:
+        """This group's cached blocks evicted (for any group's allocation)."""
+        return self.arena.evicted[self.index]
+
+    def holds(self, b: int) -> bool:
+        """Whether ``b`` is one of this group's used or cached blocks."""
+        return self.arena.group_of[b] == self.index
+
+    def allocate(self, detach: Callable[[str, list[int]], None]) -> int:
+        """One block (``k`` pages) for this group (see :meth:`TiedArena.take_each`)."""
+        return self.arena.take_each((self.index,), (1,), detach)[0][0]
+
+    def allocate_many(self, n: int, detach: Callable[[str, list[int]], None]) -> list[int]:
+        """``n`` blocks for this group (see :meth:`TiedArena.take_each`)."""
+        return self.arena.take_each((self.index,), (n,), detach)[0]
+
+    def incref(self, b: int) -> None:
+        """One more holder of ``b``."""
+        self.arena.incref(self.index, b)
+
+    def incref_many(self, blocks: Sequence[int]) -> None:
+        """:meth:`incref` for each of ``blocks`` (:meth:`TiedArena.incref_many`)."""
+        self.arena.incref_many(self.index, blocks)
+
+    def decref(self, b: int, priority: int, keep_cached: bool, detach: Callable[[str, list[int]], None]) -> None:
+        """One holder lets go of ``b`` (as ``GroupPool.decref``)."""
+        self.arena.release(self.index, (b,), priority, keep_cached, detach)
+
+    def release(self, blocks: Iterable[int], priority: int, keep_cached: bool,
+                detach: Callable[[str, list[int]], None]) -> None:
+        """Let go of ``blocks`` (as ``GroupPool.release``)."""
+        self.arena.release(self.index, blocks, priority, keep_cached, detach)
+
+    def reset(self) -> None:
+        """Reset the whole arena (every group's view shares it)."""
+        self.arena.reset()
+
+    def free_ids(self) -> list[int]:
+        """The arena's free logical ids (each owning no page)."""
+        return list(self.arena._free_ids)
