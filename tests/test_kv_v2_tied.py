@@ -10,6 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pipeline
+from cache_backends import LayerKV, build_layout
+from cache_backends.layout import tied_groups
 from cache_backends.v2.group_pool import EvictionQueue
 from cache_backends.v2.shared_pool import SharedPool
 from cache_backends.v2.tied_pool import RowQueue, TiedArena
@@ -347,3 +350,40 @@ def test_a_tied_group_s_view_counts_logical_blocks_of_k_pages_and_has_no_page_fr
     assert (a.num_evictable, a.num_used, a.available, len(a.evictable)) == (1, 0, 3, 3)  # queued: its 3 pages
     assert not hasattr(a, "_free")
     assert len(a.free_ids()) == 12 - 2 and tied.check() == []
+
+
+def test_tied_groups_show_one_group_per_family_of_cuts_with_every_cut_s_layers():
+    """tiny-gemma3's shape (5 sliding layers cut into five 1-layer groups, 1 full) and one of 4 sliding + 6 full
+    layers (pages of 2: 2 sliding cuts, 3 full cuts): the tie shows a group per family, named as before the cut,
+    holding its cuts' layers and page bytes, with the cuts' indexes in the layout's order."""
+    layers = [LayerKV(i, "sliding", 4, window=8) for i in range(5)] + [LayerKV(5, "full", 4)]
+    cut = build_layout(layers, "v2", 4, "float32").groups
+    logical, cuts = tied_groups(cut)
+    assert [(g.name, g.layers) for g in logical] == [("sliding_w8", (0, 1, 2, 3, 4)), ("full", (5,))]
+    assert cuts == [(0, 1, 2, 3, 4), (5,)]
+    assert logical[0].bytes_per_block == 5 * cut[0].bytes_per_block and logical[1] == cut[5]
+    assert (logical[0].window, logical[0].tokens_per_block) == (8, 4)
+    mixed = [LayerKV(i, "sliding", 4, window=8) for i in range(4)] + [LayerKV(4 + i, "full", 4) for i in range(6)]
+    cut = build_layout(mixed, "v2", 4, "float32").groups
+    logical, cuts = tied_groups(cut)
+    assert [(g.name, g.layers, g.window) for g in logical] == [("sliding_w8", (0, 1, 2, 3), 8),
+                                                               ("full", (4, 5, 6, 7, 8, 9), None)]
+    assert cuts == [(0, 1), (2, 3, 4)]
+    plan = pipeline.plan("tests/data/configs/gemma-3-27b-it", log=False, device="cpu",
+                         kv_cache_config={"use_kv_cache_manager_v2": True})
+    logical, cuts = tied_groups(plan.kv.layout.groups)  # 31 cuts of 2 layers: the manager would see 2 groups
+    assert [(g.name, len(g.layers), len(c)) for g, c in zip(logical, cuts, strict=True)] == [
+        ("sliding_w1024", 52, 26), ("full", 10, 5)]
+
+
+def test_a_tied_block_table_reads_as_one_page_table_per_cut_with_released_positions_kept():
+    """The tables attention reads: cut ``i``'s table is page ``i`` of every logical block, ``-1`` where the window
+    released a position; no page in two cuts' tables."""
+    tied = TiedArena(["a", "b"], [3, 1], 12)
+    (a1, a2, a3), (b1,) = tied.take_each(range(2), [3, 1], lambda n, x: None)
+    table = [a1, a2, a3]
+    tied.release_slices([(0, table)], 0, 1, 0)  # a window slide: position 0 let go, -1 in the logical table
+    cuts = tied.cut_tables(0, table)
+    assert cuts == [[-1, tied.pages[a2][i], tied.pages[a3][i]] for i in range(3)]
+    assert len({p for t in cuts for p in t if p >= 0}) == 6
+    assert tied.cut_tables(1, [b1]) == [[tied.pages[b1][0]]] and tied.cut_tables(0, []) == [[], [], []]

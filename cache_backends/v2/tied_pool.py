@@ -401,6 +401,20 @@ class TiedArena:
         self.evictable = RowQueue(self.priority, self.weight, self.num_pages)
         self.cached[:] = [0] * len(self.names)
 
+    def cut_tables(self, group: int, table: Sequence[int]) -> list[list[int]]:
+        """``group``'s logical block table as its ``k`` cuts' page tables (``-1`` kept where a block was released):
+        what attention reads, one table per cut in cut order.
+
+        Why here: pages appear only where memory is touched; the manager keeps logical tables and hands these to the
+        executor (it should cache them per request and rebuild them only when the logical table changed, as the
+        executor compares the lists every step)."""
+        k, pages = self.k[group], self.pages
+        if k == 1:
+            return [[pages[b][0] if b >= 0 else -1 for b in table]]
+        gone = (-1,) * k
+        return [list(col) for col in zip(*[pages[b] if b >= 0 else gone for b in table], strict=True)] if table \
+            else [[] for _ in range(k)]
+
     def incref(self, group: int, b: int) -> None:
         """One more holder of ``b`` (a used or cached block of ``group``): ``SharedPool.incref`` per logical block."""
         self.incref_many(group, (b,))
