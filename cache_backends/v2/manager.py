@@ -266,6 +266,17 @@ class KVCacheManagerV2:
         self.T = self.layout.tokens_per_block
         self.groups: tuple[LayerGroup, ...] = self.layout.groups
         self._group = {g.name: g for g in self.groups}
+        #: per group (in group order), the arena pages one of its blocks holds. 1 for every group today; a tie of the
+        #: cuts (``cache_backends.v2.tied_pool``, PROTOTYPE, not wired yet) makes a family's logical block hold a
+        #: page per cut. Every check of blocks against a pool set's ``available`` (pages) weighs a block by it:
+        #: ``_spans``, ``_set_cycles`` and ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``,
+        #: ``probe_hit``, ``_reserve_shared`` and ``_claim_partial_arena`` weigh the groups' blocks.
+        self._pages_per_block: list[int] = [1] * len(self.groups)
+        self._page_weight = dict(zip((g.name for g in self.groups), self._pages_per_block, strict=True))
+        # the pages of a block of every group (a decode's boundary takes one of each), and the weights where any
+        # differs from 1 (else None: the hot paths sum blocks as they are)
+        self._row_pages = sum(self._pages_per_block)
+        self._weights = None if self._row_pages == len(self.groups) else self._pages_per_block
         self._arena: SharedPool | None = None
         #: a slab arena (``pools.slabs``: groups of unequal pages drawing on one budget), or None
         self._slabs: SlabArena | None = None
@@ -319,9 +330,9 @@ class KVCacheManagerV2:
         # the shortest sliding window (no window: never shorter than a sequence): held_back holds nothing below it
         self._min_window = min((g.window for g in self._sliding), default=math.inf)
         spans: dict[int, int] = {}
-        for g in self.groups:
-            spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + 1
-        self._spans = list(spans.items())  # (block span, groups with it): a shared arena's joint need per span
+        for g, w in zip(self.groups, self._pages_per_block, strict=True):
+            spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + w
+        self._spans = list(spans.items())  # (block span, pages of its groups' blocks): a shared arena's need per span
         # a shared arena: every group's index in it and the slot of its span in _spans (one take_each per step)
         self._share_index = [self._pool[g.name].index for g in self.groups] if self.layout.shared else []  # type: ignore[union-attr]
         self._span_slot = [list(spans).index(g.tokens_per_block) for g in self.groups]
@@ -335,14 +346,20 @@ class KVCacheManagerV2:
         #: per life cycle (the order of :meth:`cycle_growth`'s lists): whether its groups slide a window
         self.cycle_windowed: tuple[bool, ...] = tuple(g.window is not None for g, _ in self._cycles)
         self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
-        # per pool set: (a group of each life cycle in it, how many of the set's groups share that cycle)
+        # per pool set: (a group of each life cycle in it, the pages a block of each of the set's groups in that
+        # cycle holds, together: how many of them share the cycle, each block weighed by _pages_per_block)
         index = {g.name: i for i, g in enumerate(self.groups)}
+        weight = self._page_weight
+        set_counts: list[Counter[int]] = []
+        for _, names in self._pool_sets:
+            count: Counter[int] = Counter()
+            for name in names:
+                count[self._cycle_of[index[name]]] += weight[name]
+            set_counts.append(count)
         self._pool_cycles: list[list[tuple[LayerGroup, int]]] = [
-            [(self._cycles[c][0], k) for c, k in Counter(self._cycle_of[index[name]] for name in names).items()]
-            for _, names in self._pool_sets]
-        # the same as (cycle index, groups of the set in it): admission's estimates are per cycle (:meth:`short_of`)
-        self._set_cycles: list[list[tuple[int, int]]] = [
-            list(Counter(self._cycle_of[index[name]] for name in names).items()) for _, names in self._pool_sets]
+            [(self._cycles[c][0], k) for c, k in count.items()] for count in set_counts]
+        # the same as (cycle index, pages): admission's estimates are per cycle (:meth:`short_of`)
+        self._set_cycles: list[list[tuple[int, int]]] = [list(count.items()) for count in set_counts]
         # a shared arena's window sets as (window, span, first member, [(arena index, member name)], member names):
         # released at once
         self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members],  # type: ignore[union-attr]
@@ -476,6 +493,9 @@ class KVCacheManagerV2:
         if cache.is_active or not cache.admitted:
             return None
         needs = self._restore_needs(cache)
+        if self._weights is not None:  # in pages: a group's block holds _pages_per_block of them
+            weight = self._page_weight
+            needs = {n: (a * weight[n], b * weight[n], c * weight[n]) for n, (a, b, c) in needs.items()}
         for i, (pool, names) in enumerate(self._pool_sets):  # a shared arena: the groups' needs together
             pages = sum(needs[n][0] for n in names)
             reclaim_cached = sum(needs[n][1] for n in names)
@@ -563,6 +583,7 @@ class KVCacheManagerV2:
         if self._slabs is not None:
             return self._joint([max(0, sum(need.get(name, 0) for need in needs)) for _, (name,) in self._pool_sets],
                                extra)
+        weight = self._page_weight
         for i, (pool, names) in enumerate(self._pool_sets):
             n = 0
             for name in names:
@@ -570,7 +591,7 @@ class KVCacheManagerV2:
                 for need in needs:
                     k += need.get(name, 0)
                 if k > 0:
-                    n += k
+                    n += k * weight[name]  # (pages: a block of the group holds that many)
             if n > pool.available + (extra[i] if extra else 0):
                 return pool, names, n
         return None
@@ -630,14 +651,18 @@ class KVCacheManagerV2:
         it fit (SGLang's rule); moving them out and still refusing it would leave their room idle."""
         held: dict[int, Counter[int]] = {}
         sets = {name: i for i, (_, names) in enumerate(self._pool_sets) for name in names}
+        weight = self._page_weight if self._weights is not None else None
+        pages_of: dict[int, int] = {}  # a block's pages, where a group's block holds more than one (_pages_per_block)
         for r in requests:
             for name, table in self._active(r).tables.items():
                 counts = held.setdefault(sets[name], Counter())
                 counts.update(b for b in table if b >= 0)
+                if weight is not None:
+                    pages_of.update(dict.fromkeys(table, weight[name]))
         out = [0] * len(self._pool_sets)
         for i, counts in held.items():
             ref = self._pool_sets[i][0].ref
-            out[i] = sum(1 for b, k in counts.items() if ref[b] == k)
+            out[i] = sum(1 if weight is None else pages_of[b] for b, k in counts.items() if ref[b] == k)
         return out
 
     def suspend(self, request: Request) -> bool:
@@ -1157,7 +1182,7 @@ class KVCacheManagerV2:
             assert arena is not None
             if total > len(arena._free) + len(arena.evictable):
                 return False
-            if total == len(self._names) and len(self._spans) == 1:  # a block for every group: a decode's boundary
+            if total == self._row_pages and len(self._spans) == 1:  # a block for every group: a decode's boundary
                 tables = cache.tables
                 for name, b in zip(self._names, arena.take_one_each(self._share_index, self._detach_mixed),
                                    strict=True):
@@ -1400,8 +1425,8 @@ class KVCacheManagerV2:
                 # the usual: a waiting request's history, held by nobody
                 cached_of.append(blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs))))
                 claimed.append((blocks, refs, lo))
-        if self._arena is not None:  # one pool set, one eviction queue
-            taken = [sum(taken_groups)]
+        if self._arena is not None:  # one pool set, one eviction queue; taken in pages
+            taken = [sum(taken_groups) if self._weights is None else sum(map(mul, taken_groups, self._weights))]
             shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
         else:  # a pool per group: pool set i is group i
             if partial is not None:  # the copy's block, in use beside the claim's
@@ -1587,8 +1612,8 @@ class KVCacheManagerV2:
         :meth:`short_of`: admission's cheap check needs no group's name. With ``probe`` (and its ``request``): as its
         claim would leave it (the cached blocks it takes in use)."""
         per = self._bound_per_group(request, probe.taken_groups if probe is not None else None)
-        if self._arena is not None:  # one pool set, every group
-            return [sum(per)]
+        if self._arena is not None:  # one pool set, every group, in pages
+            return [sum(per) if self._weights is None else sum(map(mul, per, self._weights))]
         return list(per)  # a pool per group: pool set i is group i
 
     def _bound_per_group(self, request: Request | None, taken: list[int] | None = None) -> Iterable[int]:
@@ -3152,7 +3177,7 @@ class KVCacheManagerV2:
         srcs = [blocks[name][0] for name in self._names]
         arena.incref_each(index, srcs)  # hold the source so our own allocation cannot evict it
         gained = 0
-        if len(srcs) <= arena.available:
+        if self._row_pages <= arena.available:  # a page of each group's new block (its pages, tied)
             fresh = arena.take_one_each(index, self._detach_mixed)
             # every group's tensor is the one arena: all pages in one go
             _copy_pages(self.pools.tensors[self._names[0]], fresh, srcs)
