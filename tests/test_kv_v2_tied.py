@@ -344,6 +344,7 @@ def test_a_tied_group_s_view_counts_logical_blocks_of_k_pages_and_has_no_page_fr
     (a1,) = a.allocate_many(1, lambda n, x: None)
     b1 = b.allocate(lambda n, x: None)
     assert (a.available, b.available, a.num_used, b.num_used) == (2, 8, 1, 1)  # 8 pages left: 2 blocks of a
+    assert (tied.num_used, tied.num_blocks) == (4, 12)  # as a pool set: pages (a's block holds 3)
     assert a.holds(a1) and not b.holds(a1) and b.holds(b1)
     tied.node[a1] = _Run("r", False)
     a.decref(a1, 0, True, lambda n, x: None)

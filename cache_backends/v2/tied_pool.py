@@ -178,8 +178,14 @@ class TiedArena:
 
     @property
     def num_used(self) -> int:
-        """Logical blocks in use by any group."""
-        return sum(self.used)
+        """Pages in use by any group (the manager's pool-set checks compare pages: ``resume_refusal``'s limit)."""
+        return sum(map(int.__mul__, self.used, self.k))
+
+    @property
+    def num_blocks(self) -> int:
+        """The arena's pages: what a pool set's ``num_blocks`` means to the manager (``held_back``, ``resume_refusal``,
+        ``_never_fits``), each of its groups' blocks weighed by its pages (``KVCacheManagerV2._pages_per_block``)."""
+        return self.num_pages
 
     def _let_go(self, blocks: Iterable[int]) -> None:
         """``blocks`` (used or cached no more) give their pages and ids back."""
