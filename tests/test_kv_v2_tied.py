@@ -210,9 +210,12 @@ def test_a_tied_arena_takes_evicts_and_counts_as_the_page_arena_of_its_cuts(seed
                 mixed_p, mixed_t = _mixed(page), _mixed(tied)
                 got_p = [[b] for b in page.take_one_each(range(4), mixed_p)]
                 got_t = [[b] for b in tied.take_one_each(range(2), mixed_t)]
-            else:
+            elif rng.random() < 0.5:
                 got_p = page.take_each(range(4), [n_a] * 3 + [n_b], _detacher(page))
                 got_t = tied.take_each(range(2), [n_a, n_b], _detacher(tied))
+            else:  # the evicted blocks detached in one call with their groups
+                got_p = page.take_each(range(4), [n_a] * 3 + [n_b], _detacher(page), _mixed(page))
+                got_t = tied.take_each(range(2), [n_a, n_b], _detacher(tied), _mixed(tied))
             active[name] = (got_p, got_t, None, None)
         elif what < 0.48 and done:  # a partial hit: a finished run's first row held, copied to a new request, let go
             name = rng.choice(sorted(done))

@@ -170,6 +170,10 @@ class TiedArena:
         self.cached = [0] * len(self.names)
         self.evicted = [0] * len(self.names)
         self.shares = [TiedShare(self, i) for i in range(len(self.names))]
+        # SharedPool's families of cuts (read by KVCacheManagerV2._row_runs, _check_rows): none here, a logical block
+        # is a whole row already
+        self._members: list[tuple[int, ...]] | None = None
+        self._first: list[int] = []
 
     @property
     def available(self) -> int:
@@ -199,9 +203,11 @@ class TiedArena:
             free_ids.append(b)
 
     def take_each(self, groups: Sequence[int], counts: Sequence[int],
-                  detach: Callable[[str, list[int]], None]) -> list[list[int]]:
+                  detach: Callable[[str, list[int]], None],
+                  detach_mixed: Callable[[list[int], list[int]], None] | None = None) -> list[list[int]]:
         """``counts[i]`` blocks for ``groups[i]`` each (``ref == 1``), each with its group's pages: free pages first,
-        then the pages of whole cached blocks in eviction order (:meth:`RowQueue.pop_pages`), detached per group."""
+        then the pages of whole cached blocks in eviction order (:meth:`RowQueue.pop_pages`), detached per group, or
+        given ``detach_mixed``, all in one call with their groups (``SharedPool.take_each``'s signature)."""
         need = sum(self.k[g] * c for g, c in zip(groups, counts, strict=True))
         if need > self.available:
             raise IndexError(f"tied arena: {need} pages asked, {self.available} free or evictable")
@@ -214,7 +220,10 @@ class TiedArena:
             for g, blocks in by_group.items():
                 self.cached[g] -= len(blocks)
                 self.evicted[g] += len(blocks)
-                detach(self.names[g], blocks)
+                if detach_mixed is None:
+                    detach(self.names[g], blocks)
+            if detach_mixed is not None:
+                detach_mixed(evicted, [self.group_of[b] for b in evicted])
             self._let_go(evicted)
         out: list[list[int]] = []
         free_pages, free_ids = self._free_pages, self._free_ids
@@ -235,10 +244,12 @@ class TiedArena:
             out.append(piece)
         return out
 
-    def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int) -> None:
+    def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int,
+                       starts: Sequence[int] | None = None) -> None:
         """Let go of every block of every ``(group, table)``, the tables' blocks tail first and position by position
         (ids below 0 skipped); cached blocks (a radix owner) are queued, leaves before shared prefixes' blocks, the
-        others freed: ``SharedPool.release_tables`` per logical block."""
+        others freed: ``SharedPool.release_tables`` per logical block (``starts``, its hint that a table holds only
+        ids below 0 before it, changes nothing here: those are skipped)."""
         by_table: list[tuple[list[int], list[int]]] = []  # each table's cached (leaves, shared), tail first
         gone: list[int] = []
         ref, group_of, owner = self.ref, self.group_of, self.node
@@ -420,6 +431,13 @@ class TiedArena:
         gone = (-1,) * k
         return [list(col) for col in zip(*[pages[b] if b >= 0 else gone for b in table], strict=True)] if table \
             else [[] for _ in range(k)]
+
+    def _queue(self, leaves: list[int], shared: list[int], priority: int) -> None:
+        """Queue released cached blocks, leaves then shared prefixes' (``SharedPool._queue``)."""
+        if leaves:
+            self.evictable.add_many(leaves, priority)
+        if shared:
+            self.evictable.add_many(shared, priority, True)
 
     def incref(self, group: int, b: int) -> None:
         """One more holder of ``b`` (a used or cached block of ``group``): ``SharedPool.incref`` per logical block."""
