@@ -391,3 +391,32 @@ def test_a_tied_block_table_reads_as_one_page_table_per_cut_with_released_positi
     assert cuts == [[-1, tied.pages[a2][i], tied.pages[a3][i]] for i in range(3)]
     assert len({p for t in cuts for p in t if p >= 0}) == 6
     assert tied.cut_tables(1, [b1]) == [[tied.pages[b1][0]]] and tied.cut_tables(0, []) == [[], [], []]
+
+
+def test_cut_tables_follow_the_logical_table_in_place_and_notice_a_reused_id():
+    """Read step after step, the cut tables stay the same list objects and always equal a fresh expansion: a decode
+    appends a block, a slide sets -1, a finish empties the table, and a logical id handed out again at the same
+    position (other pages: its ``gen`` moved) is re-read, not taken for the old block."""
+    from cache_backends.v2.tied_pool import CutTables
+
+    tied = TiedArena(["a", "b"], [3, 1], 12)
+    reader = CutTables(tied, 0)
+    table = tied.take_each((0,), (2,), lambda n, x: None)[0]
+    first = reader.read(table)
+    lists = list(first)
+    assert first == tied.cut_tables(0, table)
+    table += tied.take_each((0,), (1,), lambda n, x: None)[0]  # a decode's new block
+    assert reader.read(table) == tied.cut_tables(0, table)
+    assert all(a is b for a, b in zip(reader.tables, lists, strict=True))
+    tied.release_slices([(0, table)], 0, 1, 0)  # a window slide
+    assert reader.read(table) == tied.cut_tables(0, table) and reader.read(table)[0][0] == -1
+    tied.release_tables([(0, table)], 0)  # finished: every block free (none cached)
+    table.clear()
+    assert reader.read(table) == [[], [], []]
+    again = tied.take_each((0,), (1,), lambda n, x: None)[0]  # ids come back; which pages they own is another matter
+    table += [-1, *again]
+    assert reader.read(table) == tied.cut_tables(0, table)
+    tied.pages[table[1]] = tuple(reversed(tied.pages[table[1]]))  # (what a stale read would miss: pages moved)
+    tied.gen[table[1]] += 1
+    assert reader.read(table) == tied.cut_tables(0, table)
+    assert all(a is b for a, b in zip(reader.tables, lists, strict=True))
