@@ -628,8 +628,8 @@ class CutTables:
 
     def read(self, table: list[int]) -> list[list[int]]:
         """The cut tables of ``table`` (this group's logical table), updated in place where it changed."""
-        gen = self.arena.gen
-        gens = [gen[b] if b >= 0 else -1 for b in table]
+        # at C speed; a -1 reads the last id's gen: a spurious change there only rewrites -1 as -1
+        gens = list(map(self.arena.gen.__getitem__, table))
         ids, old_gens = self._ids, self._gens
         if ids == table and old_gens == gens:
             return self.tables
