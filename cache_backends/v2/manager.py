@@ -74,6 +74,7 @@ refused for utilisation; the scheduler decides admission.
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Container, Iterable
 from itertools import chain, compress, repeat, takewhile
@@ -86,7 +87,7 @@ import torch
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
 from cache_backends.kv_events import KvEventBuffer
-from cache_backends.layout import KvLayout, LayerGroup, cut_families, longest
+from cache_backends.layout import KvLayout, LayerGroup, cut_families, longest, tied_groups
 from cache_backends.pools import BlockPools, even_run, move_pages
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
@@ -97,6 +98,7 @@ from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree, TailRun
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
+from cache_backends.v2.tied_pool import CutTables, TiedArena
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -265,13 +267,26 @@ class KVCacheManagerV2:
         self.options = options
         self.T = self.layout.tokens_per_block
         self.groups: tuple[LayerGroup, ...] = self.layout.groups
+        #: PROTOTYPE (BENCHMARKS.md "tie57c"): with ``KVLOAD_PROTOTYPE_TIE=1`` in the environment, a shared arena's
+        #: cuts of one group are tied (:func:`~cache_backends.layout.tied_groups`): ``self.groups`` are the logical
+        #: groups (Gemma 3 27B: 2, not 31), each block owning a page per cut (``TiedArena``); ``layout.groups`` stay
+        #: the cuts, and pages appear where memory is touched (``block_tables``, ``fork``, ``_claim_partial_arena``).
+        #: Not ported yet, refused with the tie on: moving pages to the host tier (``suspend``), KV events; ``stats()``
+        #: and the other per-group
+        #: APIs name the logical groups. ``_tied_cuts[i]``: logical group ``i``'s cut names, in layout order.
+        self._tied_cuts: list[list[str]] | None = None
+        if os.environ.get("KVLOAD_PROTOTYPE_TIE") == "1" and self.layout.shared:
+            logical, cuts = tied_groups(self.layout.groups)
+            self._tied_cuts = [[self.layout.groups[i].name for i in c] for c in cuts]
+            self.groups = tuple(logical)
         self._group = {g.name: g for g in self.groups}
         #: per group (in group order), the arena pages one of its blocks holds. 1 for every group today; a tie of the
         #: cuts (``cache_backends.v2.tied_pool``, PROTOTYPE, not wired yet) makes a family's logical block hold a
         #: page per cut. Every check of blocks against a pool set's ``available`` (pages) weighs a block by it:
         #: ``_spans``, ``_set_cycles`` and ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``,
         #: ``probe_hit``, ``_reserve_shared`` and ``_claim_partial_arena`` weigh the groups' blocks.
-        self._pages_per_block: list[int] = [1] * len(self.groups)
+        self._pages_per_block: list[int] = ([1] * len(self.groups) if self._tied_cuts is None
+                                            else [len(c) for c in self._tied_cuts])
         self._page_weight = dict(zip((g.name for g in self.groups), self._pages_per_block, strict=True))
         # the pages of a block of every group (a decode's boundary takes one of each), and the weights where any
         # differs from 1 (else None: the hot paths sum blocks as they are)
@@ -284,7 +299,10 @@ class KVCacheManagerV2:
         self._pool_sets: list[tuple[GroupPool | SharedPool, list[str]]]
         if self.layout.shared:
             names = [g.name for g in self.groups]
-            self._arena = SharedPool(names, pools.num_blocks[names[0]], cut_families(self.groups))
+            if self._tied_cuts is not None:
+                self._arena = TiedArena(names, self._pages_per_block, pools.num_blocks[self._tied_cuts[0][0]])
+            else:
+                self._arena = SharedPool(names, pools.num_blocks[names[0]], cut_families(self.groups))
             self._pool: dict[str, GroupPool | GroupShare] = dict(zip(names, self._arena.shares, strict=True))
             self._pool_sets = [(self._arena, names)]
         elif pools.slabs is not None:
@@ -673,6 +691,9 @@ class KVCacheManagerV2:
         cache = self._active(request)
         if self.host is None:
             return False
+        if self._tied_cuts is not None:
+            raise NotImplementedError("suspending to the host tier with the cuts tied (KVLOAD_PROTOTYPE_TIE) is not "
+                                      "ported yet; set host_cache_size to 0")
         keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self.groups}
         held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self.groups}
         if not self.host.has_room(held):
@@ -724,7 +745,7 @@ class KVCacheManagerV2:
             self._keep_tail(cache)
         pending, active = cache.pending, cache.is_active  # (the release below clears cache.pending)
         if cache.pending is not None and self._one_owner is not None and cache.is_active \
-                and self._finish_parked(cache):
+                and self._tied_cuts is None and self._finish_parked(cache):
             pass  # parked and let go in one pass
         else:
             if cache.pending is not None:
@@ -986,10 +1007,10 @@ class KVCacheManagerV2:
             own = list(shared)
             if copies[name]:
                 b = pool.allocate(self._detach)
-                tensor = self.pools.tensors[name]
+                tensor, got = self._pages_of(name, [b])
                 _, to, of = pages.setdefault(id(tensor), (tensor, [], []))
-                to.append(b)
-                of.append(table[full])
+                to += got
+                of += self._pages_of(name, [table[full]])[1]
                 own.append(b)
             elif P % g.tokens_per_block:
                 own.append(-1)  # the window already let the partial block go
@@ -1786,7 +1807,13 @@ class KVCacheManagerV2:
         none), so copying them would cost more than the comparison: ~1 µs per list, 31 lists per request
         on Gemma 3 27B's shared arena.
         """
-        tables = self._active(request).tables
+        cache = self._active(request)
+        tables = cache.tables
+        if self._tied_cuts is not None:  # each logical table as its cuts' page tables, kept in step (CutTables)
+            readers = cache.cut_tables
+            if readers is None:
+                readers = cache.cut_tables = [CutTables(self._arena, i) for i in range(len(self.groups))]  # type: ignore[arg-type]
+            return [t for g, reader in zip(self.groups, readers, strict=True) for t in reader.read(tables[g.name])]
         return [tables[g.name] for g in self.groups]
 
     def limit_reuse(self, group: str, check: Callable[[Request, int, int], bool]) -> None:
@@ -2364,8 +2391,18 @@ class KVCacheManagerV2:
                 events.stored([tree.key(r, j) for r, j in chain], parent, tokens, tpb, group)
             chain = [item] if item is not None else []
 
+    def _pages_of(self, group: str, blocks: list[int]) -> tuple[Any, list[int]]:
+        """The tensor ``group``'s blocks live in and their page ids there: the blocks themselves, or with the cuts
+        tied (PROTOTYPE) each logical block's pages, in cut order, in the arena's one tensor."""
+        if self._tied_cuts is None:
+            return self.pools.tensors[group], blocks
+        pages = self._arena.pages  # type: ignore[union-attr]
+        return self.pools.tensors[self._tied_cuts[0][0]], [p for b in blocks for p in pages[b]]
+
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
+        if self._tied_cuts is not None:
+            raise NotImplementedError("KV events with the cuts tied (KVLOAD_PROTOTYPE_TIE) are not ported yet")
         self.key_pending()  # events report blocks as they are stored: none may stay unkeyed
         self.kv_events = buffer
 
@@ -3180,7 +3217,7 @@ class KVCacheManagerV2:
         if self._row_pages <= arena.available:  # a page of each group's new block (its pages, tied)
             fresh = arena.take_one_each(index, self._detach_mixed)
             # every group's tensor is the one arena: all pages in one go
-            _copy_pages(self.pools.tensors[self._names[0]], fresh, srcs)
+            _copy_pages(*self._pages_of(self._names[0], fresh), self._pages_of(self._names[0], srcs)[1])
             tables = cache.tables
             for name, b in zip(self._names, fresh, strict=True):
                 tables[name].append(b)

@@ -105,8 +105,11 @@ class RowQueue(EvictionQueue):
         if shared:
             self.add_many(shared, priority, True)
 
-    def refresh(self, blocks: Iterable[int]) -> None:
-        """:meth:`EvictionQueue.refresh`, the clock moved by each refreshed entry's pages."""
+    def refresh(self, blocks: Iterable[int], rows: Sequence[int] | None = None) -> None:
+        """:meth:`EvictionQueue.refresh`, the clock moved by each refreshed entry's pages; each entry is a row already,
+        so ``rows`` (the page queue's row lengths) is not needed: None, or a run of one per entry."""
+        if rows is not None and any(n != 1 for n in rows):
+            raise ValueError("a row queue's entries are rows: each refreshed run is one entry")
         tags, weight = self._tag, self._weight
         for b in blocks:
             if b >= 0 and tags[b] >= 0:
@@ -163,7 +166,7 @@ class TiedArena:
         self.priority = [0] * n
         self.group_of = [-1] * n
         self.weight = [0] * n  # pages of a used or cached block (what the queue weighs it)
-        self._free_pages = list(range(num_pages - 1, -1, -1))  # stacks: pop() hands out low ids first
+        self._free = list(range(num_pages - 1, -1, -1))  # stacks: pop() hands out low ids first
         self._free_ids = list(range(n - 1, -1, -1))
         self.evictable = RowQueue(self.priority, self.weight, num_pages)
         self.used = [0] * len(self.names)
@@ -178,7 +181,7 @@ class TiedArena:
     @property
     def available(self) -> int:
         """Pages any group can get: free plus those of evictable blocks."""
-        return len(self._free_pages) + len(self.evictable)
+        return len(self._free) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
@@ -193,7 +196,7 @@ class TiedArena:
 
     def _let_go(self, blocks: Iterable[int]) -> None:
         """``blocks`` (used or cached no more) give their pages and ids back."""
-        pages, free_pages, free_ids, group_of, weight = (self.pages, self._free_pages, self._free_ids, self.group_of,
+        pages, free_pages, free_ids, group_of, weight = (self.pages, self._free, self._free_ids, self.group_of,
                                                           self.weight)
         for b in blocks:
             free_pages += pages[b]
@@ -211,7 +214,7 @@ class TiedArena:
         need = sum(self.k[g] * c for g, c in zip(groups, counts, strict=True))
         if need > self.available:
             raise IndexError(f"tied arena: {need} pages asked, {self.available} free or evictable")
-        short = need - len(self._free_pages)
+        short = need - len(self._free)
         if short > 0:
             evicted = self.evictable.pop_pages(short)
             by_group: dict[int, list[int]] = {}
@@ -226,7 +229,7 @@ class TiedArena:
                 detach_mixed(evicted, [self.group_of[b] for b in evicted])
             self._let_go(evicted)
         out: list[list[int]] = []
-        free_pages, free_ids = self._free_pages, self._free_ids
+        free_pages, free_ids = self._free, self._free_ids
         for g, c in zip(groups, counts, strict=True):
             k = self.k[g]
             piece = []
@@ -315,9 +318,9 @@ class TiedArena:
                 if p in owner:
                     problems.append(f"tied arena: page {p} is owned by blocks {owner[p]} and {b}")
                 owner[p] = b
-        free = set(self._free_pages)
-        if len(free) != len(self._free_pages) or free & owner.keys() or len(free) + len(owner) != self.num_pages:
-            problems.append(f"tied arena: {len(self._free_pages)} free pages and {len(owner)} owned of "
+        free = set(self._free)
+        if len(free) != len(self._free) or free & owner.keys() or len(free) + len(owner) != self.num_pages:
+            problems.append(f"tied arena: {len(self._free)} free pages and {len(owner)} owned of "
                             f"{self.num_pages}, {len(free & owner.keys())} both")
         return problems
 
@@ -548,7 +551,7 @@ class TiedShare:
     @property
     def num_free(self) -> int:
         """Blocks of this group the arena's free pages would make."""
-        return len(self.arena._free_pages) // self.k
+        return len(self.arena._free) // self.k
 
     @property
     def num_evictable(self) -> int:
