@@ -280,9 +280,8 @@ class KVCacheManagerV2:
             self._tied_cuts = [[self.layout.groups[i].name for i in c] for c in cuts]
             self.groups = tuple(logical)
         self._group = {g.name: g for g in self.groups}
-        #: per group (in group order), the arena pages one of its blocks holds. 1 for every group today; a tie of the
-        #: cuts (``cache_backends.v2.tied_pool``, PROTOTYPE, not wired yet) makes a family's logical block hold a
-        #: page per cut. Every check of blocks against a pool set's ``available`` (pages) weighs a block by it:
+        #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied (PROTOTYPE,
+        #: ``KVLOAD_PROTOTYPE_TIE``) its family's cuts, a logical block holding a page per cut. Every check of blocks against a pool set's ``available`` (pages) weighs a block by it:
         #: ``_spans``, ``_set_cycles`` and ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``,
         #: ``probe_hit``, ``_reserve_shared`` and ``_claim_partial_arena`` weigh the groups' blocks.
         self._pages_per_block: list[int] = ([1] * len(self.groups) if self._tied_cuts is None

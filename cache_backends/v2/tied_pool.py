@@ -19,8 +19,8 @@ entries' pages again, as the page queue counts each refreshed page).
 :class:`TiedArena` is the arena of the tie: logical blocks owning ``k`` pages each, per-logical-block references,
 radix owners and queue, free space in pages (its takes, slides, finish release, hit claims, a partial hit's source
 hold and a stale tail's drop checked against ``SharedPool`` of the cuts in ``tests/test_kv_v2_tied.py``);
-:class:`TiedShare` is a logical group's view with ``GroupShare``'s interface, counted in blocks of ``k`` pages. Not
-wired yet: the manager still runs on the cuts (see BENCHMARKS.md "tie57b" and "tie57c" for what is left, file by
+:class:`TiedShare` is a logical group's view with ``GroupShare``'s interface, counted in blocks of ``k`` pages. The
+manager runs on it only under ``KVLOAD_PROTOTYPE_TIE=1`` (see BENCHMARKS.md "tie57c" for what is left, file by
 function).
 """
 
@@ -142,8 +142,8 @@ class RowQueue(EvictionQueue):
 
 
 class TiedArena:
-    """Logical blocks of tied groups (PROTOTYPE: the core of a tie, not used by the manager yet): logical group ``g``'s
-    block ``L`` owns ``k[g]`` pages of one page arena, ``pages[L]`` (one a cut, in cut order); reference counts, radix
+    """Logical blocks of tied groups (PROTOTYPE: the core of a tie, the manager's arena under
+    ``KVLOAD_PROTOTYPE_TIE=1``): logical group ``g``'s block ``L`` owns ``k[g]`` pages of one page arena, ``pages[L]`` (one a cut, in cut order); reference counts, radix
     owners, priorities and the eviction queue (:class:`RowQueue`) are per logical block, free space is in pages.
 
     Invariants: a used or cached logical block owns exactly ``k`` distinct pages and no other block owns them; a free
