@@ -281,9 +281,10 @@ class KVCacheManagerV2:
             self.groups = tuple(logical)
         self._group = {g.name: g for g in self.groups}
         #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied (PROTOTYPE,
-        #: ``KVLOAD_PROTOTYPE_TIE``) its family's cuts, a logical block holding a page per cut. Every check of blocks against a pool set's ``available`` (pages) weighs a block by it:
-        #: ``_spans``, ``_set_cycles`` and ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``,
-        #: ``probe_hit``, ``_reserve_shared`` and ``_claim_partial_arena`` weigh the groups' blocks.
+        #: ``KVLOAD_PROTOTYPE_TIE``) its family's cuts, a logical block holding a page per cut. Every check of blocks
+        #: against a pool set's ``available`` (pages) weighs a block by it: ``_spans``, ``_set_cycles`` and
+        #: ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``, ``probe_hit``, ``_reserve_shared`` and
+        #: ``_claim_partial_arena`` weigh the groups' blocks.
         self._pages_per_block: list[int] = ([1] * len(self.groups) if self._tied_cuts is None
                                             else [len(c) for c in self._tied_cuts])
         self._page_weight = dict(zip((g.name for g in self.groups), self._pages_per_block, strict=True))

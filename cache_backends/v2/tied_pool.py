@@ -143,8 +143,9 @@ class RowQueue(EvictionQueue):
 
 class TiedArena:
     """Logical blocks of tied groups (PROTOTYPE: the core of a tie, the manager's arena under
-    ``KVLOAD_PROTOTYPE_TIE=1``): logical group ``g``'s block ``L`` owns ``k[g]`` pages of one page arena, ``pages[L]`` (one a cut, in cut order); reference counts, radix
-    owners, priorities and the eviction queue (:class:`RowQueue`) are per logical block, free space is in pages.
+    ``KVLOAD_PROTOTYPE_TIE=1``): logical group ``g``'s block ``L`` owns ``k[g]`` pages of one page arena,
+    ``pages[L]`` (one a cut, in cut order); reference counts, radix owners, priorities and the eviction queue
+    (:class:`RowQueue`) are per logical block, free space is in pages.
 
     Invariants: a used or cached logical block owns exactly ``k`` distinct pages and no other block owns them; a free
     logical id owns none (``pages[L] == ()``); ``len(free pages) + Σ k over used and cached blocks == num_pages``;
