@@ -422,9 +422,9 @@ def test_cut_tables_follow_the_logical_table_in_place_and_notice_a_reused_id():
     assert all(a is b for a, b in zip(reader.tables, lists, strict=True))
 
 
-#: what a tie may change in a simulation's V2 result: evictions count logical blocks (a row of k pages is one), and
-#: the measured times
-_NOT_DECISIONS = {"evictions", "kv_seconds", "wall_seconds", "step_time_us_mean", "step_time_us_median",
+#: what a tie may change in a simulation's V2 result: the measured times (evictions are counted per cut, as the
+#: page arena counts them: ``stats()`` speaks the cuts)
+_NOT_DECISIONS = {"kv_seconds", "wall_seconds", "step_time_us_mean", "step_time_us_median",
                   "step_time_us_p99"}
 
 
@@ -432,7 +432,7 @@ _NOT_DECISIONS = {"evictions", "kv_seconds", "wall_seconds", "step_time_us_mean"
 def test_the_prototype_tie_decides_as_the_cuts_do(monkeypatch, workload, share):
     """tiny-gemma3 (five 1-layer sliding cuts and a full group) with the cuts tied (``KVLOAD_PROTOTYPE_TIE=1``: the
     manager sees 2 groups) admits, hits, evicts and schedules exactly as the page arena of the 6 cuts, on a tight
-    budget (no host tier: not ported yet); only the evictions' unit (rows, not pages) and the times differ."""
+    budget (no host tier: not ported yet); only the times differ (evictions too are counted per cut)."""
     from engine.simulator import simulate
 
     def run(tie: str, budget: int | None) -> dict:
@@ -445,6 +445,68 @@ def test_the_prototype_tie_decides_as_the_cuts_do(monkeypatch, workload, share):
 
     budget = int(run("0", None)["budget_bytes"] * share)
     cuts, tied = (run(tie, budget)["results"]["KVCacheManagerV2"] for tie in ("0", "1"))
-    assert cuts["evictions"] > tied["evictions"] > 0  # pressure: rows were evicted (a row of the sliding cuts: 5)
+    assert tied["evictions"] > 0  # pressure: rows were evicted
     assert {k: v for k, v in cuts.items() if k not in _NOT_DECISIONS} == \
         {k: v for k, v in tied.items() if k not in _NOT_DECISIONS}
+
+
+def _twin_managers(monkeypatch) -> tuple:
+    """The same three-group shared arena (``full``, ``sliding_w8.0``, ``sliding_w8.1``: one family of two cuts)
+    managed by the page arena of the cuts and by their tie, 2-token blocks, a tight arena of 18 pages."""
+    from tests.kv_v2_support import full_sliding_layers, make_manager
+
+    out = []
+    for tie in ("0", "1"):
+        monkeypatch.setenv("KVLOAD_PROTOTYPE_TIE", tie)
+        out.append(make_manager(full_sliding_layers(window=4), 6, T=2, host_cache_size=0))
+    return tuple(out)
+
+
+def test_the_tied_manager_s_public_groups_stats_and_tables_speak_the_cuts_as_the_page_arena_s_do(monkeypatch):
+    """With the cuts tied, a user still sees the cuts: ``groups``, ``stats().groups`` (per cut: the arena's pages,
+    each cut's used, cached and evicted blocks), ``available_blocks``, ``growth_bound``, ``growth_blocks`` and
+    ``shortfall`` by cut name answer as the page arena's, and ``block_table(request, cut)`` is the cut's page table
+    (the one ``block_tables`` hands the executor), its KV reading back after a window slide, a hit and evictions."""
+    from cache_backends.request import Request
+    from tests.kv_v2_support import check_kv, prefill
+
+    cuts, tied = _twin_managers(monkeypatch)
+    assert tied._tied_cuts == [["full"], ["sliding_w4.0", "sliding_w4.1"]]  # the tie is on (2 logical groups)
+    assert [g.name for g in tied.groups] == [g.name for g in cuts.groups] == ["full", "sliding_w4.0", "sliding_w4.1"]
+    done = []
+    for i, prompt in enumerate([list(range(1, 8)), [*range(1, 8), 9, 9], [5] * 7, list(range(1, 6))]):
+        for m in (cuts, tied):
+            r = Request(f"r{i}", prompt, max_new_tokens=4)
+            prefill(m, r)
+            check_kv(m, r)  # through block_table per cut: the tie's pages hold each cut's KV
+            m.check_invariants()
+            names = [g.name for g in m.groups]
+            assert m.block_tables(r) == [m.block_table(r, name) for name in names]
+            assert m.growth_blocks(r, 1.0).keys() == set(names)
+            done.append((m, r))
+        (_, a), (_, b) = done[-2:]
+        assert cuts.growth_blocks(a, 1.0) == tied.growth_blocks(b, 1.0)
+        assert cuts.stats().groups == tied.stats().groups
+        assert cuts.available_blocks() == tied.available_blocks()
+        assert cuts.growth_bound() == tied.growth_bound()
+        for n in range(6):  # a family's cuts need the same blocks (per_group asks so): the same answer
+            for need in ({"full": n}, {"sliding_w4.0": n, "sliding_w4.1": n}, {"full": n, "sliding_w4.0": n,
+                                                                                 "sliding_w4.1": n}):
+                assert (cuts.shortfall(need) is None) == (tied.shortfall(need) is None), need
+            # one cut alone: a tie can only take its whole row, so it answers for the row
+            assert tied.shortfall({"sliding_w4.1": n}) == tied.shortfall({"sliding_w4.0": n, "sliding_w4.1": n})
+        for m, r in done[-2:]:
+            m.free(r)
+    assert tied.stats().evictions == cuts.stats().evictions > 0  # the tight arena evicted, counted per cut alike
+    with pytest.raises(ValueError, match="no layer group 'sliding_w4'"):
+        prefill(tied, r := Request("x", [1, 2], max_new_tokens=1))
+        tied.block_table(r, "sliding_w4")  # the logical name is the manager's own
+
+
+def test_a_row_queue_demotes_stale_shared_rows_at_the_threshold_set_when_it_is_built(monkeypatch):
+    """``STALE_POOLS`` is read when a queue is built, as ``EvictionQueue`` reads it, so a setting (the shared-prefix
+    tests' monkeypatch) reaches the tie's queue too: a module-level import of it would freeze the default."""
+    from cache_backends.v2 import group_pool
+
+    monkeypatch.setattr(group_pool, "STALE_POOLS", 3)
+    assert RowQueue([0] * 4, [1] * 4, 10)._stale == 30 == EvictionQueue([0] * 10)._stale

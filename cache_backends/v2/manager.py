@@ -98,7 +98,7 @@ from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree, TailRun
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
-from cache_backends.v2.tied_pool import CutTables, TiedArena
+from cache_backends.v2.tied_pool import CutTables, TiedArena, TiedShare
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -266,69 +266,72 @@ class KVCacheManagerV2:
         self.pools = pools
         self.options = options
         self.T = self.layout.tokens_per_block
-        self.groups: tuple[LayerGroup, ...] = self.layout.groups
+        self._groups: tuple[LayerGroup, ...] = self.layout.groups
         #: PROTOTYPE (BENCHMARKS.md "tie57c"): with ``KVLOAD_PROTOTYPE_TIE=1`` in the environment, a shared arena's
-        #: cuts of one group are tied (:func:`~cache_backends.layout.tied_groups`): ``self.groups`` are the logical
+        #: cuts of one group are tied (:func:`~cache_backends.layout.tied_groups`): ``self._groups`` are the logical
         #: groups (Gemma 3 27B: 2, not 31), each block owning a page per cut (``TiedArena``); ``layout.groups`` stay
         #: the cuts, and pages appear where memory is touched (``block_tables``, ``fork``, ``_claim_partial_arena``).
-        #: Not ported yet, refused with the tie on: moving pages to the host tier (``suspend``), KV events; ``stats()``
-        #: and the other per-group
-        #: APIs name the logical groups. ``_tied_cuts[i]``: logical group ``i``'s cut names, in layout order.
+        #: Not ported yet, refused with the tie on: moving pages to the host tier (``suspend``), KV events. The public
+        #: per-group APIs (:attr:`groups`, ``stats()``, ``block_table``, ``shortfall``, ``per_group``, ``growth_*``,
+        #: ``available_blocks``) speak the cuts either way. ``_tied_cuts[i]``: logical group ``i``'s cut names.
         self._tied_cuts: list[list[str]] | None = None
+        #: with the tie on, each cut's name -> (its logical group's index, its page's index in a logical block)
+        self._cut_of: dict[str, tuple[int, int]] = {}
         if os.environ.get("KVLOAD_PROTOTYPE_TIE") == "1" and self.layout.shared:
             logical, cuts = tied_groups(self.layout.groups)
             self._tied_cuts = [[self.layout.groups[i].name for i in c] for c in cuts]
-            self.groups = tuple(logical)
-        self._group = {g.name: g for g in self.groups}
+            self._groups = tuple(logical)
+            self._cut_of = {name: (g, j) for g, names in enumerate(self._tied_cuts) for j, name in enumerate(names)}
+        self._group = {g.name: g for g in self._groups}
         #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied (PROTOTYPE,
         #: ``KVLOAD_PROTOTYPE_TIE``) its family's cuts, a logical block holding a page per cut. Every check of blocks
         #: against a pool set's ``available`` (pages) weighs a block by it: ``_spans``, ``_set_cycles`` and
         #: ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``, ``probe_hit``, ``_reserve_shared`` and
         #: ``_claim_partial_arena`` weigh the groups' blocks.
-        self._pages_per_block: list[int] = ([1] * len(self.groups) if self._tied_cuts is None
+        self._pages_per_block: list[int] = ([1] * len(self._groups) if self._tied_cuts is None
                                             else [len(c) for c in self._tied_cuts])
-        self._page_weight = dict(zip((g.name for g in self.groups), self._pages_per_block, strict=True))
+        self._page_weight = dict(zip((g.name for g in self._groups), self._pages_per_block, strict=True))
         # the pages of a block of every group (a decode's boundary takes one of each), and the weights where any
         # differs from 1 (else None: the hot paths sum blocks as they are)
         self._row_pages = sum(self._pages_per_block)
-        self._weights = None if self._row_pages == len(self.groups) else self._pages_per_block
+        self._weights = None if self._row_pages == len(self._groups) else self._pages_per_block
         self._arena: SharedPool | None = None
         #: a slab arena (``pools.slabs``: groups of unequal pages drawing on one budget), or None
         self._slabs: SlabArena | None = None
         # (pool, its groups' names) per distinct pool: one SharedPool for a shared layout, else a GroupPool per group
         self._pool_sets: list[tuple[GroupPool | SharedPool, list[str]]]
         if self.layout.shared:
-            names = [g.name for g in self.groups]
+            names = [g.name for g in self._groups]
             if self._tied_cuts is not None:
                 self._arena = TiedArena(names, self._pages_per_block, pools.num_blocks[self._tied_cuts[0][0]])
             else:
-                self._arena = SharedPool(names, pools.num_blocks[names[0]], cut_families(self.groups))
+                self._arena = SharedPool(names, pools.num_blocks[names[0]], cut_families(self._groups))
             self._pool: dict[str, GroupPool | GroupShare] = dict(zip(names, self._arena.shares, strict=True))
             self._pool_sets = [(self._arena, names)]
         elif pools.slabs is not None:
             self._slabs = SlabArena(pools.slabs, pools.slab_bytes)
-            own = {g.name: SlabPool(g.name, self._slabs, g.bytes_per_block) for g in self.groups}
+            own = {g.name: SlabPool(g.name, self._slabs, g.bytes_per_block) for g in self._groups}
             self._pool = dict(own)
             self._pool_sets = [(pool, [name]) for name, pool in own.items()]
         else:
-            own = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
+            own = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self._groups}
             self._pool = dict(own)
             self._pool_sets = [(pool, [name]) for name, pool in own.items()]
-        self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self.groups]
+        self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self._groups]
         # (group, token blocks per group block, pool's block -> run list, pool's block -> position list) for keying;
         # with reuse on, every group block spans a whole number of token blocks.
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node,
-                               self._pool[g.name].pos) for g in self.groups]
-        self._names = [g.name for g in self.groups]
+                               self._pool[g.name].pos) for g in self._groups]
+        self._names = [g.name for g in self._groups]
         # a hit's claim per group: (group, block span in tokens, in token blocks, window, what claims its blocks: its
         # pool's incref_many, or None on a shared arena, whose claims are made for every group at once)
         self._claim_steps = [(g.name, g.tokens_per_block, g.tokens_per_block // self.T, g.window,
                               None if self._arena is not None else self._pool[g.name].incref_many)
-                             for g in self.groups]
+                             for g in self._groups]
         # a shared arena whose every group block spans one token block: its block -> run list, which every group's
         # view shares (a decode that fills a block keys every group's block at one position, checked in bulk)
         self._one_owner = (self._arena.node if self._arena is not None and all(g.tokens_per_block == self.T
-                                                                                for g in self.groups) else None)
+                                                                                for g in self._groups) else None)
         # the arena's versions of per-group paths (one pass over the groups), or the per-group ones: plain functions
         # called with the manager (a bound method kept on the manager would make it a reference cycle, and its pools
         # would outlive it until the garbage collector runs)
@@ -336,7 +339,7 @@ class KVCacheManagerV2:
         self._claim_partial_fn = cls._claim_partial_arena if self._arena is not None else cls._claim_partial
         self._tail_fn = (cls._tail_to_keep_arena if self._arena is not None and len(self._names) > 1
                          else cls._tail_to_keep)
-        self._sliding = [g for g in self.groups if g.window is not None]
+        self._sliding = [g for g in self._groups if g.window is not None]
         # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
         windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
         for g in self._sliding:
@@ -348,25 +351,25 @@ class KVCacheManagerV2:
         # the shortest sliding window (no window: never shorter than a sequence): held_back holds nothing below it
         self._min_window = min((g.window for g in self._sliding), default=math.inf)
         spans: dict[int, int] = {}
-        for g, w in zip(self.groups, self._pages_per_block, strict=True):
+        for g, w in zip(self._groups, self._pages_per_block, strict=True):
             spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + w
         self._spans = list(spans.items())  # (block span, pages of its groups' blocks): a shared arena's need per span
         # a shared arena: every group's index in it and the slot of its span in _spans (one take_each per step)
-        self._share_index = [self._pool[g.name].index for g in self.groups] if self.layout.shared else []  # type: ignore[union-attr]
-        self._span_slot = [list(spans).index(g.tokens_per_block) for g in self.groups]
+        self._share_index = [self._pool[g.name].index for g in self._groups] if self.layout.shared else []  # type: ignore[union-attr]
+        self._span_slot = [list(spans).index(g.tokens_per_block) for g in self._groups]
         # life cycles: groups of one block span and window hold the same blocks for any length (blocks_for), so the
         # admission estimates are computed once per cycle; (a group of it, its groups' indexes), and each group's cycle
         cycles: dict[tuple[int, int | None], list[int]] = {}
-        for i, g in enumerate(self.groups):
+        for i, g in enumerate(self._groups):
             cycles.setdefault((g.tokens_per_block, g.window), []).append(i)
-        self._cycles = [(self.groups[members[0]], members) for members in cycles.values()]
-        self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self.groups]
+        self._cycles = [(self._groups[members[0]], members) for members in cycles.values()]
+        self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self._groups]
         #: per life cycle (the order of :meth:`cycle_growth`'s lists): whether its groups slide a window
         self.cycle_windowed: tuple[bool, ...] = tuple(g.window is not None for g, _ in self._cycles)
-        self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
+        self._span_first = [next(g.name for g in self._groups if g.tokens_per_block == tpb) for tpb in spans]
         # per pool set: (a group of each life cycle in it, the pages a block of each of the set's groups in that
         # cycle holds, together: how many of them share the cycle, each block weighed by _pages_per_block)
-        index = {g.name: i for i, g in enumerate(self.groups)}
+        index = {g.name: i for i, g in enumerate(self._groups)}
         weight = self._page_weight
         set_counts: list[Counter[int]] = []
         for _, names in self._pool_sets:
@@ -388,7 +391,7 @@ class KVCacheManagerV2:
         in_sets = [name for *_, names, _ in self._arena_windows for name in names]
         self._arena_refresh = ([(w, tpb, first, names) for w, tpb, first, _, names, _ in self._arena_windows]
                                if in_sets and in_sets == [g.name for g in self._sliding] else None)
-        spans = [g.tokens_per_block for g in self.groups]
+        spans = [g.tokens_per_block for g in self._groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
         if not options.enable_block_reuse:
@@ -411,18 +414,18 @@ class KVCacheManagerV2:
         #: a caller's say on which cached prefix lengths a request may reuse (:meth:`limit_reuse`), or None
         self._prefix_check: tuple[str, Callable[[Request, int, int], bool]] | None = None
         # lazy keying (cache_backends.v2.radix): where a request's blocks stay as they are until it lets go of them
-        self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self.groups)
+        self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self._groups)
         # where a whole-block hit's claim is asked about before it is built (probe_hit): pools per group, or an arena
         # whose every group holds a block per position (its release interleaves the groups position by position)
         self._probes = self._reuse and (self._arena is None or self._lazy)
         # every group block spans one token block: probe_hit's claim per group is a slice of the run's blocks, taken
         # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
         # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
-        self._unit_spans = all(g.tokens_per_block == self.T for g in self.groups) and len(self.groups) >= 4
+        self._unit_spans = all(g.tokens_per_block == self.T for g in self._groups) and len(self._groups) >= 4
         # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit):
         # pools per group, each group's block one token block, no window (admission holds back no shared prefix)
         self._tail_probes = (self._probes and self._partial and self._arena is None and self._slabs is None
-                             and not self._sliding and all(g.tokens_per_block == self.T for g in self.groups))
+                             and not self._sliding and all(g.tokens_per_block == self.T for g in self._groups))
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
@@ -434,12 +437,12 @@ class KVCacheManagerV2:
             self.host = HostTier(pools, slots)
         #: per group, a cached device block a suspended cache left on the device -> (cache, logical block) whose
         #: reserved host slot it is copied to when it is evicted or dropped (write-back)
-        self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self.groups}
+        self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self._groups}
         #: per group, a position's block -> the live copies (block, its allocation's ``gen``) requests filled for that
         #: position while it was held: kept private then, one of them takes the position when that block leaves it
         #: (:meth:`_detach`), so the prefix stays reachable while a copy runs (BENCHMARKS.md, "V2's loss on a tiny
         #: budget with preemptions": a preempted request recomputed a shared prefix, the tree's copy was evicted)
-        self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self.groups}
+        self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self._groups}
         self._caches: dict[Request, SequenceCache] = {}
         #: who moves what it keys by a block along when :meth:`compact_slabs` moves blocks (:meth:`watch_moves`)
         self._move_watchers: list[Callable[[str, list[tuple[int, int]]], None]] = []
@@ -448,7 +451,7 @@ class KVCacheManagerV2:
         #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
         self.num_on_host = 0
         # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
-        self._worst_blocks = [0] * len(self.groups)
+        self._worst_blocks = [0] * len(self._groups)
         self._closed = False
         self._never_fits_memo: tuple[tuple[Request, int, int], str | None] | None = None
         self._stats_fixed: tuple[int, int, str | None] | None = None  # stats(): pool bytes, host bytes, memory
@@ -457,6 +460,11 @@ class KVCacheManagerV2:
                          "reuse_partial_hits": 0, "reuse_query_tokens": 0}
 
     # --- life cycle ----------------------------------------------------------------------------
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layer groups as the user and the executor see them (``layout.groups``: the cuts, tie or not)."""
+        return self.layout.groups
 
     def create(self, request: Request) -> SequenceCache:
         """Register a suspended, empty cache for ``request``; :meth:`resume` admits it."""
@@ -469,7 +477,7 @@ class KVCacheManagerV2:
         if request.num_tokens > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: {request.num_tokens} tokens exceed max_seq_len="
                              f"{self.options.max_seq_len}")
-        cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups},
+        cache = SequenceCache(request, {g.name: [] for g in self._groups}, {g.name: 0 for g in self._groups},
                               key_at=self.T if self._reuse else NEVER)
         self._caches[request] = cache
         return cache
@@ -536,6 +544,8 @@ class KVCacheManagerV2:
 
     def _where(self, names: list[str]) -> str:
         """How messages name a pool: its group, or the arena the groups share."""
+        if self._tied_cuts is not None:  # the tied arena, by the groups the user sees: its cuts
+            return f"the arena shared by {len(self.layout.groups)} groups"
         return f"group {names[0]}" if len(names) == 1 else f"the arena shared by {len(names)} groups"
 
     def short_of(self, *needs: list[int], extra: list[int] | None = None, sets: list[int] | None = None) -> bool:
@@ -548,7 +558,27 @@ class KVCacheManagerV2:
 
     def per_group(self, per_cycle: list[int]) -> dict[str, int]:
         """A per-cycle estimate (:meth:`cycle_growth`, :meth:`cycle_headroom`) as blocks per group, by name."""
-        return {g.name: per_cycle[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
+        return self._by_cut({g.name: per_cycle[c] for g, c in zip(self._groups, self._cycle_of, strict=True)})
+
+    def _by_cut(self, per_group: dict[str, int]) -> dict[str, int]:
+        """A per-group figure by the names the user sees: with the cuts tied, each cut shows its logical group's
+        (a logical block is one page of each cut), in ``layout.groups`` order; else ``per_group`` itself."""
+        if self._tied_cuts is None:
+            return per_group
+        return {cut: per_group[g.name] for g, cuts in zip(self._groups, self._tied_cuts, strict=True) for cut in cuts}
+
+    def _logical_needs(self, need: dict[str, int]) -> dict[str, int]:
+        """``need`` by cut name as blocks per logical group (with the cuts tied): a cut's ``n`` pages are ``n``
+        logical blocks of its group (the most any of its cuts needs), since a tie takes a row of pages at once.
+        Logical names (the manager's own calls) pass through."""
+        if not self._cut_of:
+            return need
+        out: dict[str, int] = {}
+        for name, n in need.items():
+            cut = self._cut_of.get(name)
+            key = self._groups[cut[0]].name if cut is not None else name
+            out[key] = max(out.get(key, n), n)
+        return out
 
     def shortfall(self, need: dict[str, int]) -> str | None:
         """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
@@ -556,7 +586,7 @@ class KVCacheManagerV2:
         The one feasibility rule: the needs of the groups that share a pool are summed against that pool's
         free plus evictable blocks (a shared arena: every group's need together; otherwise each group alone).
         """
-        short = self._first_short((need,))
+        short = self._first_short((self._logical_needs(need),))
         if short is None:
             return None
         pool, names, n = short
@@ -694,8 +724,8 @@ class KVCacheManagerV2:
         if self._tied_cuts is not None:
             raise NotImplementedError("suspending to the host tier with the cuts tied (KVLOAD_PROTOTYPE_TIE) is not "
                                       "ported yet; set host_cache_size to 0")
-        keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self.groups}
-        held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self.groups}
+        keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self._groups}
+        held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self._groups}
         if not self.host.has_room(held):
             return False
         if cache.pending is not None:  # its blocks are taken back on resume only if they are in the tree
@@ -703,7 +733,7 @@ class KVCacheManagerV2:
         host: dict[str, list[int]] = {}
         reclaim: dict[str, dict[int, tuple[int, int]]] = {}
         moves: dict[str, tuple[list[int], list[int]]] = {}  # the uncached pages, copied together below
-        for g in self.groups:
+        for g in self._groups:
             pool = self._pool[g.name]
             slots = [-1] * keep[g.name]
             marks: dict[int, tuple[int, int]] = {}
@@ -991,15 +1021,15 @@ class KVCacheManagerV2:
         if child in self._caches:
             raise ValueError(f"request {child.req_id}: already has a KV cache")
         copies = {g.name: int(P % g.tokens_per_block != 0 and src.tables[g.name][P // g.tokens_per_block] >= 0)
-                  for g in self.groups}
+                  for g in self._groups}
         if self.shortfall(copies) is not None:
             return False
-        self._take_slabs([copies[g.name] for g in self.groups])
+        self._take_slabs([copies[g.name] for g in self._groups])
         if src.pending is not None:  # keyed lazily: hang the prompt in the tree so the child's path can run through it
             self._materialize(src.pending)
         cache = self.create(child)
         pages: dict[int, tuple[Any, list[int], list[int]]] = {}  # per pool tensor (a shared arena: one) its copies
-        for g in self.groups:
+        for g in self._groups:
             name, full = g.name, P // g.tokens_per_block
             pool, table = self._pool[name], src.tables[name]
             shared = table[:full]
@@ -1087,10 +1117,10 @@ class KVCacheManagerV2:
                 cache.room = min(len(cache.tables[first]) * tpb
                                  for first, (tpb, _) in zip(self._span_first, self._spans, strict=True))
                 return True
-        need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
+        need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self._groups}
         if self.shortfall(need) is not None:
             return False
-        self._take_slabs([need[g.name] for g in self.groups])
+        self._take_slabs([need[g.name] for g in self._groups])
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
             if n > 0:
@@ -1231,7 +1261,7 @@ class KVCacheManagerV2:
         arena = self._arena
         assert arena is not None
         one = len(per_span) == 1
-        counts = [per_span[0]] * len(self.groups) if one else [per_span[s] for s in self._span_slot]
+        counts = [per_span[0]] * len(self._groups) if one else [per_span[s] for s in self._span_slot]
         pieces = arena.take_each(self._share_index, counts, self._detach, self._detach_mixed)
         for (name, _, _), piece in zip(self._group_pools, pieces, strict=True):
             if piece:
@@ -1389,7 +1419,7 @@ class KVCacheManagerV2:
                 source = self._partial_source(request, tree.root(request.salt), 0)
                 if source[0] is not None:
                     return self._unprobed(request, build, (0, None, source))
-            sets, groups = len(self._pool_sets), len(self.groups)
+            sets, groups = len(self._pool_sets), len(self._groups)
             return HitProbe(0, None, [([], [], 0)] * groups, [0] * sets, [0] * groups, [0] * sets)
         if not self._probes:
             return self._unprobed(request, build)
@@ -1626,7 +1656,7 @@ class KVCacheManagerV2:
 
     def growth_bound_with(self, request: Request) -> dict[str, int]:
         """:meth:`growth_bound` once ``request`` (not admitted yet, claiming nothing) would be active."""
-        return dict(zip(self._names, self._bound_per_group(request), strict=True))
+        return self._by_cut(dict(zip(self._names, self._bound_per_group(request), strict=True)))
 
     def growth_bound_sets(self, request: Request | None = None, probe: HitProbe | None = None) -> list[int]:
         """:meth:`growth_bound` (with ``request``: :meth:`growth_bound_with`) summed per pool set, as ``sets`` for
@@ -1725,11 +1755,13 @@ class KVCacheManagerV2:
     def growth_bound(self) -> dict[str, int]:
         """Per group, an upper bound of :meth:`cycle_headroom` over every active cache at any ratio, in O(groups):
         the blocks active caches hold at their worst cases minus the blocks in use (shared ones count once)."""
-        return dict(zip(self._names, self._bound_per_group(None), strict=True))
+        return self._by_cut(dict(zip(self._names, self._bound_per_group(None), strict=True)))
 
     def available_blocks(self) -> dict[str, int]:
         """Blocks per group an allocation could take now (free plus evictable); the groups of a shared arena each
         show the arena's, so check several groups' needs together with :meth:`shortfall`."""
+        if self._tied_cuts is not None:  # each cut shows the arena's pages, as the page arena of the cuts does
+            return dict.fromkeys((g.name for g in self.layout.groups), self._arena.available)  # type: ignore[union-attr]
         return {name: pool.available for name, pool in self._pool.items()}
 
     def worst_case_tokens(self, request: Request) -> int:
@@ -1763,10 +1795,10 @@ class KVCacheManagerV2:
             what = f" (prompt + max_new_tokens{capped})"
         if self._slabs is not None:  # alone in the arena: every group's blocks in slabs of its own
             slabs = self._slabs
-            per_group = [g.blocks_for(n) for g in self.groups]
+            per_group = [g.blocks_for(n) for g in self._groups]
             k = slabs.slabs_for(per_group)
             if k > slabs.num_slabs:
-                each = ", ".join(f"{g.name} {b} blocks" for g, b in zip(self.groups, per_group, strict=True))
+                each = ", ".join(f"{g.name} {b} blocks" for g, b in zip(self._groups, per_group, strict=True))
                 return (f"request {request.req_id} needs {k} slabs of the arena for {n} tokens{what} ({each}; a slab "
                         f"holds one group's blocks); the arena has {slabs.num_slabs}")
             return None
@@ -1795,8 +1827,13 @@ class KVCacheManagerV2:
     def block_table(self, request: Request, group: str) -> list[int]:
         """Physical block per logical block of ``request`` in ``group``; -1 where a window released it."""
         cache = self._active(request)
-        if group not in cache.tables:
-            raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
+        cut = self._cut_of.get(group)
+        if cut is not None:  # a cut's pages of its logical group's blocks
+            g, j = cut
+            return self._arena.cut_tables(g, cache.tables[self._groups[g].name])[j]  # type: ignore[union-attr]
+        if group not in cache.tables or self._cut_of:
+            names = self._cut_of or cache.tables
+            raise ValueError(f"no layer group {group!r}; groups: {', '.join(names)}")
         return list(cache.tables[group])
 
     def block_tables(self, request: Request) -> list[list[int]]:
@@ -1812,9 +1849,9 @@ class KVCacheManagerV2:
         if self._tied_cuts is not None:  # each logical table as its cuts' page tables, kept in step (CutTables)
             readers = cache.cut_tables
             if readers is None:
-                readers = cache.cut_tables = [CutTables(self._arena, i) for i in range(len(self.groups))]  # type: ignore[arg-type]
-            return [t for g, reader in zip(self.groups, readers, strict=True) for t in reader.read(tables[g.name])]
-        return [tables[g.name] for g in self.groups]
+                readers = cache.cut_tables = [CutTables(self._arena, i) for i in range(len(self._groups))]  # type: ignore[arg-type]
+            return [t for g, reader in zip(self._groups, readers, strict=True) for t in reader.read(tables[g.name])]
+        return [tables[g.name] for g in self._groups]
 
     def limit_reuse(self, group: str, check: Callable[[Request, int, int], bool]) -> None:
         """Reuse a cached prefix of length ``m`` only where ``check(request, m, block)`` holds, ``block`` being
@@ -1850,7 +1887,7 @@ class KVCacheManagerV2:
             return 0
         assert self.host is None and not any(self._write_back.values()), "a slab arena has no host tier"
         moved = 0
-        for g in self.groups:
+        for g in self._groups:
             name, pool = g.name, self._pool[g.name]
             assert isinstance(pool, SlabPool)
             pairs = pool.packing_moves(self._detach)
@@ -1920,7 +1957,7 @@ class KVCacheManagerV2:
         Gemma 3 27B's 31 groups, a tenth of what building the whole stats costs)."""
         self._check_open()
         total_bytes = self._fixed_stats()[0]
-        used_bytes = sum(pool.num_used * g.bytes_per_block for g, (_, _, pool) in zip(self.groups, self._group_pools,
+        used_bytes = sum(pool.num_used * g.bytes_per_block for g, (_, _, pool) in zip(self._groups, self._group_pools,
                                                                                       strict=True))
         return used_bytes / total_bytes if total_bytes else 0.0
 
@@ -1929,7 +1966,7 @@ class KVCacheManagerV2:
         self._check_open()
         groups = {}
         used_bytes = 0
-        for g in self.groups:
+        for g in self._groups:
             pool = self._pool[g.name]
             groups[g.name] = GroupStats(total=pool.num_blocks, free=pool.num_free, evictable=pool.num_evictable,
                                         used=pool.num_used,
@@ -1938,6 +1975,8 @@ class KVCacheManagerV2:
                                         shared=self.layout.shared,
                                         slabs=pool.owned if isinstance(pool, SlabPool) else None)
             used_bytes += pool.num_used * g.bytes_per_block
+        if self._tied_cuts is not None:  # per cut, as the page arena of the cuts counts them (a logical block is a page
+            groups = self._cut_stats()  # of each cut): the same figures, evictions summed over cuts included
         total_bytes, host_bytes, memory = self._fixed_stats()  # stats runs every step in a driver
         host = None
         if self.host is not None:
@@ -1970,6 +2009,21 @@ class KVCacheManagerV2:
                 "slab_bytes": self._slabs.slab_bytes, **self._slabs.counters},
         )
 
+    def _cut_stats(self) -> dict[str, GroupStats]:
+        """``stats().groups`` with the cuts tied: per cut, the arena's pages as total and free, and its logical
+        group's used, cached and evicted blocks (each one page of the cut)."""
+        arena = self._arena
+        assert isinstance(arena, TiedArena)
+        total, free = arena.num_pages, len(arena._free)
+        out = {}
+        for i, cuts in enumerate(self._tied_cuts or ()):
+            used = arena.used[i]
+            for name in cuts:
+                out[name] = GroupStats(total=total, free=free, evictable=arena.cached[i], used=used,
+                                       usage=used / total if total else 0.0, evictions=arena.evicted[i],
+                                       tokens_per_block=self._groups[i].tokens_per_block, shared=True, slabs=None)
+        return out
+
     def close(self) -> None:
         """Release the device pools and the host tier (idempotent); the manager is unusable afterwards."""
         if self._closed:
@@ -1997,7 +2051,7 @@ class KVCacheManagerV2:
         if active != self._active_requests:
             problems.append(f"{len(self._active_requests)} requests noted active, {len(active)} caches are "
                             f"(differ: {sorted(r.req_id for r in active ^ self._active_requests)})")
-        owners: dict[str, dict[int, int]] = {g.name: {} for g in self.groups}
+        owners: dict[str, dict[int, int]] = {g.name: {} for g in self._groups}
         on_path: dict[str, RadixNode] = {}  # each cache's last radix run
         for cache in self._caches.values():
             rid = cache.request.req_id
@@ -2025,7 +2079,7 @@ class KVCacheManagerV2:
                         min(start // tpb, len(cache.tables[name])) > cache.released[name] for name, _ in members):
                     problems.append(f"{rid}: a window releases a block at {cache.committed} tokens, before slide_at "
                                     f"{cache.slide_at}")
-            for g in self.groups:
+            for g in self._groups:
                 table = cache.tables[g.name]
                 held = [b for b in table if b >= 0]
                 if len(set(held)) != len(held):
@@ -2041,12 +2095,21 @@ class KVCacheManagerV2:
                         problems.append(f"{rid}: group {g.name} holds block {j} below its window's release mark")
                     if b >= 0:
                         owners[g.name][b] = owners[g.name].get(b, 0) + 1
-        worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
+        worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self._groups]
         if worst != self._worst_blocks:
             problems.append(f"worst-case blocks of active caches {self._worst_blocks}, recomputed {worst}")
         if self._slabs is not None:
             problems += self._slabs.check()
         for pool, names in self._pool_sets:  # per distinct pool: free + every group's used + evictable == blocks
+            if isinstance(pool, TiedArena):  # its pages (each logical block's k distinct, owned once), then its ids
+                problems += pool.check()
+                free, evictable = set(pool._free_ids), set(pool.evictable.blocks())
+                used = {b for b in range(len(pool.ref)) if pool.ref[b] > 0}
+                if free & evictable or len(free) + len(evictable) + len(used) != len(pool.pages) \
+                        or len(free) != len(pool._free_ids):
+                    problems.append(f"tied arena: free {len(free)} + evictable {len(evictable)} + used {len(used)} "
+                                    f"logical ids != {len(pool.pages)} ({len(free & evictable)} free and queued)")
+                continue
             listed = pool.free_ids() if isinstance(pool, SlabPool) else pool._free
             free, evictable = set(listed), set(pool.evictable.blocks())
             if free & evictable:
@@ -2058,9 +2121,9 @@ class KVCacheManagerV2:
                                 f"{len(used)} != {pool.num_blocks} (num_used {pool.num_used})")
         if self._arena is not None:
             problems += self._check_rows(self._arena)
-        for g in self.groups:
+        for g in self._groups:
             pool = self._pool[g.name]
-            holds = pool.holds if isinstance(pool, GroupShare) else None
+            holds = pool.holds if isinstance(pool, (GroupShare, TiedShare)) else None
             free, evictable = set(pool.free_ids()), set(pool.evictable.blocks())
             ids = range(len(pool.ref))  # a slab pool's ids span the arena; elsewhere len(ref) == num_blocks
             mine = ids if holds is None else [b for b in ids if holds(b)]
@@ -2069,7 +2132,7 @@ class KVCacheManagerV2:
                 problems.append(f"group {g.name}: used {len(used)} (num_used {pool.num_used}), evictable "
                                 f"{len(evictable.intersection(mine))} (num_evictable {pool.num_evictable})")
             if holds is not None:
-                stray = [b for b in range(pool.num_blocks) if b not in free and pool.arena.group_of[b] < 0]
+                stray = [b for b in range(len(pool.ref)) if b not in free and pool.arena.group_of[b] < 0]
                 if stray:
                     problems.append(f"shared arena: blocks neither free nor in a group: {stray}")
             for b in mine:
@@ -2275,7 +2338,7 @@ class KVCacheManagerV2:
 
     def _new_tree(self) -> RadixTree:
         """An empty radix tree over this manager's pools (a split rewrites their block -> run lists)."""
-        return RadixTree({g.name: (self._pool[g.name].node, self._pool[g.name].pos) for g in self.groups})
+        return RadixTree({g.name: (self._pool[g.name].node, self._pool[g.name].pos) for g in self._groups})
 
     def _detach(self, group: str, blocks: list[int]) -> None:
         """Unhook evicted or dropped blocks of ``group`` from their radix runs (the pool's other bookkeeping is the
@@ -2697,7 +2760,7 @@ class KVCacheManagerV2:
             return 0
         # the usual case: every group holds a block at every position of the path (a run's held counts them), so
         # every length suits every group; checked per run, not per group (31 path walks on Gemma 3 27B's arena)
-        groups = len(self.groups)
+        groups = len(self._groups)
         held = last.held[: n - last.start]
         whole = held.count(groups) == len(held)
         node = last.parent
@@ -2712,7 +2775,7 @@ class KVCacheManagerV2:
         counts: dict[str, list[int]] = {}  # sliding groups whose blocks span several positions: prefix counts
         along_of: dict[str, list[int]] = {}  # sliding groups with a block per position: their blocks on the path
         gaps = []  # the groups missing a block on the path: only they can rule a length out
-        for g in () if whole else self.groups:
+        for g in () if whole else self._groups:
             step = g.tokens_per_block // T
             along = self._tree.path_blocks(last, n, g.name)
             if step == 1:  # a group block per position: searched at C speed
@@ -3178,21 +3241,21 @@ class KVCacheManagerV2:
                         if source is None else source)
         if best is None:
             return 0
-        src_of = {g.name: best.blocks[g.name][0] for g in self.groups}
-        for g in self.groups:  # hold the source so our own allocation cannot evict it
+        src_of = {g.name: best.blocks[g.name][0] for g in self._groups}
+        for g in self._groups:  # hold the source so our own allocation cannot evict it
             self._pool[g.name].incref(src_of[g.name])
         gained = 0
-        if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            self._take_slabs([1] * len(self.groups))
-            fresh = [self._pool[g.name].allocate(self._detach) for g in self.groups]
-            for g, b in zip(self.groups, fresh, strict=True):
+        if self.shortfall({g.name: 1 for g in self._groups}) is None:
+            self._take_slabs([1] * len(self._groups))
+            fresh = [self._pool[g.name].allocate(self._detach) for g in self._groups]
+            for g, b in zip(self._groups, fresh, strict=True):
                 src = src_of[g.name]
                 self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
             cache.partial_hit = True
             self.counters["reuse_partial_hits"] += 1
-        for g in self.groups:
+        for g in self._groups:
             pool, src = self._pool[g.name], src_of[g.name]
             pool.decref(src, pool.priority[src], True, self._detach)
         return gained
@@ -3241,7 +3304,7 @@ class KVCacheManagerV2:
         want_ids = _tokens(request, m, m + self.T)
         want = pack_tokens(want_ids)
         best, best_k = None, 0
-        groups = len(self.groups)
+        groups = len(self._groups)
         # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with the
         # longest match shares two tokens if any does, so only those are compared; else every child that shares the
         # first token is (any other shares no token).
@@ -3270,7 +3333,7 @@ class KVCacheManagerV2:
         request = cache.request
         next_len = cache.committed + (1 if request.num_tokens > cache.committed else 0)
         needs = {}
-        for g in self.groups:
+        for g in self._groups:
             name = g.name
             pool, slots, marks = self._pool[name], cache.host[name], cache.reclaim[name]
             # every page with a host slot is copied back unless its mark (a cached device block, only ever set beside
@@ -3310,7 +3373,7 @@ class KVCacheManagerV2:
         assert self.host is not None and cache.host is not None
         T = self.T
         tables: dict[str, list[int]] = {}
-        for g in self.groups:  # first take back, in every group, so allocating below cannot evict them
+        for g in self._groups:  # first take back, in every group, so allocating below cannot evict them
             pool, slots = self._pool[g.name], cache.host[g.name]
             table = tables[g.name] = [-1] * len(slots)
             for j, slot in enumerate(slots):
@@ -3320,7 +3383,7 @@ class KVCacheManagerV2:
                         pool.incref(b)
                         table[j] = b
         moves: dict[str, tuple[list[int], list[int]]] = {}  # copied together once every block is allocated
-        for g in self.groups:
+        for g in self._groups:
             pool, slots, table = self._pool[g.name], cache.host[g.name], tables[g.name]
             of, to = moves[g.name] = ([], [])
             for j, slot in enumerate(slots):

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from cache_backends.v2.group_pool import _SHARED_BIT, STALE_POOLS, EvictionQueue
+from cache_backends.v2 import group_pool
+from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue
 from cache_backends.v2.shared_pool import interleave
 
 
@@ -40,7 +41,8 @@ class RowQueue(EvictionQueue):
         if len(weight) != len(priority):
             raise ValueError(f"{len(weight)} weights for {len(priority)} entries")
         self._weight = weight  # (the caller's list: an entry's weight is set before it is queued)
-        self._stale = STALE_POOLS * pages  # the page queue's threshold: pools' worth of pages
+        # the page queue's threshold: pools' worth of pages (read as EvictionQueue reads it: when built)
+        self._stale = group_pool.STALE_POOLS * pages
         self._pending = 0  # the pages of the entries the call in progress queues (read by _queued)
 
     def _pages(self, blocks: Iterable[int]) -> int:
