@@ -510,3 +510,37 @@ def test_a_row_queue_demotes_stale_shared_rows_at_the_threshold_set_when_it_is_b
 
     monkeypatch.setattr(group_pool, "STALE_POOLS", 3)
     assert RowQueue([0] * 4, [1] * 4, 10)._stale == 30 == EvictionQueue([0] * 10)._stale
+
+
+def test_a_tied_suspend_writes_every_cut_s_page_back_when_evicted_and_a_resume_reads_them_back(monkeypatch):
+    """The host tier with the cuts tied: a suspended request's uncached pages are copied at once and its cached ones
+    when an eviction takes them (write-back, every cut's page); after other requests evicted its rows, a resume
+    reads every cut's KV back, with the page arena's slots, copies, stats and evictions."""
+    from cache_backends.request import Request
+    from tests.kv_v2_support import check_kv, full_sliding_layers, make_manager, prefill
+
+    twins = []
+    for tie in ("0", "1"):
+        monkeypatch.setenv("KVLOAD_PROTOTYPE_TIE", tie)
+        twins.append(make_manager(full_sliding_layers(window=4), 8, T=2, host_cache_size=10**6))
+    cuts, tied = twins
+    assert tied._tied_cuts is not None
+    for m in (cuts, tied):
+        a = Request("a", list(range(1, 10)), max_new_tokens=4)
+        prefill(m, a)
+        assert m.suspend(a)
+        m.check_invariants()
+        assert sum(map(len, m.cache(a).reclaim.values())) > 0  # cached pages left on the device, marked
+        for i in range(4):  # others fill the arena: a's cached pages are evicted, so written back first
+            o = Request(f"o{i}", [50 + 10 * i + t for t in range(9)], max_new_tokens=4)
+            prefill(m, o)
+            m.check_invariants()
+            m.free(o)
+        assert sum(map(len, m.cache(a).reclaim.values())) == 0  # every one evicted: written back
+        assert m.resume(a)
+        check_kv(m, a)  # every cut's entries, through block_table per cut
+        m.check_invariants()
+    (a_cuts, a_tied) = (m.cache(next(r for r in m._caches)) for m in (cuts, tied))
+    assert a_cuts.committed == a_tied.committed == 9
+    assert cuts.stats().groups == tied.stats().groups and cuts.stats().evictions == tied.stats().evictions > 0
+    assert cuts.host.bytes_stored == tied.host.bytes_stored > 0 and cuts.host.bytes_loaded == tied.host.bytes_loaded

@@ -721,11 +721,10 @@ class KVCacheManagerV2:
         cache = self._active(request)
         if self.host is None:
             return False
-        if self._tied_cuts is not None:
-            raise NotImplementedError("suspending to the host tier with the cuts tied (KVLOAD_PROTOTYPE_TIE) is not "
-                                      "ported yet; set host_cache_size to 0")
         keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self._groups}
         held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self._groups}
+        if self._tied_cuts is not None:
+            return self._suspend_tied(cache, keep, held)
         if not self.host.has_room(held):
             return False
         if cache.pending is not None:  # its blocks are taken back on resume only if they are in the tree
@@ -752,6 +751,51 @@ class KVCacheManagerV2:
             reclaim[g.name] = marks
         self.host.write_many(moves)
         self.host.sync()  # the uncached pages are on the host before their device blocks change hands
+        cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
+        self._release_blocks(cache)
+        self.num_on_host += 1
+        cache.state = CacheState.SUSPENDED
+        self._active_requests.discard(cache.request)
+        cache.history = cache.capacity = cache.committed
+        self.counters["suspends"] += 1
+        return True
+
+    def _suspend_tied(self, cache: SequenceCache, keep: dict[str, int], held: dict[str, int]) -> bool:
+        """:meth:`suspend` with the cuts tied (PROTOTYPE): a host slot per page, ``cache.host`` keyed by the cuts
+        (the host tier's groups), ``cache.reclaim`` and the write-back map by logical group and block (a cached
+        logical block still on the device is written back, every page, only if it is evicted first)."""
+        host_tier, arena, cuts = self.host, self._arena, self._tied_cuts
+        assert host_tier is not None and isinstance(arena, TiedArena) and cuts is not None
+        if not host_tier.has_room({cut: held[g.name] for g, names in zip(self._groups, cuts, strict=True)
+                                   for cut in names}):
+            return False
+        if cache.pending is not None:  # its blocks are taken back on resume only if they are in the tree
+            self._materialize(cache.pending)
+        host: dict[str, list[int]] = {}
+        reclaim: dict[str, dict[int, tuple[int, int]]] = {}
+        moves: dict[str, tuple[list[int], list[int]]] = {}  # the uncached pages, copied together below
+        for g, names in zip(self._groups, cuts, strict=True):
+            pool = self._pool[g.name]
+            slots = [[-1] * keep[g.name] for _ in names]
+            marks: dict[int, tuple[int, int]] = {}
+            later = self._write_back[g.name]
+            for j, b in enumerate(cache.tables[g.name][: keep[g.name]]):
+                if b < 0:
+                    continue
+                cached = pool.node[b] is not None
+                for i, cut in enumerate(names):
+                    slots[i][j] = slot = host_tier.reserve(cut)
+                    if not cached:
+                        to, of = moves.setdefault(cut, ([], []))
+                        to.append(slot)
+                        of.append(arena.pages[b][i])
+                if cached:  # stays cached on the device: copied only if it is evicted first
+                    marks[j] = (b, pool.gen[b])
+                    later.setdefault(b, []).append((cache, j))
+            host.update(zip(names, slots, strict=True))
+            reclaim[g.name] = marks
+        host_tier.write_many(moves)
+        host_tier.sync()  # the uncached pages are on the host before their device blocks change hands
         cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
         self._release_blocks(cache)
         self.num_on_host += 1
@@ -2347,14 +2391,19 @@ class KVCacheManagerV2:
         if later:
             slots: list[int] = []
             of: list[int] = []
+            cuts = self._tied_cuts[self._names.index(group)] if self._tied_cuts is not None else None
             for b in blocks:
                 for cache, j in later.pop(b, ()):
                     assert self.host is not None and cache.host is not None
-                    slots.append(cache.host[group][j])
-                    of.append(b)
+                    if cuts is None:
+                        slots.append(cache.host[group][j])
+                        of.append(b)
+                    else:  # a tied block: each cut's page to that cut's slot (one shared host tensor)
+                        slots += [cache.host[cut][j] for cut in cuts]
+                        of += self._arena.pages[b]  # type: ignore[union-attr]
                     del cache.reclaim[group][j]
-            if slots:
-                self.host.write(group, slots, of)  # type: ignore[union-attr]  # one copy for them all
+            if slots:  # (tied: by the first cut's name, the host tensor every cut shares)
+                self.host.write(group if cuts is None else cuts[0], slots, of)  # type: ignore[union-attr]
                 self.host.sync()  # type: ignore[union-attr]  # on the host before the block changes hands
         if self.kv_events is not None:
             key, pool = self._tree.key, self._pool[group]
@@ -3335,7 +3384,9 @@ class KVCacheManagerV2:
         needs = {}
         for g in self._groups:
             name = g.name
-            pool, slots, marks = self._pool[name], cache.host[name], cache.reclaim[name]
+            # (tied: the positions' slots of the first cut, every cut holding one at the same positions)
+            slots = cache.host[name if self._tied_cuts is None else self._tied_cuts[self._names.index(name)][0]]
+            pool, marks = self._pool[name], cache.reclaim[name]
             # every page with a host slot is copied back unless its mark (a cached device block, only ever set beside
             # a slot) is still valid: counted per group at C speed, the marks checked all at once (a suspended request
             # is asked every step it waits; Gemma 3 27B's 31 groups made a Python pass over every page a tenth of
@@ -3373,8 +3424,11 @@ class KVCacheManagerV2:
         assert self.host is not None and cache.host is not None
         T = self.T
         tables: dict[str, list[int]] = {}
+        cuts = self._tied_cuts
+        # each group's slots per position (tied: the first cut's; every cut has one at the same positions)
+        at = {g.name: cache.host[g.name if cuts is None else cuts[i][0]] for i, g in enumerate(self._groups)}
         for g in self._groups:  # first take back, in every group, so allocating below cannot evict them
-            pool, slots = self._pool[g.name], cache.host[g.name]
+            pool, slots = self._pool[g.name], at[g.name]
             table = tables[g.name] = [-1] * len(slots)
             for j, slot in enumerate(slots):
                 if slot >= 0:
@@ -3383,16 +3437,22 @@ class KVCacheManagerV2:
                         pool.incref(b)
                         table[j] = b
         moves: dict[str, tuple[list[int], list[int]]] = {}  # copied together once every block is allocated
-        for g in self._groups:
-            pool, slots, table = self._pool[g.name], cache.host[g.name], tables[g.name]
+        for gi, g in enumerate(self._groups):
+            pool, slots, table = self._pool[g.name], at[g.name], tables[g.name]
             of, to = moves[g.name] = ([], [])
             for j, slot in enumerate(slots):
                 if slot >= 0 and table[j] < 0:
                     # (an eviction here copies the page it evicts to that page's own host slot now: before the
                     # copy below overwrites the block)
                     b = pool.allocate(self._detach)
-                    of.append(slot)
-                    to.append(b)
+                    if cuts is None:
+                        of.append(slot)
+                        to.append(b)
+                    else:  # each cut's slot into that cut's page of the new logical block
+                        for i, cut in enumerate(cuts[gi]):
+                            cut_of, cut_to = moves.setdefault(cut, ([], []))
+                            cut_of.append(cache.host[cut][j])
+                            cut_to.append(self._arena.pages[b][i])  # type: ignore[union-attr]
                     table[j] = b
                     end = (j + 1) * g.tokens_per_block
                     if self._reuse and end <= cache.committed and end % T == 0:
