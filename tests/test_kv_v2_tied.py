@@ -432,7 +432,7 @@ _NOT_DECISIONS = {"kv_seconds", "wall_seconds", "step_time_us_mean", "step_time_
 def test_the_prototype_tie_decides_as_the_cuts_do(monkeypatch, workload, share):
     """tiny-gemma3 (five 1-layer sliding cuts and a full group) with the cuts tied (``KVLOAD_PROTOTYPE_TIE=1``: the
     manager sees 2 groups) admits, hits, evicts and schedules exactly as the page arena of the 6 cuts, on a tight
-    budget (no host tier: not ported yet); only the times differ (evictions too are counted per cut)."""
+    budget (no host tier: the twin test below covers it); only the times differ (evictions too are counted per cut)."""
     from engine.simulator import simulate
 
     def run(tie: str, budget: int | None) -> dict:

@@ -271,7 +271,8 @@ class KVCacheManagerV2:
         #: cuts of one group are tied (:func:`~cache_backends.layout.tied_groups`): ``self._groups`` are the logical
         #: groups (Gemma 3 27B: 2, not 31), each block owning a page per cut (``TiedArena``); ``layout.groups`` stay
         #: the cuts, and pages appear where memory is touched (``block_tables``, ``fork``, ``_claim_partial_arena``).
-        #: Not ported yet, refused with the tie on: moving pages to the host tier (``suspend``), KV events. The public
+        #: Not ported yet, refused with the tie on: KV events. The host tier holds a slot per page (``cache.host`` by
+        #: cut; ``reclaim`` and the write-back map by logical group, ``_suspend_tied``, ``_restore``). The public
         #: per-group APIs (:attr:`groups`, ``stats()``, ``block_table``, ``shortfall``, ``per_group``, ``growth_*``,
         #: ``available_blocks``) speak the cuts either way. ``_tied_cuts[i]``: logical group ``i``'s cut names.
         self._tied_cuts: list[list[str]] | None = None
