@@ -143,6 +143,10 @@ class RowQueue(EvictionQueue):
         return out
 
 
+def _no_detach(name: str, blocks: list[int]) -> None:
+    raise AssertionError("take_each detaches through detach_mixed here")
+
+
 class TiedArena:
     """Logical blocks of tied groups (PROTOTYPE: the core of a tie, the manager's arena under
     ``KVLOAD_PROTOTYPE_TIE=1``): logical group ``g``'s block ``L`` owns ``k[g]`` pages of one page arena,
@@ -363,16 +367,9 @@ class TiedArena:
                       detach_mixed: Callable[[list[int], list[int]], None]) -> list[int]:
         """A block for each of ``groups`` (a decode's block boundary): :meth:`take_each` with every count 1, the
         evicted blocks detached in one call with their groups (``SharedPool.take_one_each``)."""
-        seen: list[tuple[list[int], list[int]]] = []
-        by_name = {name: g for g, name in enumerate(self.names)}
-
-        def detach(name: str, blocks: list[int]) -> None:
-            seen.append((blocks, [by_name[name]] * len(blocks)))
-
-        out = [piece[0] for piece in self.take_each(groups, [1] * len(groups), detach)]
-        if seen:
-            detach_mixed([b for blocks, _ in seen for b in blocks], [g for _, gs in seen for g in gs])
-        return out
+        # detached inside the take, before the evicted blocks' pages and ids are handed out again: a write-back
+        # (``KVCacheManagerV2._detach``) reads an evicted block's pages, which afterwards belong to another block
+        return [piece[0] for piece in self.take_each(groups, [1] * len(groups), _no_detach, detach_mixed)]
 
     def incref_groups(self, groups: Sequence[int], pieces: Sequence[Sequence[int]]) -> None:
         """:meth:`incref_many` of ``pieces[i]`` for ``groups[i]``, for each ``i`` in order (a hit's claim of every
