@@ -30,8 +30,8 @@ TIED_CUTS = {
     "tiny-gemma3": [[f"sliding_w6.{i}" for i in range(5)], ["full"]],
     "three families": [["sliding_w6.0", "sliding_w6.1"], ["full.0", "full.1", "full.2"], ["sliding_w10"]],
 }
-OPS = ["new"] * 3 + ["grow"] * 4 + ["decode"] * 2 + ["free", "preempt", "readmit", "cancel", "suspend", "resume",
-                                                     "reset", "priority", "flush"]
+OPS = ["new"] * 3 + ["grow"] * 4 + ["decode"] * 2 + ["fork", "free", "preempt", "readmit", "cancel", "suspend",
+                                                     "resume", "reset", "priority", "flush"]
 
 
 def _twins(monkeypatch, layout: str, blocks: int, **options) -> tuple:
@@ -78,7 +78,7 @@ def _differential(monkeypatch, seed: int) -> list[dict]:
         pick, first, priority = rng.randrange(1000), rng.randrange(12), rng.randrange(3)
         tokens = [rng.randrange(3) for _ in range(rng.randrange(0, 12))]
         salt, k = rng.choice([None, None, "s"]), rng.randrange(1, 10)
-        if op == "new":
+        if op in ("new", "fork"):
             prompt = (seen[pick % len(seen)][: 1 + pick % len(seen[pick % len(seen)])] + tokens
                       if seen and pick % 2 else [first, *tokens])[:32]
         answers = []
@@ -89,6 +89,17 @@ def _differential(monkeypatch, seed: int) -> list[dict]:
                 m.create(r)
                 answer = (m.resume(r), r.num_computed_tokens)  # a hit's reused tokens
                 live.append(r)
+            elif op == "fork":  # a prompt computed whole, then a sample of it forked (its partial blocks copied)
+                r = Request(f"p{n_op}", list(prompt), 8, salt=salt, priority=priority)
+                m.create(r)
+                answer = [m.resume(r)]
+                live.append(r)
+                n = r.num_prompt_tokens - r.num_computed_tokens
+                if n and _run(m, r, n):
+                    child = Request(f"c{n_op}", list(prompt), 8, salt=salt, priority=priority)
+                    answer.append(m.fork(r, child))
+                    if answer[-1]:
+                        live.append(child)
             elif op == "events":
                 m.enable_kv_events(buffer)
             elif op == "reset":
@@ -160,7 +171,7 @@ def _differential(monkeypatch, seed: int) -> list[dict]:
 
 def test_a_tied_arena_s_kv_events_are_the_page_arena_s_through_random_runs(monkeypatch):
     """Random runs on tiny-gemma3's shape and on three families of cuts (stores, hits, evictions, window slides,
-    suspends with and without a host tier, resets, events switched on mid-run): after every step the tie's event
+    forks, suspends with and without a host tier, resets, events switched on mid-run): after every step the tie's event
     stream is the page arena's, event for event."""
     heard: list[dict] = []
     for seed in range(24):

@@ -1097,7 +1097,9 @@ class KVCacheManagerV2:
             pool.incref_many([b for b in shared if b >= 0])
             own = list(shared)
             if copies[name]:
-                b = pool.allocate(self._detach)
+                # (tied, with KV events: the evictions sent as the page arena's take per cut sends them)
+                b = (self._allocate_as_pages(name) if self._event_cuts and self.kv_events is not None
+                     else pool.allocate(self._detach))
                 tensor, got = self._pages_of(name, [b])
                 _, to, of = pages.setdefault(id(tensor), (tensor, [], []))
                 to += got
@@ -2491,8 +2493,18 @@ class KVCacheManagerV2:
         assert self._batch[0] in (group, None), (self._batch[0], group)  # a batch replays one family's cuts
         self._batch[1].append((group, kind, what, tpb))
 
-    def _send_restore(self, group: str, free: int, steps: list[tuple[list[_Heard], list[_Heard]]]) -> None:
-        """Send the events ``_restore``'s allocations of the logical ``group`` recorded, in the page arena's order.
+    def _allocate_as_pages(self, group: str) -> int:
+        """A block of the tie's logical ``group`` (KV events on), its take's events sent in the order the page arena's
+        take of a page per cut, cut by cut, sends them (:meth:`_send_paged`)."""
+        free = len(self._arena._free)  # type: ignore[union-attr]
+        with self._cut_by_cut(None) as heard:
+            b = self._pool[group].allocate(self._detach)
+        self._send_paged(group, free, [(heard, [])])
+        return b
+
+    def _send_paged(self, group: str, free: int, steps: list[tuple[list[_Heard], list[_Heard]]]) -> None:
+        """Send the events recorded while the logical ``group`` took blocks one at a time (``_restore``, ``fork``) in
+        the page arena's order.
 
         ``steps``: per logical block allocated, what its take's evictions reported (each evicted row's removal, and
         the stores of copies hung in its place) and what hanging the new block stored. The page arena of the cuts
@@ -3547,7 +3559,7 @@ class KVCacheManagerV2:
                         pool.incref(b)
                         table[j] = b
         moves: dict[str, tuple[list[int], list[int]]] = {}  # copied together once every block is allocated
-        # tied with KV events: each allocation's events recorded, then sent in the page arena's order (_send_restore)
+        # tied with KV events: each allocation's events recorded, then sent in the page arena's order (_send_paged)
         replay = cuts is not None and self.kv_events is not None
         for gi, g in enumerate(self._groups):
             pool, slots, table = self._pool[g.name], at[g.name], tables[g.name]
@@ -3580,7 +3592,7 @@ class KVCacheManagerV2:
                             steps[-1][1].extend(heard)
                             heard.clear()
             if replay:
-                self._send_restore(g.name, free, steps)
+                self._send_paged(g.name, free, steps)
             cache.tables[g.name] = table
         self.host.load_many(moves)
         self.host.sync()  # the copies are done before the slots can be overwritten
