@@ -2710,8 +2710,14 @@ class KVCacheManagerV2:
                 table = tables[name]
                 if cache.pending is not None and keep_cached:
                     self._park_blocks(cache.pending, (name,), tables, released[name], upto)
-                # (tied, with KV events: the drops reported cut by cut, as the page arena's loop per cut does)
-                with self._cut_by_cut(name) if self._event_cuts and self.kv_events is not None else _AS_IT_GOES:
+                if self._event_cuts and self.kv_events is not None:
+                    # tied: the drops sent cut by cut, as the page arena's loop per cut sends them
+                    with self._cut_by_cut(name):
+                        for j in range(released[name], upto):
+                            if table[j] >= 0:
+                                pool.decref(table[j], priority, keep_cached, self._detach)
+                                table[j] = -1
+                else:
                     for j in range(released[name], upto):
                         if table[j] >= 0:
                             pool.decref(table[j], priority, keep_cached, self._detach)
