@@ -59,7 +59,7 @@ def _run(m, r: Request, n: int) -> bool:
 
 
 def _differential(monkeypatch, seed: int) -> list[dict]:
-    """A random mix of admissions, prefills, decodes, hits, evictions, suspends and resets on both twins, their
+    """A random mix of admissions, prefills, decodes, hits, forks, evictions, suspends and resets on both twins, their
     answers, stats and event streams compared after every step; the events heard, for the caller's coverage check."""
     rng = random.Random(seed)
     layout = sorted(LAYOUTS)[seed % len(LAYOUTS)]
