@@ -73,10 +73,11 @@ refused for utilisation; the scheduler decides admission.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from itertools import chain, compress, repeat, takewhile
 from operator import add, attrgetter, eq, getitem, itemgetter, mul, not_, or_, sub, truth
 from typing import Any
@@ -86,7 +87,7 @@ import torch
 
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
-from cache_backends.kv_events import KvEventBuffer
+from cache_backends.kv_events import REMOVED, STORED, KvEventBuffer
 from cache_backends.layout import KvLayout, LayerGroup, cut_families, longest, tied_groups
 from cache_backends.pools import BlockPools, even_run, move_pages
 from cache_backends.request import Request
@@ -162,6 +163,11 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
 
 _SALT = attrgetter("salt")
 _FIRST_TOKEN = itemgetter(slice(0, 8))  # a run's first block's packed bytes -> its first token's
+#: where events go out as they happen (no tie, or no events): a reusable no-op context
+_AS_IT_GOES = contextlib.nullcontext()
+#: a KV event of the tie's logical group, its cuts' names not yet given: (group, kind, keys or stored stretches,
+#: tokens per block) (``KVCacheManagerV2._cut_by_cut``)
+_Heard = tuple[str, str, Any, int]
 
 
 def _first_packed(request: Request) -> bytes:
@@ -271,18 +277,28 @@ class KVCacheManagerV2:
         #: cuts of one group are tied (:func:`~cache_backends.layout.tied_groups`): ``self._groups`` are the logical
         #: groups (Gemma 3 27B: 2, not 31), each block owning a page per cut (``TiedArena``); ``layout.groups`` stay
         #: the cuts, and pages appear where memory is touched (``block_tables``, ``fork``, ``_claim_partial_arena``).
-        #: Not ported yet, refused with the tie on: KV events. The host tier holds a slot per page (``cache.host`` by
-        #: cut; ``reclaim`` and the write-back map by logical group, ``_suspend_tied``, ``_restore``). The public
-        #: per-group APIs (:attr:`groups`, ``stats()``, ``block_table``, ``shortfall``, ``per_group``, ``growth_*``,
-        #: ``available_blocks``) speak the cuts either way. ``_tied_cuts[i]``: logical group ``i``'s cut names.
+        #: KV events go out per cut (``_event_cuts``: ``_detach``, ``_stored``). The host tier holds a slot per page
+        #: (``cache.host`` by cut; ``reclaim`` and the write-back map by logical group, ``_suspend_tied``,
+        #: ``_restore``). The public per-group APIs (:attr:`groups`, ``stats()``, ``block_table``, ``shortfall``,
+        #: ``per_group``, ``growth_*``, ``available_blocks``) speak the cuts either way. ``_tied_cuts[i]``: logical
+        #: group ``i``'s cut names.
         self._tied_cuts: list[list[str]] | None = None
         #: with the tie on, each cut's name -> (its logical group's index, its page's index in a logical block)
         self._cut_of: dict[str, tuple[int, int]] = {}
+        #: with the tie on, each logical group's name -> its cuts' names, in order: the names its KV events go out under
+        #: (a consumer hears each cut's stores and removals, as from the page arena); empty with the tie off
+        self._event_cuts: dict[str, list[str]] = {}
+        #: with the tie on, inside :meth:`_cut_by_cut` (or ``_restore``'s recording: group None): its logical group
+        #: and the events it heard, each ``(logical group, REMOVED, keys, 0)`` or ``(logical group, STORED, [(hashes,
+        #: parent, token ids)] stretches, tokens per block)``, with no cut name yet; else None
+        self._batch: tuple[str | None, list[_Heard]] | None = None
         if os.environ.get("KVLOAD_PROTOTYPE_TIE") == "1" and self.layout.shared:
             logical, cuts = tied_groups(self.layout.groups)
             self._tied_cuts = [[self.layout.groups[i].name for i in c] for c in cuts]
             self._groups = tuple(logical)
             self._cut_of = {name: (g, j) for g, names in enumerate(self._tied_cuts) for j, name in enumerate(names)}
+            self._event_cuts = {g.name: names for g, names in zip(logical, self._tied_cuts, strict=True)}
+            self._detach = self._detach_tied  # type: ignore[method-assign]  # (the page arena's path: untouched)
         self._group = {g.name: g for g in self._groups}
         #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied (PROTOTYPE,
         #: ``KVLOAD_PROTOTYPE_TIE``) its family's cuts, a logical block holding a page per cut. Every check of blocks
@@ -1081,7 +1097,9 @@ class KVCacheManagerV2:
             pool.incref_many([b for b in shared if b >= 0])
             own = list(shared)
             if copies[name]:
-                b = pool.allocate(self._detach)
+                # (tied, with KV events: the evictions sent as the page arena's take per cut sends them)
+                b = (self._allocate_as_pages(name) if self._event_cuts and self.kv_events is not None
+                     else pool.allocate(self._detach))
                 tensor, got = self._pages_of(name, [b])
                 _, to, of = pages.setdefault(id(tensor), (tensor, [], []))
                 to += got
@@ -2408,8 +2426,12 @@ class KVCacheManagerV2:
                 self.host.sync()  # type: ignore[union-attr]  # on the host before the block changes hands
         if self.kv_events is not None:
             key, pool = self._tree.key, self._pool[group]
-            self.kv_events.removed([key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
-                                    for b in blocks], group)
+            keys = [key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
+                    for b in blocks]
+            if group in self._event_cuts:  # tied: reported per cut (the caller is inside _cut_by_cut)
+                self._tied_event(group, REMOVED, keys, 0)
+            else:
+                self.kv_events.removed(keys, group)
         copies = self._copies[group]
         if copies:
             pool = self._pool[group]
@@ -2419,6 +2441,99 @@ class KVCacheManagerV2:
                 self._hang_copy(group, run, p, got)  # type: ignore[arg-type]
             return
         self._tree.detach(group, blocks)
+
+    def _detach_tied(self, group: str, blocks: list[int]) -> None:
+        """:meth:`_detach` with the cuts tied (bound as ``self._detach``): with KV events on, what one call reports
+        (its removals, then the stores of the copies it hangs in their place) goes out cut by cut, as the page arena's
+        call per cut reports it."""
+        if self.kv_events is None or self._batch is not None:
+            KVCacheManagerV2._detach(self, group, blocks)
+            return
+        with self._cut_by_cut(group):
+            KVCacheManagerV2._detach(self, group, blocks)
+
+    @contextlib.contextmanager
+    def _cut_by_cut(self, group: str | None) -> Iterator[list[_Heard]]:
+        """With the cuts tied and KV events on: the events of ``group`` (a logical group) inside go out when it ends,
+        once per cut of the group, cut by cut, each cut's in the order they happened, under the cut's name. With
+        ``group`` None the events of any group are only recorded, in the list yielded (``_restore`` sends them).
+
+        Why: a logical block is a page of each cut, and where the page arena runs a call or a loop per cut (a detach,
+        a window's slide dropping blocks one by one), its events come cut by cut; the tie's one pass over logical
+        blocks would report them block by block."""
+        assert self._batch is None and self.kv_events is not None
+        heard: list[_Heard] = []
+        self._batch = (group, heard)
+        try:
+            yield heard
+        finally:
+            self._batch = None
+            if group is not None:
+                for name in self._event_cuts[group]:
+                    self._send(name, heard)
+
+    def _send(self, name: str, heard: list[_Heard]) -> None:
+        """Send ``heard`` (``_cut_by_cut``'s events) under the cut ``name``."""
+        events = self.kv_events
+        assert events is not None
+        for _, kind, what, tpb in heard:
+            if kind == REMOVED:
+                events.removed(what, name)
+            else:
+                for hashes, parent, tokens in what:
+                    events.stored(hashes, parent, tokens, tpb, name)
+
+    def _tied_event(self, group: str, kind: str, what: Any, tpb: int) -> None:
+        """An event of the tie's logical ``group`` (``_cut_by_cut``'s form): heard by the batch open, else sent per
+        cut at once."""
+        if self._batch is None:
+            with self._cut_by_cut(group):
+                self._tied_event(group, kind, what, tpb)
+            return
+        assert self._batch[0] in (group, None), (self._batch[0], group)  # a batch replays one family's cuts
+        self._batch[1].append((group, kind, what, tpb))
+
+    def _allocate_as_pages(self, group: str) -> int:
+        """A block of the tie's logical ``group`` (KV events on), its take's events sent in the order the page arena's
+        take of a page per cut, cut by cut, sends them (:meth:`_send_paged`)."""
+        free = len(self._arena._free)  # type: ignore[union-attr]
+        with self._cut_by_cut(None) as heard:
+            b = self._pool[group].allocate(self._detach)
+        self._send_paged(group, free, [(heard, [])])
+        return b
+
+    def _send_paged(self, group: str, free: int, steps: list[tuple[list[_Heard], list[_Heard]]]) -> None:
+        """Send the events recorded while the logical ``group`` took blocks one at a time (``_restore``, ``fork``) in
+        the page arena's order.
+
+        ``steps``: per logical block allocated, what its take's evictions reported (each evicted row's removal, and
+        the stores of copies hung in its place) and what hanging the new block stored. The page arena of the cuts
+        allocates cut by cut, a page at a time: a cut's allocation stores its page, and evicts the next row of the
+        queue (reported whole, each of its cuts) when the arena has no free page left (``free`` at the start, and
+        each evicted row's pages after); the tie evicted the same rows, in the same order, a block at a time."""
+        rows: list[tuple[str, list[_Heard]]] = []  # each evicted row: its logical group, its events
+        for evicted, _ in steps:
+            for g, kind, what, tpb in evicted:
+                if kind == REMOVED:
+                    rows += [(g, [(g, kind, [key], 0)]) for key in what]
+                else:  # a copy hung where an evicted block was: that block's row reports it (its key is the copy's)
+                    first = what[0][0][0]
+                    row = next((r for r in reversed(rows) if r[0] == g and r[1][0][2][0] == first), rows[-1])
+                    row[1].append((g, kind, what, tpb))
+        left = iter(rows)
+        for name in self._event_cuts[group]:
+            for _, stored in steps:
+                if not free:
+                    row = next(left, None)
+                    if row is not None:
+                        for cut in self._event_cuts[row[0]]:
+                            self._send(cut, row[1])
+                        free += len(self._event_cuts[row[0]])
+                free -= 1
+                self._send(name, stored)
+        for g, heard in left:  # (none: the page arena evicts as many rows)
+            for cut in self._event_cuts[g]:
+                self._send(cut, heard)
 
     def _hang_copy(self, group: str, run: RadixNode, p: int, copies: list[tuple[int, int]]) -> None:
         """Hang the first of ``copies`` (a request's live, private copy of the block that just left position ``p`` of
@@ -2484,6 +2599,7 @@ class KVCacheManagerV2:
         tpb = self._group[group].tokens_per_block
         step = tpb // self.T
         chain: list[tuple[RadixNode, int]] = []
+        out: list[tuple[list[bytes], bytes | None, list[int]]] = []
         for item in [*at, None]:
             if item is not None and (not chain or item[0].start + item[1] == chain[-1][0].start + chain[-1][1] + step):
                 chain.append(item)
@@ -2501,8 +2617,13 @@ class KVCacheManagerV2:
                     for q in range(first, last.start + chain[-1][1] + 1):
                         r, j = tree.position(last, q)
                         tokens += r.token_ids(j)
-                events.stored([tree.key(r, j) for r, j in chain], parent, tokens, tpb, group)
+                out.append(([tree.key(r, j) for r, j in chain], parent, tokens))
             chain = [item] if item is not None else []
+        if group in self._event_cuts:  # tied: each cut's pages are stored there, reported cut by cut
+            self._tied_event(group, STORED, out, tpb)
+            return
+        for hashes, parent, tokens in out:
+            events.stored(hashes, parent, tokens, tpb, group)
 
     def _pages_of(self, group: str, blocks: list[int]) -> tuple[Any, list[int]]:
         """The tensor ``group``'s blocks live in and their page ids there: the blocks themselves, or with the cuts
@@ -2514,8 +2635,6 @@ class KVCacheManagerV2:
 
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
-        if self._tied_cuts is not None:
-            raise NotImplementedError("KV events with the cuts tied (KVLOAD_PROTOTYPE_TIE) are not ported yet")
         self.key_pending()  # events report blocks as they are stored: none may stay unkeyed
         self.kv_events = buffer
 
@@ -2591,10 +2710,18 @@ class KVCacheManagerV2:
                 table = tables[name]
                 if cache.pending is not None and keep_cached:
                     self._park_blocks(cache.pending, (name,), tables, released[name], upto)
-                for j in range(released[name], upto):
-                    if table[j] >= 0:
-                        pool.decref(table[j], priority, keep_cached, self._detach)
-                        table[j] = -1
+                if self._event_cuts and self.kv_events is not None:
+                    # tied: the drops sent cut by cut, as the page arena's loop per cut sends them
+                    with self._cut_by_cut(name):
+                        for j in range(released[name], upto):
+                            if table[j] >= 0:
+                                pool.decref(table[j], priority, keep_cached, self._detach)
+                                table[j] = -1
+                else:
+                    for j in range(released[name], upto):
+                        if table[j] >= 0:
+                            pool.decref(table[j], priority, keep_cached, self._detach)
+                            table[j] = -1
                 released[name] = max(released[name], upto)
         cache.slide_at = min(((released[name] + 1) * tpb + window - 1
                               for window, tpb, members in self._window_sets for name, _ in members), default=NEVER)
@@ -3438,27 +3565,40 @@ class KVCacheManagerV2:
                         pool.incref(b)
                         table[j] = b
         moves: dict[str, tuple[list[int], list[int]]] = {}  # copied together once every block is allocated
+        # tied with KV events: each allocation's events recorded, then sent in the page arena's order (_send_paged)
+        replay = cuts is not None and self.kv_events is not None
         for gi, g in enumerate(self._groups):
             pool, slots, table = self._pool[g.name], at[g.name], tables[g.name]
             of, to = moves[g.name] = ([], [])
-            for j, slot in enumerate(slots):
-                if slot >= 0 and table[j] < 0:
-                    # (an eviction here copies the page it evicts to that page's own host slot now: before the
-                    # copy below overwrites the block)
-                    b = pool.allocate(self._detach)
-                    if cuts is None:
-                        of.append(slot)
-                        to.append(b)
-                    else:  # each cut's slot into that cut's page of the new logical block
-                        for i, cut in enumerate(cuts[gi]):
-                            cut_of, cut_to = moves.setdefault(cut, ([], []))
-                            cut_of.append(cache.host[cut][j])
-                            cut_to.append(self._arena.pages[b][i])  # type: ignore[union-attr]
-                    table[j] = b
-                    end = (j + 1) * g.tokens_per_block
-                    if self._reuse and end <= cache.committed and end % T == 0:
-                        assert cache.last is not None
-                        self._attach(*self._tree.position(cache.last, end // T - 1), g.name, b)
+            free = len(self._arena._free) if replay else 0  # type: ignore[union-attr]
+            steps: list[tuple[list[_Heard], list[_Heard]]] = []
+            with self._cut_by_cut(None) if replay else _AS_IT_GOES as heard:
+                for j, slot in enumerate(slots):
+                    if slot >= 0 and table[j] < 0:
+                        # (an eviction here copies the page it evicts to that page's own host slot now: before the
+                        # copy below overwrites the block)
+                        b = pool.allocate(self._detach)
+                        if replay:
+                            steps.append((heard[:], []))
+                            heard.clear()
+                        if cuts is None:
+                            of.append(slot)
+                            to.append(b)
+                        else:  # each cut's slot into that cut's page of the new logical block
+                            for i, cut in enumerate(cuts[gi]):
+                                cut_of, cut_to = moves.setdefault(cut, ([], []))
+                                cut_of.append(cache.host[cut][j])
+                                cut_to.append(self._arena.pages[b][i])  # type: ignore[union-attr]
+                        table[j] = b
+                        end = (j + 1) * g.tokens_per_block
+                        if self._reuse and end <= cache.committed and end % T == 0:
+                            assert cache.last is not None
+                            self._attach(*self._tree.position(cache.last, end // T - 1), g.name, b)
+                        if replay:
+                            steps[-1][1].extend(heard)
+                            heard.clear()
+            if replay:
+                self._send_paged(g.name, free, steps)
             cache.tables[g.name] = table
         self.host.load_many(moves)
         self.host.sync()  # the copies are done before the slots can be overwritten
