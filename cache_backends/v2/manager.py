@@ -421,8 +421,11 @@ class KVCacheManagerV2:
         self._probes = self._reuse and (self._arena is None or self._lazy)
         # every group block spans one token block: probe_hit's claim per group is a slice of the run's blocks, taken
         # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
-        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
-        self._unit_spans = all(g.tokens_per_block == self.T for g in self._groups) and len(self._groups) >= 4
+        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes). Tied, always: the tie's 2 logical groups
+        # (a sliding one of k cuts) take the passes for less than the loop (tiny-gemma3 and Gemma 3 27B multi-turn
+        # -0.1% opcodes; BENCHMARKS.md "tie58b")
+        self._unit_spans = all(g.tokens_per_block == self.T for g in self._groups) and (
+            len(self._groups) >= 4 or self._tied_cuts is not None)
         # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit):
         # pools per group, each group's block one token block, no window (admission holds back no shared prefix)
         self._tail_probes = (self._probes and self._partial and self._arena is None and self._slabs is None
@@ -820,7 +823,7 @@ class KVCacheManagerV2:
             self._keep_tail(cache)
         pending, active = cache.pending, cache.is_active  # (the release below clears cache.pending)
         if cache.pending is not None and self._one_owner is not None and cache.is_active \
-                and self._tied_cuts is None and self._finish_parked(cache):
+                and self._finish_parked(cache):
             pass  # parked and let go in one pass
         else:
             if cache.pending is not None:
@@ -2612,12 +2615,21 @@ class KVCacheManagerV2:
         arena = self._arena
         assert arena is not None
         got = [table[lo] for table in map(tables.__getitem__, names)]
-        if len(got) < 2 or -1 in got:
-            return False
-        get = itemgetter(*got)
         ref = arena.ref
-        if get(arena.group_of) != index or get(ref).count(1) != len(got):
-            return False
+        if len(got) < 2:
+            # one group: a tie's logical sliding group (the page arena's single groups keep the per-group calls);
+            # itemgetter of one id answers the item, not a tuple
+            if self._tied_cuts is None or not got:
+                return False
+            b = got[0]
+            if b < 0 or arena.group_of[b] != index[0] or ref[b] != 1:
+                return False
+        else:
+            if -1 in got:
+                return False
+            get = itemgetter(*got)
+            if get(arena.group_of) != index or get(ref).count(1) != len(got):
+                return False
         # parked: what _park_blocks does for one position (a pending prefix has no children, so the blocks go to
         # the leaves, as release_slices queues them)
         if len(prefix.held) <= lo:
@@ -3178,6 +3190,8 @@ class KVCacheManagerV2:
         self._count_worst(cache, -1)
         blocks, held, pos, free = prefix.blocks, prefix.held, arena.pos, arena._free
         used, kept = arena.used, arena.cached
+        # a tied arena's _free is pages: a logical block gives its k pages and its id back (TiedArena._let_go)
+        let_go = None if self._tied_cuts is None else arena._let_go  # type: ignore[attr-defined]
         by_lo: dict[int, int] = {}  # window mark -> groups parked from it (a window set shares one)
         leaves: list[list[int]] = []  # each group's parked blocks, tail first (a pending prefix has no children)
         for g, name in zip(index, names, strict=True):
@@ -3198,7 +3212,10 @@ class KVCacheManagerV2:
                 for b in tail:
                     ref[b] = 0
                     group_of[b] = -1
-                free += tail[::-1]
+                if let_go is None:
+                    free += tail[::-1]
+                else:  # tied: each logical block's pages and id go back (TiedArena._let_go, as release_tables frees)
+                    let_go(tail[::-1])
             used[g] -= len(table) - lo
             kept[g] += len(got)
             tables[name] = []
