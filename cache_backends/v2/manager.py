@@ -3190,8 +3190,6 @@ class KVCacheManagerV2:
         self._count_worst(cache, -1)
         blocks, held, pos, free = prefix.blocks, prefix.held, arena.pos, arena._free
         used, kept = arena.used, arena.cached
-        # a tied arena's _free is pages: a logical block gives its k pages and its id back (TiedArena._let_go)
-        let_go = None if self._tied_cuts is None else arena._let_go  # type: ignore[attr-defined]
         by_lo: dict[int, int] = {}  # window mark -> groups parked from it (a window set shares one)
         leaves: list[list[int]] = []  # each group's parked blocks, tail first (a pending prefix has no children)
         for g, name in zip(index, names, strict=True):
@@ -3212,10 +3210,10 @@ class KVCacheManagerV2:
                 for b in tail:
                     ref[b] = 0
                     group_of[b] = -1
-                if let_go is None:
+                if self._tied_cuts is None:
                     free += tail[::-1]
-                else:  # tied: each logical block's pages and id go back (TiedArena._let_go, as release_tables frees)
-                    let_go(tail[::-1])
+                else:  # tied, _free is pages: each logical block's pages and id go back (as release_tables frees)
+                    arena._let_go(tail[::-1])  # type: ignore[attr-defined]
             used[g] -= len(table) - lo
             kept[g] += len(got)
             tables[name] = []
