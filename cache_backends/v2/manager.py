@@ -2607,7 +2607,8 @@ class KVCacheManagerV2:
         """A lazily keyed cache's decode slide on a shared arena, in one pass: position ``lo`` of each of a window
         set's groups (``names``, arena indexes ``index``) parked under ``prefix`` and let go, when every group has its
         block there and holds it alone (the usual slide); whether it did (else nothing changed). Exactly
-        :meth:`_park_blocks` then :meth:`SharedPool.release_slices` of that position.
+        :meth:`_park_blocks` then :meth:`SharedPool.release_slices` of that position (``TiedArena.release_slices``
+        with the cuts tied, where a window set is one logical group).
 
         Why: a slide moves a block or two of each group, so the calls, lists and checks around those two (six calls
         a slide) cost more than the blocks' own work; on tiny-gemma3 ``no-reuse`` every decode block boundary
@@ -3145,7 +3146,8 @@ class KVCacheManagerV2:
         per table: its full committed blocks parked under its pending prefix and every block let go, when each table
         holds a block at every position from its window mark on, each its group's and held by this table alone, and
         none after the full ones is in the cache (the usual finish); whether it did (else nothing changed). Exactly
-        :meth:`_park` then :meth:`_release_blocks`.
+        :meth:`_park` then :meth:`_release_blocks`, on the page arena or with the cuts tied (a ``TiedArena``: the
+        blocks are logical, a freed one gives its pages and id back).
 
         Why: the two walked every block twice (parking, then releasing with a branch per block for what a parked
         block is known to be), ~100 blocks a finish on tiny-gemma3 (6 groups), 512 finishes a ``no-reuse`` run."""
