@@ -437,8 +437,11 @@ class KVCacheManagerV2:
         self._probes = self._reuse and (self._arena is None or self._lazy)
         # every group block spans one token block: probe_hit's claim per group is a slice of the run's blocks, taken
         # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
-        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
-        self._unit_spans = all(g.tokens_per_block == self.T for g in self._groups) and len(self._groups) >= 4
+        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes). Tied, always: the tie's 2 logical groups
+        # (a sliding one of k cuts) take the passes for less than the loop (tiny-gemma3 and Gemma 3 27B multi-turn
+        # -0.1% opcodes; BENCHMARKS.md "tie58b")
+        self._unit_spans = all(g.tokens_per_block == self.T for g in self._groups) and (
+            len(self._groups) >= 4 or self._tied_cuts is not None)
         # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit):
         # pools per group, each group's block one token block, no window (admission holds back no shared prefix)
         self._tail_probes = (self._probes and self._partial and self._arena is None and self._slabs is None
@@ -836,7 +839,7 @@ class KVCacheManagerV2:
             self._keep_tail(cache)
         pending, active = cache.pending, cache.is_active  # (the release below clears cache.pending)
         if cache.pending is not None and self._one_owner is not None and cache.is_active \
-                and self._tied_cuts is None and self._finish_parked(cache):
+                and self._finish_parked(cache):
             pass  # parked and let go in one pass
         else:
             if cache.pending is not None:
@@ -2731,7 +2734,8 @@ class KVCacheManagerV2:
         """A lazily keyed cache's decode slide on a shared arena, in one pass: position ``lo`` of each of a window
         set's groups (``names``, arena indexes ``index``) parked under ``prefix`` and let go, when every group has its
         block there and holds it alone (the usual slide); whether it did (else nothing changed). Exactly
-        :meth:`_park_blocks` then :meth:`SharedPool.release_slices` of that position.
+        :meth:`_park_blocks` then :meth:`SharedPool.release_slices` of that position (``TiedArena.release_slices``
+        with the cuts tied, where a window set is one logical group).
 
         Why: a slide moves a block or two of each group, so the calls, lists and checks around those two (six calls
         a slide) cost more than the blocks' own work; on tiny-gemma3 ``no-reuse`` every decode block boundary
@@ -2739,12 +2743,21 @@ class KVCacheManagerV2:
         arena = self._arena
         assert arena is not None
         got = [table[lo] for table in map(tables.__getitem__, names)]
-        if len(got) < 2 or -1 in got:
-            return False
-        get = itemgetter(*got)
         ref = arena.ref
-        if get(arena.group_of) != index or get(ref).count(1) != len(got):
-            return False
+        if len(got) < 2:
+            # one group: a tie's logical sliding group (the page arena's single groups keep the per-group calls);
+            # itemgetter of one id answers the item, not a tuple
+            if self._tied_cuts is None or not got:
+                return False
+            b = got[0]
+            if b < 0 or arena.group_of[b] != index[0] or ref[b] != 1:
+                return False
+        else:
+            if -1 in got:
+                return False
+            get = itemgetter(*got)
+            if get(arena.group_of) != index or get(ref).count(1) != len(got):
+                return False
         # parked: what _park_blocks does for one position (a pending prefix has no children, so the blocks go to
         # the leaves, as release_slices queues them)
         if len(prefix.held) <= lo:
@@ -3260,7 +3273,8 @@ class KVCacheManagerV2:
         per table: its full committed blocks parked under its pending prefix and every block let go, when each table
         holds a block at every position from its window mark on, each its group's and held by this table alone, and
         none after the full ones is in the cache (the usual finish); whether it did (else nothing changed). Exactly
-        :meth:`_park` then :meth:`_release_blocks`.
+        :meth:`_park` then :meth:`_release_blocks`, on the page arena or with the cuts tied (a ``TiedArena``: the
+        blocks are logical, a freed one gives its pages and id back).
 
         Why: the two walked every block twice (parking, then releasing with a branch per block for what a parked
         block is known to be), ~100 blocks a finish on tiny-gemma3 (6 groups), 512 finishes a ``no-reuse`` run."""
@@ -3325,7 +3339,10 @@ class KVCacheManagerV2:
                 for b in tail:
                     ref[b] = 0
                     group_of[b] = -1
-                free += tail[::-1]
+                if self._tied_cuts is None:
+                    free += tail[::-1]
+                else:  # tied, _free is pages: each logical block's pages and id go back (as release_tables frees)
+                    arena._let_go(tail[::-1])  # type: ignore[attr-defined]
             used[g] -= len(table) - lo
             kept[g] += len(got)
             tables[name] = []
