@@ -589,7 +589,7 @@ def cut_families(groups: Sequence[LayerGroup]) -> list[int]:
 
 
 def tied_groups(groups: Sequence[LayerGroup]) -> tuple[list[LayerGroup], list[tuple[int, ...]]]:
-    """The groups a tie of the cuts shows the V2 manager (PROTOTYPE, under ``KVLOAD_PROTOTYPE_TIE=1``; BENCHMARKS.md
+    """The groups a tie of the cuts shows the V2 manager (``cache_backends.v2.manager.TIE_CUTS``; BENCHMARKS.md
     "tie57c"): one logical group per family (:func:`cut_families`), and per logical group the indexes in ``groups``
     of its cuts, in order (its block owns one page of each: ``cache_backends.v2.tied_pool.TiedArena``'s
     ``k = len(cuts)``).

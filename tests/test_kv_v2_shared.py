@@ -968,7 +968,7 @@ def test_a_hits_claim_interrupted_on_a_shared_arena_leaves_no_claim_behind(one_p
 
     def interrupted(*args: object) -> list[int]:
         calls[0] += 1
-        # the loop: at the third group's path (with the cuts tied, KVLOAD_PROTOTYPE_TIE=1: the second of two)
+        # the loop: at the third group's path (with the cuts tied, as they are by default: the second of two)
         if calls[0] == (1 if one_pass else min(3, len(m._names))):
             raise KeyboardInterrupt
         return real(*args)

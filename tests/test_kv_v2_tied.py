@@ -1,4 +1,4 @@
-"""The eviction queue of a tie of an arena's cuts (``cache_backends.v2.tied_pool.RowQueue``, a prototype): one entry
+"""The eviction queue of a tie of an arena's cuts (``cache_backends.v2.tied_pool.RowQueue``): one entry
 per row of a family's cuts, weighing its pages, must evict the rows a page queue evicts when a take's rows leave whole
 (``SharedPool._row_rest``), and count the pages it counts, so a tie keeps the page arena's decisions."""
 
@@ -429,14 +429,14 @@ _NOT_DECISIONS = {"kv_seconds", "wall_seconds", "step_time_us_mean", "step_time_
 
 
 @pytest.mark.parametrize(("workload", "share"), [("multi-turn", 0.25), ("mixed", 0.25), ("shared-prefix", 0.5)])
-def test_the_prototype_tie_decides_as_the_cuts_do(monkeypatch, workload, share):
-    """tiny-gemma3 (five 1-layer sliding cuts and a full group) with the cuts tied (``KVLOAD_PROTOTYPE_TIE=1``: the
+def test_the_tie_decides_as_the_cuts_do(monkeypatch, workload, share):
+    """tiny-gemma3 (five 1-layer sliding cuts and a full group) with the cuts tied (``TIE_CUTS``: the
     manager sees 2 groups) admits, hits, evicts and schedules exactly as the page arena of the 6 cuts, on a tight
     budget (no host tier: the twin test below covers it); only the times differ (evictions too are counted per cut)."""
     from engine.simulator import simulate
 
     def run(tie: str, budget: int | None) -> dict:
-        monkeypatch.setenv("KVLOAD_PROTOTYPE_TIE", tie)
+        monkeypatch.setattr("cache_backends.v2.manager.TIE_CUTS", tie == "1")
         config = {"use_kv_cache_manager_v2": True, "host_cache_size": 0}
         if budget is not None:
             config["max_gpu_total_bytes"] = budget
@@ -457,7 +457,7 @@ def _twin_managers(monkeypatch) -> tuple:
 
     out = []
     for tie in ("0", "1"):
-        monkeypatch.setenv("KVLOAD_PROTOTYPE_TIE", tie)
+        monkeypatch.setattr("cache_backends.v2.manager.TIE_CUTS", tie == "1")
         out.append(make_manager(full_sliding_layers(window=4), 6, T=2, host_cache_size=0))
     return tuple(out)
 
@@ -521,7 +521,7 @@ def test_a_tied_suspend_writes_every_cut_s_page_back_when_evicted_and_a_resume_r
 
     twins = []
     for tie in ("0", "1"):
-        monkeypatch.setenv("KVLOAD_PROTOTYPE_TIE", tie)
+        monkeypatch.setattr("cache_backends.v2.manager.TIE_CUTS", tie == "1")
         twins.append(make_manager(full_sliding_layers(window=4), 8, T=2, host_cache_size=10**6))
     cuts, tied = twins
     assert tied._tied_cuts is not None

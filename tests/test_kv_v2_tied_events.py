@@ -1,4 +1,4 @@
-"""KV cache events with a shared arena's cuts tied (PROTOTYPE, ``KVLOAD_PROTOTYPE_TIE=1``: BENCHMARKS.md "tie57c",
+"""KV cache events with a shared arena's cuts tied (``cache_backends.v2.manager.TIE_CUTS``: BENCHMARKS.md "tie57c",
 "tie58a"): a consumer of the events (vLLM-style KV events, a prefix-aware router) must not tell the tie from the page
 arena of the cuts. Each logical block's store and removal goes out once per cut of its family, with the page arena's
 hashes, parent, token ids, cut name and medium, in the page arena's order, through stores, hits, evictions, window
@@ -38,7 +38,7 @@ def _twins(monkeypatch, layout: str, blocks: int, **options) -> tuple:
     """The page arena of ``layout``'s cuts and their tie, each recording KV events into a buffer of its own."""
     out = []
     for tie in ("0", "1"):
-        monkeypatch.setenv("KVLOAD_PROTOTYPE_TIE", tie)
+        monkeypatch.setattr("cache_backends.v2.manager.TIE_CUTS", tie == "1")
         m = make_manager(LAYOUTS[layout], blocks, T=T, max_seq_len=MAX_SEQ, **options)
         out.append(m)
     cuts, tied = out

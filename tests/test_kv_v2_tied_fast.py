@@ -1,4 +1,4 @@
-"""The one-pass paths of a shared arena with its cuts tied (``KVLOAD_PROTOTYPE_TIE=1``, a prototype): a lazily keyed
+"""The one-pass paths of a shared arena with its cuts tied (``TIE_CUTS``, the default): a lazily keyed
 cache's finish (``_finish_parked``), a decode's window slide of the one logical sliding group (``_slide_parked``) and a
 hit's claim (``_claim_arena_path``, with ``probe_hit`` / ``refuse_hit``'s passes) must be taken with the tie, and leave
 the tied arena exactly as the per-group paths do: the same logical blocks owning the same pages, the same free pages
@@ -23,8 +23,7 @@ def _gemma_like(window: int) -> list[LayerKV]:
     return [LayerKV(i, "sliding", 4, window=window) for i in range(5)] + [LayerKV(5, "full", 4)]
 
 
-def _tied_manager(monkeypatch: pytest.MonkeyPatch, window: int, pages: int, **options: object) -> KVCacheManagerV2:
-    monkeypatch.setenv("KVLOAD_PROTOTYPE_TIE", "1")
+def _tied_manager(window: int, pages: int, **options: object) -> KVCacheManagerV2:
     m = make_manager(_gemma_like(window), pages, **options)
     assert m._tied_cuts == [[f"sliding_w{window}.{i}" for i in range(5)], ["full"]]  # the tie is on: 2 groups
     return m
@@ -92,7 +91,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, requests: list[tuple[str, list[int], i
     finish frees) through the tied arena, ``at_once`` at a time, a token per decode step (reserved by
     ``schedule_tokens``, as the scheduler does), every running request's KV read back through its cut tables; the
     state after every step and the one-pass paths taken."""
-    m = _tied_manager(monkeypatch, window, pages)
+    m = _tied_manager(window, pages)
     took = _paths(m, fast)
     queue = [Request(rid, prompt, new) for rid, prompt, new, _ in requests]
     ahead = {rid: k for rid, _, _, k in requests}
@@ -161,7 +160,7 @@ def test_tied_one_pass_paths_leave_the_arena_as_the_per_group_paths_on_any_mix(s
 def _driven(monkeypatch: pytest.MonkeyPatch, fast: bool) -> tuple[list, dict[str, int]]:
     """Shared-prefix requests scheduled under pressure on the tied arena (probes, refused hits, evictions), each
     step's KV checked by ``drive``: what each step scheduled, admitted and preempted, and the paths taken."""
-    m = _tied_manager(monkeypatch, 8, 12)
+    m = _tied_manager(8, 12)
     took = _paths(m, fast)
     # every other request opens with a shared prompt (hits, keyed), the others with their own (lazily keyed)
     requests = [Request(f"q{k}", ([1, 2, 3, 4, 5, 6, 7, 8, 9][: 5 + k % 5] if k % 2 else [])
@@ -187,7 +186,7 @@ def test_a_tied_finish_gives_its_tail_s_pages_and_ids_back_as_a_release_does(mon
     the full blocks and frees the tail's logical blocks with their pages (the page arena's finish wrote a tied
     arena's page list with logical ids): every page is free or owned once, and the freed pages serve the next
     request, whose KV reads back."""
-    m = _tied_manager(monkeypatch, 8, 6)
+    m = _tied_manager(8, 6)
     took = _paths(m, True)
     arena = m._arena
     r = Request("r", list(range(1, 11)), 2)  # 10 tokens, then 2: 3 full blocks
@@ -219,7 +218,7 @@ def test_a_tied_slide_is_one_logical_group_s_position_taken_in_one_pass(monkeypa
     """With the cuts tied a window set is one logical group (``len(got) == 1`` in ``_slide_parked``): each decode
     slide of a lazily keyed request parks and lets go of that one block (its 5 pages) in one pass, as many times
     as the window moves past a block."""
-    m = _tied_manager(monkeypatch, 4, 10)
+    m = _tied_manager(4, 10)
     took = _paths(m, True)
     assert [len(names) for *_, names, _ in m._arena_windows] == [1]
     r = Request("r", [1, 2, 3, 4, 5], 12)

@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator
 from itertools import chain, compress, repeat, takewhile
@@ -100,6 +99,14 @@ from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
 from cache_backends.v2.tied_pool import CutTables, TiedArena, TiedShare
+
+#: Whether the V2 manager ties a shared arena's cuts of one group (``layout.share_pages`` cuts a group whose layers
+#: outnumber a page's, e.g. Gemma 3 27B: 52 sliding + 10 full layers as 31 groups of 2-layer pages) into one logical
+#: group whose block owns a page per cut (``cache_backends.v2.tied_pool``): the manager then walks 2 block tables a
+#: request, not 31, at about V1's CPU (BENCHMARKS.md "tie57d", "tie58b"). Its decisions, KV events and host tier are
+#: the page arena's (each cut its own group, evicting whole rows: ``SharedPool``); False runs that page arena, the
+#: reference the tie is checked against (``tests/test_kv_v2_tied*.py``).
+TIE_CUTS = True
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -273,15 +280,14 @@ class KVCacheManagerV2:
         self.options = options
         self.T = self.layout.tokens_per_block
         self._groups: tuple[LayerGroup, ...] = self.layout.groups
-        #: PROTOTYPE (BENCHMARKS.md "tie57c"): with ``KVLOAD_PROTOTYPE_TIE=1`` in the environment, a shared arena's
-        #: cuts of one group are tied (:func:`~cache_backends.layout.tied_groups`): ``self._groups`` are the logical
-        #: groups (Gemma 3 27B: 2, not 31), each block owning a page per cut (``TiedArena``); ``layout.groups`` stay
-        #: the cuts, and pages appear where memory is touched (``block_tables``, ``fork``, ``_claim_partial_arena``).
-        #: KV events go out per cut (``_event_cuts``: ``_detach``, ``_stored``). The host tier holds a slot per page
-        #: (``cache.host`` by cut; ``reclaim`` and the write-back map by logical group, ``_suspend_tied``,
-        #: ``_restore``). The public per-group APIs (:attr:`groups`, ``stats()``, ``block_table``, ``shortfall``,
-        #: ``per_group``, ``growth_*``, ``available_blocks``) speak the cuts either way. ``_tied_cuts[i]``: logical
-        #: group ``i``'s cut names.
+        #: A shared arena's cuts of one group are tied (:data:`TIE_CUTS`, :func:`~cache_backends.layout.tied_groups`;
+        #: BENCHMARKS.md "tie57" to "tie58"): ``self._groups`` are the logical groups (Gemma 3 27B: 2, not 31), each
+        #: block owning a page per cut (``TiedArena``); ``layout.groups`` stay the cuts, and pages appear where memory
+        #: is touched (``block_tables``, ``fork``, ``_claim_partial_arena``). KV events go out per cut
+        #: (``_event_cuts``: ``_detach``, ``_stored``). The host tier holds a slot per page (``cache.host`` by cut;
+        #: ``reclaim`` and the write-back map by logical group, ``_suspend_tied``, ``_restore``). The public per-group
+        #: APIs (:attr:`groups`, ``stats()``, ``block_table``, ``shortfall``, ``per_group``, ``growth_*``,
+        #: ``available_blocks``) speak the cuts either way. ``_tied_cuts[i]``: logical group ``i``'s cut names.
         self._tied_cuts: list[list[str]] | None = None
         #: with the tie on, each cut's name -> (its logical group's index, its page's index in a logical block)
         self._cut_of: dict[str, tuple[int, int]] = {}
@@ -292,16 +298,15 @@ class KVCacheManagerV2:
         #: and the events it heard, each ``(logical group, REMOVED, keys, 0)`` or ``(logical group, STORED, [(hashes,
         #: parent, token ids)] stretches, tokens per block)``, with no cut name yet; else None
         self._batch: tuple[str | None, list[_Heard]] | None = None
-        if os.environ.get("KVLOAD_PROTOTYPE_TIE") == "1" and self.layout.shared:
-            logical, cuts = tied_groups(self.layout.groups)
+        logical, cuts = tied_groups(self.layout.groups) if TIE_CUTS and self.layout.shared else ([], [])
+        if any(len(c) > 1 for c in cuts):  # (an arena of uncut groups is its own tie: a page a block)
             self._tied_cuts = [[self.layout.groups[i].name for i in c] for c in cuts]
             self._groups = tuple(logical)
             self._cut_of = {name: (g, j) for g, names in enumerate(self._tied_cuts) for j, name in enumerate(names)}
             self._event_cuts = {g.name: names for g, names in zip(logical, self._tied_cuts, strict=True)}
-            self._detach = self._detach_tied  # type: ignore[method-assign]  # (the page arena's path: untouched)
         self._group = {g.name: g for g in self._groups}
-        #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied (PROTOTYPE,
-        #: ``KVLOAD_PROTOTYPE_TIE``) its family's cuts, a logical block holding a page per cut. Every check of blocks
+        #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied its
+        #: family's cuts, a logical block holding a page per cut. Every check of blocks
         #: against a pool set's ``available`` (pages) weighs a block by it: ``_spans``, ``_set_cycles`` and
         #: ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``, ``probe_hit``, ``_reserve_shared`` and
         #: ``_claim_partial_arena`` weigh the groups' blocks.
@@ -781,7 +786,7 @@ class KVCacheManagerV2:
         return True
 
     def _suspend_tied(self, cache: SequenceCache, keep: dict[str, int], held: dict[str, int]) -> bool:
-        """:meth:`suspend` with the cuts tied (PROTOTYPE): a host slot per page, ``cache.host`` keyed by the cuts
+        """:meth:`suspend` with the cuts tied: a host slot per page, ``cache.host`` keyed by the cuts
         (the host tier's groups), ``cache.reclaim`` and the write-back map by logical group and block (a cached
         logical block still on the device is written back, every page, only if it is evicted first)."""
         host_tier, arena, cuts = self.host, self._arena, self._tied_cuts
@@ -2409,6 +2414,12 @@ class KVCacheManagerV2:
     def _detach(self, group: str, blocks: list[int]) -> None:
         """Unhook evicted or dropped blocks of ``group`` from their radix runs (the pool's other bookkeeping is the
         caller's); a suspended cache's page among them is copied to its host slot first (write-back)."""
+        if self._event_cuts and self._batch is None and self.kv_events is not None:
+            # the cuts tied: what one call reports (its removals, then the stores of the copies it hangs in their
+            # place) goes out cut by cut, as the page arena's call per cut reports it (inside, _batch is set)
+            with self._cut_by_cut(group):
+                self._detach(group, blocks)
+            return
         later = self._write_back[group]
         if later:
             slots: list[int] = []
@@ -2444,16 +2455,6 @@ class KVCacheManagerV2:
                 self._hang_copy(group, run, p, got)  # type: ignore[arg-type]
             return
         self._tree.detach(group, blocks)
-
-    def _detach_tied(self, group: str, blocks: list[int]) -> None:
-        """:meth:`_detach` with the cuts tied (bound as ``self._detach``): with KV events on, what one call reports
-        (its removals, then the stores of the copies it hangs in their place) goes out cut by cut, as the page arena's
-        call per cut reports it."""
-        if self.kv_events is None or self._batch is not None:
-            KVCacheManagerV2._detach(self, group, blocks)
-            return
-        with self._cut_by_cut(group):
-            KVCacheManagerV2._detach(self, group, blocks)
 
     @contextlib.contextmanager
     def _cut_by_cut(self, group: str | None) -> Iterator[list[_Heard]]:
@@ -2630,7 +2631,7 @@ class KVCacheManagerV2:
 
     def _pages_of(self, group: str, blocks: list[int]) -> tuple[Any, list[int]]:
         """The tensor ``group``'s blocks live in and their page ids there: the blocks themselves, or with the cuts
-        tied (PROTOTYPE) each logical block's pages, in cut order, in the arena's one tensor."""
+        tied each logical block's pages, in cut order, in the arena's one tensor."""
         if self._tied_cuts is None:
             return self.pools.tensors[group], blocks
         pages = self._arena.pages  # type: ignore[union-attr]

@@ -1,4 +1,4 @@
-"""A tie of a shared arena's cuts: logical blocks of k pages and their eviction queue, counted in pages (PROTOTYPE).
+"""A tie of a shared arena's cuts: logical blocks of k pages and their eviction queue, counted in pages.
 
 Why: Gemma 3 27B's arena is 31 groups (26 sliding cuts and 5 full cuts of 2 layers each, ``layout.share_pages``)
 that take, slide, release and leave the cache a row at a time (``SharedPool._row_rest``; BENCHMARKS.md "tie57",
@@ -20,8 +20,8 @@ entries' pages again, as the page queue counts each refreshed page).
 radix owners and queue, free space in pages (its takes, slides, finish release, hit claims, a partial hit's source
 hold and a stale tail's drop checked against ``SharedPool`` of the cuts in ``tests/test_kv_v2_tied.py``);
 :class:`TiedShare` is a logical group's view with ``GroupShare``'s interface, counted in blocks of ``k`` pages. The
-manager runs on it only under ``KVLOAD_PROTOTYPE_TIE=1`` (see BENCHMARKS.md "tie57c" for what is left, file by
-function).
+manager runs on it wherever a shared arena has cuts (``cache_backends.v2.manager.TIE_CUTS``; BENCHMARKS.md "tie57"
+to "tie58").
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def _no_detach(name: str, blocks: list[int]) -> None:
 
 
 class TiedArena:
-    """Logical blocks of tied groups (PROTOTYPE: the core of a tie, the manager's arena under
-    ``KVLOAD_PROTOTYPE_TIE=1``): logical group ``g``'s block ``L`` owns ``k[g]`` pages of one page arena,
+    """Logical blocks of tied groups (the core of a tie, the manager's arena where a shared arena has cuts):
+    logical group ``g``'s block ``L`` owns ``k[g]`` pages of one page arena,
     ``pages[L]`` (one a cut, in cut order); reference counts, radix owners, priorities and the eviction queue
     (:class:`RowQueue`) are per logical block, free space is in pages.
 
@@ -613,7 +613,7 @@ class TiedShare:
 
 class CutTables:
     """One logical block table's cut page tables (what attention reads, one list per cut), kept in step with it
-    (PROTOTYPE: for ``KVCacheManagerV2.block_tables`` once tied): :meth:`read` changes only the positions whose
+    (for ``KVCacheManagerV2.block_tables`` with the cuts tied): :meth:`read` changes only the positions whose
     logical block changed since the last read (a block is the same while its id and ``gen`` are), appends what the
     logical table gained and cuts what it lost, so the lists stay the same objects from read to read.
 
