@@ -544,3 +544,29 @@ def test_a_tied_suspend_writes_every_cut_s_page_back_when_evicted_and_a_resume_r
     assert a_cuts.committed == a_tied.committed == 9
     assert cuts.stats().groups == tied.stats().groups and cuts.stats().evictions == tied.stats().evictions > 0
     assert cuts.host.bytes_stored == tied.host.bytes_stored > 0 and cuts.host.bytes_loaded == tied.host.bytes_loaded
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_tied_manager_let_go_of_frees_its_pools_at_once(events):
+    """A tied manager (KV events on or off) holds no reference cycle: dropping the last reference frees its pool
+    tensors at once, not at the garbage collector's next pass (on a GPU, that memory would stay taken meanwhile)."""
+    import gc
+    import weakref
+
+    from cache_backends.kv_events import KvEventBuffer
+    from tests.kv_v2_support import full_sliding_layers, make_manager
+
+    gc.collect()
+    gc.disable()
+    try:
+        m = make_manager(full_sliding_layers(window=4), 6, T=2, host_cache_size=0)
+        assert m._tied_cuts is not None  # the cuts are tied
+        if events:
+            m.enable_kv_events(KvEventBuffer(1 << 10))
+        tensors = [weakref.ref(t) for t in m.pools.tensors.values()]
+        manager = weakref.ref(m)
+        del m
+        assert manager() is None
+        assert all(t() is None for t in tensors)
+    finally:
+        gc.enable()
