@@ -30,10 +30,13 @@ from tests.kv_v2_support import (
     blocks_add_up,
     check_kv,
     compute,
+    cuts_of,
     make_manager,
     next_token,
+    own_groups,
     prefill,
     split_sliding_layers,
+    tied,
     write_kv,
 )
 
@@ -153,7 +156,11 @@ def test_room_is_checked_jointly_for_the_groups_of_the_arena():
     admit(m, r)
     # 8 tokens need 2 blocks in each of 6 groups = 12 pages; each group alone would fit its 2 in 11
     assert m.fit_tokens(r, 8) == 4 and m.allocate(r, 8) is False
-    assert m.shortfall({"full": 6, "sliding_w64.0": 6}) == "12 blocks of the arena shared by 6 groups needed, " \
+    # a need of one cut of the sliding family alone: the page arena takes its 6 pages; a tie of the cuts takes whole
+    # rows only (a logical block holds a page of each of the 5 cuts), so 6 blocks of one cut are 6 rows, 30 pages. By
+    # design: the manager itself asks every cut of a family alike (per_group), so no decision of its depends on it
+    need = 6 + 6 * (5 if tied(m) else 1)
+    assert m.shortfall({"full": 6, "sliding_w64.0": 6}) == f"{need} blocks of the arena shared by 6 groups needed, " \
                                                            "11 free or evictable"
     too_long = Request("x", list(range(1, 9)), 0)
     assert "needs 12 blocks of the arena shared by 6 groups for 8 tokens; the pool has 11" in m.never_fits(too_long)
@@ -1083,14 +1090,17 @@ def test_a_run_grown_by_several_blocks_is_keyed_for_all_groups_at_once_as_group_
         m.check_invariants()
     run, other = bulk.cache(turn).last, alone.cache(again).last
     assert len(run.held) == len(other.held) and run.start + len(run.held) == 6  # every full block hung in place
-    assert run.held == other.held == [len(bulk.groups)] * len(run.held)
+    groups = own_groups(bulk)  # the run hangs the manager's own blocks (tied: a logical block, a page of every cut)
+    assert run.held == other.held == [len(groups)] * len(run.held)
     assert run.tokens == other.tokens and run.blocks == other.blocks
     assert bulk._tree.num_nodes == alone._tree.num_nodes
-    for name in bulk._names:
-        table = bulk.block_table(turn, name)
-        assert table == alone.block_table(again, name)
+    for g, cuts in groups:
+        table = bulk.cache(turn).tables[g.name]
+        assert table == alone.cache(again).tables[g.name]
         assert [(bulk._arena.node[b] is run, bulk._arena.pos[b]) for b in table[2:6]] \
             == [(True, p) for p in range(2, 6)]
+        for cut in cuts:  # the pages attention reads
+            assert bulk.block_table(turn, cut) == alone.block_table(again, cut)
     # the next turn finds all six blocks
     m = bulk
     m.free(turn)
@@ -1354,14 +1364,18 @@ def test_a_padded_layout_keeps_every_layers_entries_through_hits_slides_and_susp
 
 
 def _cached_rows(m: KVCacheManagerV2) -> dict[tuple[int, int], set[str]]:
-    """Every cached radix position of a shared arena -> the sliding cuts holding a page there."""
+    """Every cached radix position of a shared arena -> the sliding cuts holding a page there (with the cuts tied, a
+    cached logical block's cuts whose page it holds: a tie evicts and caches whole rows by construction)."""
     arena = m._arena
     assert arena is not None
     rows: dict[tuple[int, int], set[str]] = {}
-    for b in range(arena.num_blocks):
+    for b in range(len(arena.group_of)):
         g, node = arena.group_of[b], arena.node[b]
         if node is not None and g >= 0 and arena.names[g].startswith("sliding"):
-            rows.setdefault((id(node), arena.pos[b]), set()).add(arena.names[g])
+            cuts = cuts_of(m, arena.names[g])
+            pages = arena.pages[b] if tied(m) else (b,)  # type: ignore[union-attr]
+            rows.setdefault((id(node), arena.pos[b]), set()).update(c for c, p in zip(cuts, pages, strict=True)
+                                                                     if p >= 0)
     return rows
 
 
@@ -1431,12 +1445,11 @@ def test_a_window_slide_of_two_positions_is_queued_row_by_row_so_a_take_evicts_o
     a = Request("a", list(range(1, 17)), 0)  # 16 tokens: the window (8) leaves positions 0 and 1 at once
     prefill(m, a)
     assert sorted(p for _, p in _cached_rows(m)) == [0, 1]
-    arena = m._arena
-    assert arena is not None and len(arena._free) == 1
+    assert m.stats().groups["full"].free == 1  # (the arena's free pages)
     b = Request("b", list(range(500, 504)), 0)  # a block for each of the six groups: one page free, five evicted
     admit(m, b)
     compute(m, b, 4)
-    assert arena.evicted == [1, 1, 1, 1, 1, 0]
+    assert {name: g.evictions for name, g in m.stats().groups.items()} == {**dict.fromkeys(_names()[:5], 1), "full": 0}
     rows = _cached_rows(m)
     assert [p for _, p in rows] == [1] and all(len(cuts) == 5 for cuts in rows.values())
     check_kv(m, a)
