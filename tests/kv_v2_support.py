@@ -158,7 +158,7 @@ def split_sliding_layers(window: int = 8) -> list[LayerKV]:
 
 
 def tied(manager: KVCacheManagerV2) -> bool:
-    """Whether the manager ties each cut family of its shared arena into one logical group (KVLOAD_PROTOTYPE_TIE)."""
+    """Whether the manager ties each cut family of its shared arena into one logical group (``TIE_CUTS``)."""
     return manager._tied_cuts is not None
 
 
