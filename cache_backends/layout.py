@@ -22,7 +22,7 @@ does not fill: its unused layer slots are bytes it takes from the arena and neve
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import attrs
@@ -568,6 +568,56 @@ def share_pages(groups: list[LayerGroup], dtype_bytes: int,
             out.append(attrs.evolve(g, name=f"{g.name}.{i}", layers=g.layers[i * size:i * size + n],
                                     bytes_per_block=page, padding=size - n))
     return out, None
+
+
+def cut_families(groups: Sequence[LayerGroup]) -> list[int]:
+    """Per group, the index of its *family*: the cuts :func:`share_pages` made of one group (``name.0``, ``name.1``,
+    ... of one kind, window and block span) share one; every other group is a family of its own.
+
+    Why: the cuts of one group hold a prefix position together (they take, slide and release blocks at the same
+    moments), and a hit needs every one of them, so the shared arena evicts a position's blocks of a family together
+    (``SharedPool._row_rest``)."""
+    first: dict[tuple[str, str, int | None, int], int] = {}
+    out: list[int] = []
+    for i, g in enumerate(groups):
+        base, dot, tail = g.name.rpartition(".")
+        if not dot or not tail.isdigit():
+            out.append(i)
+            continue
+        out.append(first.setdefault((base, g.kind, g.window, g.tokens_per_block), i))
+    return out
+
+
+def tied_groups(groups: Sequence[LayerGroup]) -> tuple[list[LayerGroup], list[tuple[int, ...]]]:
+    """The groups a tie of the cuts shows the V2 manager (``cache_backends.v2.manager.TIE_CUTS``; BENCHMARKS.md
+    "tie57c"): one logical group per family (:func:`cut_families`), and per logical group the indexes in ``groups``
+    of its cuts, in order (its block owns one page of each: ``cache_backends.v2.tied_pool.TiedArena``'s
+    ``k = len(cuts)``).
+
+    A family of several cuts becomes a group named as before the cut (``sliding_w1024``), holding every cut's layers
+    and padding, its block the bytes of all its pages; a family of one is its group unchanged. What the user sees
+    (``plan``, audit events, ``--json``) stays ``groups``, the cuts: the tie is the manager's bookkeeping only.
+
+    Why: the cuts of a family take, slide, release and leave the cache a row at a time, so the manager's per-group walks
+    over them (31 block tables a request on Gemma 3 27B) can be one walk per family (2)."""
+    families = cut_families(groups)
+    members: dict[int, list[int]] = {}
+    for i, f in enumerate(families):
+        members.setdefault(f, []).append(i)
+    logical: list[LayerGroup] = []
+    cuts: list[tuple[int, ...]] = []
+    for f, idx in members.items():
+        first = groups[f]
+        if len(idx) > 1:
+            if idx != list(range(idx[0], idx[0] + len(idx))):
+                raise ValueError(f"the cuts of {first.name} are not next to each other: {idx}")
+            first = attrs.evolve(first, name=first.name.rpartition(".")[0],
+                                 layers=tuple(layer for i in idx for layer in groups[i].layers),
+                                 bytes_per_block=sum(groups[i].bytes_per_block for i in idx),
+                                 padding=sum(groups[i].padding for i in idx))
+        logical.append(first)
+        cuts.append(tuple(idx))
+    return logical, cuts
 
 
 def _group_name(kind: str, layer_kind: str, window: int | None, rate: int | None) -> str:

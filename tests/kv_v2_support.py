@@ -157,6 +157,45 @@ def split_sliding_layers(window: int = 8) -> list[LayerKV]:
     return [LayerKV(0, "full", 4), LayerKV(1, "sliding", 8, window=window), LayerKV(2, "sliding", 8, window=window)]
 
 
+def tied(manager: KVCacheManagerV2) -> bool:
+    """Whether the manager ties each cut family of its shared arena into one logical group (``TIE_CUTS``)."""
+    return manager._tied_cuts is not None
+
+
+def cuts_of(manager: KVCacheManagerV2, name: str) -> list[str]:
+    """The groups the user sees (``manager.groups``, the cuts) that the manager's own group ``name`` stands for: itself,
+    or with the cuts tied its logical group's cuts (one page of each per logical block)."""
+    if manager._tied_cuts is None:
+        return [name]
+    return manager._tied_cuts[manager._names.index(name)]
+
+
+def own_groups(manager: KVCacheManagerV2) -> list[tuple[Any, list[str]]]:
+    """The manager's own groups (its tables, radix runs and pools are keyed by them) with the cuts each stands for:
+    ``(group, [group.name])`` for every group, or with the cuts tied ``(logical group, its cuts)``."""
+    return [(g, cuts_of(manager, g.name)) for g in manager._groups]
+
+
+def pool_sets(manager: KVCacheManagerV2) -> list[tuple[Any, list[str]]]:
+    """Per pool set (the order of ``extra`` and ``growth_bound_sets``), its pool and the names of the groups the user
+    sees in it: the manager's own names, with the cuts tied each logical group's cuts."""
+    return [(pool, [cut for name in names for cut in cuts_of(manager, name)]) for pool, names in manager._pool_sets]
+
+
+def point_at(manager: KVCacheManagerV2, request: Request, group: str, j: int, page: int) -> None:
+    """Make position ``j`` of ``group``'s block table of ``request`` read ``page`` (a bookkeeping bug, simulated): the
+    table's entry, or with the cuts tied the page its logical block holds for the cut (tables there are logical)."""
+    if manager._tied_cuts is None:
+        manager.cache(request).tables[group][j] = page
+        return
+    g, i = manager._cut_of[group]
+    arena = manager._arena
+    b = manager.cache(request).tables[manager._groups[g].name][j]
+    pages = list(arena.pages[b])  # type: ignore[union-attr]
+    pages[i] = page
+    arena.pages[b] = tuple(pages)  # type: ignore[union-attr]
+
+
 def blocks_add_up(stats: Any, shared: bool) -> bool:
     """free + evictable + used == total: per group, or for a shared arena its free pages plus every group's."""
     groups = list(stats.groups.values())

@@ -11,6 +11,7 @@ from tests.kv_v2_support import (
     check_kv,
     full_sliding_layers,
     make_manager,
+    point_at,
     prefix_values,
     split_sliding_layers,
     write_kv,
@@ -54,8 +55,7 @@ def test_check_kv_fails_when_a_shared_page_belongs_to_another_group():
     holding the same prefix must still read back wrong (values depend on the layer index)."""
     manager = make_manager(full_sliding_layers(window=64), 8, enable_block_reuse=False)
     r = _one_request(manager)
-    tables = manager.cache(r).tables
-    tables["sliding_w64.0"][0] = tables["full"][0]  # same tokens, another group's (layer's) page
+    point_at(manager, r, "sliding_w64.0", 0, manager.block_table(r, "full")[0])  # same tokens, another group's page
     with pytest.raises(AssertionError, match="sliding_w64.0 entry 0"):
         check_kv(manager, r)
 

@@ -26,6 +26,7 @@ from tests.kv_v2_support import (
     full_sliding_layers,
     make_manager,
     next_token,
+    own_groups,
     prefill,
     split_sliding_layers,
     write_kv,
@@ -546,20 +547,26 @@ def test_resume_is_refused_above_max_util_for_resume_unless_nothing_else_runs():
 
 
 def _restore_needs_by_page(m: KVCacheManagerV2, cache) -> dict[str, tuple[int, int, int]]:
-    """A suspended cache's per-group needs as a pass over every host page computes them (the reference)."""
+    """A suspended cache's per-group needs as a pass over every host page computes them (the reference), per group of
+    the manager's own (with the cuts tied, a logical group: its blocks take a page of each cut, so every cut's pass
+    must find the same needs)."""
     next_len = cache.committed + (1 if cache.request.num_tokens > cache.committed else 0)
     needs = {}
-    for g in m.groups:
-        pool, new, reclaim_cached = m._pool[g.name], 0, 0
-        for j, slot in enumerate(cache.host[g.name]):
-            if slot < 0:
-                continue
-            b = m._reclaimable(cache, g.name, j)
-            if b is None:
-                new += 1
-            elif pool.ref[b] == 0:
-                reclaim_cached += 1
-        needs[g.name] = (new, reclaim_cached, max(0, -(-next_len // g.tokens_per_block) - len(cache.host[g.name])))
+    for g, cuts in own_groups(m):
+        pool = m._pool[g.name]
+        per_cut = set()
+        for cut in cuts:  # the host tier holds a slot per page: per cut
+            new, reclaim_cached = 0, 0
+            for j, slot in enumerate(cache.host[cut]):
+                if slot < 0:
+                    continue
+                b = m._reclaimable(cache, g.name, j)
+                if b is None:
+                    new += 1
+                elif pool.ref[b] == 0:
+                    reclaim_cached += 1
+            per_cut.add((new, reclaim_cached, max(0, -(-next_len // g.tokens_per_block) - len(cache.host[cut]))))
+        (needs[g.name],) = per_cut
     return needs
 
 

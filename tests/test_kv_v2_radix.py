@@ -12,7 +12,16 @@ from cache_backends import LayerKV
 from cache_backends.hashing import chain_hashes, pack_tokens
 from cache_backends.request import Request
 from cache_backends.v2.radix import INDEX_CHILDREN_AFTER, RadixNode, RadixTree
-from tests.kv_v2_support import FULL, admit, compute, full_sliding_layers, make_manager, prefill, split_sliding_layers
+from tests.kv_v2_support import (
+    FULL,
+    admit,
+    compute,
+    full_sliding_layers,
+    make_manager,
+    own_groups,
+    prefill,
+    split_sliding_layers,
+)
 
 T = 4
 
@@ -391,11 +400,12 @@ def test_a_lookup_compares_runs_whole_and_stops_where_a_block_by_block_walk_does
 
 def _usable_by_scan(m, last: RadixNode, n: int) -> int:
     """The longest multiple of the reuse unit whose blocks every group holds: each length checked group by group,
-    from the longest down (the reference)."""
+    from the longest down (the reference). The groups the radix tree keys (the manager's own: with the cuts tied, a
+    logical group per family, whose block holds a page of every cut)."""
     T, unit = m.T, m.reuse_unit or m.T
     for length in range(n * T // unit * unit, 0, -unit):
         ok = True
-        for g in m.groups:
+        for g, _ in own_groups(m):
             tpb, step = g.tokens_per_block, g.tokens_per_block // T
             along = m._tree.path_blocks(last, n, g.name)
             present = [along[(j + 1) * step - 1] >= 0 for j in range(n // step)]

@@ -20,6 +20,7 @@ from tests.kv_v2_support import (
     drive,
     full_sliding_layers,
     make_manager,
+    pool_sets,
     prefill,
     split_sliding_layers,
     write_kv,
@@ -672,14 +673,15 @@ def test_admission_per_life_cycle_decides_as_the_per_group_estimates_would(data,
         for r in running) for g in m.groups}
     new = Request("new", [1, 2, 3], data.draw(st.integers(1, 40), label="new max_new"))
     own = m.cycle_growth_new(new, ratio, data.draw(st.integers(1, 12), label="first chunk"))
-    extra = [data.draw(st.integers(-4, 4), label="extra")] * len(m._pool_sets)
+    sets = pool_sets(m)  # (a pool's available counts pages; each group the user sees, a cut, a page per block)
+    extra = [data.draw(st.integers(-4, 4), label="extra")] * len(sets)
     bound = m.growth_bound_with(new)
-    assert m.growth_bound_sets(new) == [sum(bound[name] for name in names) for _, names in m._pool_sets]
+    assert m.growth_bound_sets(new) == [sum(bound[name] for name in names) for _, names in sets]
     per_group = {name: k + headroom_k + bound[name]
                  for (name, k), headroom_k in zip(m.per_group(own).items(), m.per_group(headroom).values(),
                                                   strict=True)}
     with_extra = all(sum(per_group[name] for name in names) <= pool.available + e
-                     for (pool, names), e in zip(m._pool_sets, extra, strict=True))
+                     for (pool, names), e in zip(sets, extra, strict=True))
     assert m.short_of(own, headroom, extra=extra, sets=m.growth_bound_sets(new)) is not with_extra
     assert m.short_of(own, headroom, sets=m.growth_bound_sets(new)) is (m.shortfall(per_group) is not None)
 

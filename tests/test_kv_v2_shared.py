@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import pipeline
 from cache_backends import LayerKV, build_layout
+from cache_backends.layout import cut_families
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v2 import KVCacheManagerV2
@@ -29,10 +30,13 @@ from tests.kv_v2_support import (
     blocks_add_up,
     check_kv,
     compute,
+    cuts_of,
     make_manager,
     next_token,
+    own_groups,
     prefill,
     split_sliding_layers,
+    tied,
     write_kv,
 )
 
@@ -152,7 +156,11 @@ def test_room_is_checked_jointly_for_the_groups_of_the_arena():
     admit(m, r)
     # 8 tokens need 2 blocks in each of 6 groups = 12 pages; each group alone would fit its 2 in 11
     assert m.fit_tokens(r, 8) == 4 and m.allocate(r, 8) is False
-    assert m.shortfall({"full": 6, "sliding_w64.0": 6}) == "12 blocks of the arena shared by 6 groups needed, " \
+    # a need of one cut of the sliding family alone: the page arena takes its 6 pages; a tie of the cuts takes whole
+    # rows only (a logical block holds a page of each of the 5 cuts), so 6 blocks of one cut are 6 rows, 30 pages. By
+    # design: the manager itself asks every cut of a family alike (per_group), so no decision of its depends on it
+    need = 6 + 6 * (5 if tied(m) else 1)
+    assert m.shortfall({"full": 6, "sliding_w64.0": 6}) == f"{need} blocks of the arena shared by 6 groups needed, " \
                                                            "11 free or evictable"
     too_long = Request("x", list(range(1, 9)), 0)
     assert "needs 12 blocks of the arena shared by 6 groups for 8 tokens; the pool has 11" in m.never_fits(too_long)
@@ -280,8 +288,8 @@ def test_batched_arena_calls_do_exactly_what_the_per_group_calls_do():
             # the same blocks detached from the same runs, per group (take_each detaches once per group, in
             # eviction order; radix detaching is confluent, so only what is detached matters)
             assert got_a == got_b and _detached(seen_a) == _detached(seen_b) and _pool_state(a) == _pool_state(b)
-            for g, table in enumerate(tables_a):  # a window of every group slides past 2 blocks
-                for j in range(2):
+            for j in range(2):  # a window of every group slides past 2 blocks, released position by position
+                for g, table in enumerate(tables_a):
                     a.release(g, (table[j],), 1, True, lambda n, x: None)
                     table[j] = -1
             b.release_slices(list(enumerate(tables_b)), 0, 2, 1)
@@ -967,7 +975,8 @@ def test_a_hits_claim_interrupted_on_a_shared_arena_leaves_no_claim_behind(one_p
 
     def interrupted(*args: object) -> list[int]:
         calls[0] += 1
-        if calls[0] == (1 if one_pass else 3):
+        # the loop: at the third group's path (with the cuts tied, as they are by default: the second of two)
+        if calls[0] == (1 if one_pass else min(3, len(m._names))):
             raise KeyboardInterrupt
         return real(*args)
 
@@ -1081,14 +1090,17 @@ def test_a_run_grown_by_several_blocks_is_keyed_for_all_groups_at_once_as_group_
         m.check_invariants()
     run, other = bulk.cache(turn).last, alone.cache(again).last
     assert len(run.held) == len(other.held) and run.start + len(run.held) == 6  # every full block hung in place
-    assert run.held == other.held == [len(bulk.groups)] * len(run.held)
+    groups = own_groups(bulk)  # the run hangs the manager's own blocks (tied: a logical block, a page of every cut)
+    assert run.held == other.held == [len(groups)] * len(run.held)
     assert run.tokens == other.tokens and run.blocks == other.blocks
     assert bulk._tree.num_nodes == alone._tree.num_nodes
-    for name in bulk._names:
-        table = bulk.block_table(turn, name)
-        assert table == alone.block_table(again, name)
+    for g, cuts in groups:
+        table = bulk.cache(turn).tables[g.name]
+        assert table == alone.cache(again).tables[g.name]
         assert [(bulk._arena.node[b] is run, bulk._arena.pos[b]) for b in table[2:6]] \
             == [(True, p) for p in range(2, 6)]
+        for cut in cuts:  # the pages attention reads
+            assert bulk.block_table(turn, cut) == alone.block_table(again, cut)
     # the next turn finds all six blocks
     m = bulk
     m.free(turn)
@@ -1221,9 +1233,9 @@ def test_a_keyed_finish_requeues_its_window_s_last_leavings_a_set_at_once_as_gro
                                                                                            monkeypatch):
     """At a keyed cache's finish on a shared arena, the blocks its window let go that the next turn's hit reads are
     requeued as the youngest (``_refresh_window_head``): looked up once for the window set and read for all its groups
-    in one pass, in the per-group loop's order (groups, then positions tail first). Every step's arena and queue must
-    be the loop's, and the one pass must have requeued blocks of keyed finishes. (A reuse unit of two token blocks,
-    as a group spanning two would make it, has a finish requeue two positions of each group.)"""
+    in one pass, in the per-group loop's order (positions tail first, each position's groups together). Every step's
+    arena and queue must be the loop's, and the one pass must have requeued blocks of keyed finishes. (A reuse unit of
+    two token blocks, as a group spanning two would make it, has a finish requeue two positions of each group.)"""
     import tests.test_kv_v2_shared as here
 
     convs = [([5, 6, 7, 8, 9, 10, 11], [[21, 22], [23, 24, 25, 26, 27], [28]], 3),
@@ -1349,3 +1361,117 @@ def test_a_padded_layout_keeps_every_layers_entries_through_hits_slides_and_susp
         check_kv(m, r)
     assert any(held(m.block_table(r, padded_group.name)) for r in reqs)
     m.check_invariants()
+
+
+def _cached_rows(m: KVCacheManagerV2) -> dict[tuple[int, int], set[str]]:
+    """Every cached radix position of a shared arena -> the sliding cuts holding a page there (with the cuts tied, a
+    cached logical block's cuts whose page it holds: a tie evicts and caches whole rows by construction)."""
+    arena = m._arena
+    assert arena is not None
+    rows: dict[tuple[int, int], set[str]] = {}
+    for b in range(len(arena.group_of)):
+        g, node = arena.group_of[b], arena.node[b]
+        if node is not None and g >= 0 and arena.names[g].startswith("sliding"):
+            cuts = cuts_of(m, arena.names[g])
+            pages = arena.pages[b] if tied(m) else (b,)  # type: ignore[union-attr]
+            rows.setdefault((id(node), arena.pos[b]), set()).update(c for c, p in zip(cuts, pages, strict=True)
+                                                                     if p >= 0)
+    return rows
+
+
+def test_cut_families_tie_the_cuts_of_one_group_and_nothing_else():
+    layout = build_layout(gemma_like(), "v2", 4, "float32")
+    assert [g.name for g in layout.groups] == [*(f"sliding_w8.{i}" for i in range(5)), "full"]
+    assert cut_families(layout.groups) == [0, 0, 0, 0, 0, 5]
+    mixed = [LayerKV(i, "sliding", 4, window=8) for i in range(4)] + [LayerKV(4 + i, "full", 4) for i in range(6)]
+    layout = build_layout(mixed, "v2", 4, "float32")  # 4 sliding + 6 full layers: pages of 2 layers
+    assert [g.name for g in layout.groups] == ["sliding_w8.0", "sliding_w8.1", "full.0", "full.1", "full.2"]
+    assert cut_families(layout.groups) == [0, 0, 2, 2, 2]
+
+
+def test_an_eviction_takes_every_cut_s_page_of_a_position_so_no_useless_part_of_a_prefix_stays_cached():
+    """The five sliding cuts of tiny-gemma3's window group hold a position together and a hit needs all five; a take
+    of six pages (a block for each group) used to evict five pages of one position and one of the next, leaving that
+    position's other four cached where no hit could use them. Now the rest of a position goes with it, to the free
+    list, and every cached position is whole."""
+    m = make_manager(gemma_like(window=8), {name: 24 for name in _names()})
+    a = Request("a", list(range(1, 17)), 0)  # 16 tokens: 4 full + 5 x 4 sliding pages, all keyed, all cached
+    prefill(m, a)
+    m.free(a)
+    assert {len(cuts) for cuts in _cached_rows(m).values()} == {5}
+    b = Request("b", list(range(500, 516)), 0)  # another prefix: every take evicts
+    admit(m, b)
+    for _ in range(4):
+        compute(m, b, 4)
+        rows = _cached_rows(m)
+        assert all(len(cuts) == 5 for cuts in rows.values()), {k[1]: sorted(v) for k, v in rows.items()}
+        m.check_invariants()
+    check_kv(m, b)
+    m.free(b)
+    c = Request("c", [*range(500, 516), 7], 0)  # b's prefix: every page of it still cached, whole
+    admit(m, c)
+    assert c.num_computed_tokens == 16
+    check_kv(m, c)
+    m.check_invariants()
+
+
+def test_a_suspended_request_s_pages_evicted_as_whole_rows_are_written_back_and_read_back_after_resume():
+    """The rest of a row an eviction frees goes through the same detach as the evicted pages: a suspended request's
+    cached pages (kept on the device, a host slot reserved) are written back before another group's data lands on
+    them, so every layer's KV reads back right after the resume."""
+    m = make_manager(gemma_like(window=8), {name: 24 for name in _names()}, host_cache_size=1 << 20)
+    a = Request("a", list(range(1, 17)), 0)
+    prefill(m, a)
+    assert m.suspend(a)
+    b = Request("b", list(range(500, 516)), 0)  # another prefix: takes a's pages, rows split by six-page takes
+    admit(m, b)
+    for _ in range(4):
+        compute(m, b, 4)
+        assert all(len(cuts) == 5 for cuts in _cached_rows(m).values())
+        m.check_invariants()
+    check_kv(m, b)
+    m.free(b)
+    assert m.resume(a)
+    check_kv(m, a)
+    m.check_invariants()
+
+
+def test_a_window_slide_of_two_positions_is_queued_row_by_row_so_a_take_evicts_only_the_row_it_needs():
+    """A prefill that moves the window past two positions at once lets go of both positions' pages of the five
+    sliding cuts. Queued cut by cut ((0, cut 0), (1, cut 0), (0, cut 1), ...), a take of five pages touched both rows
+    and, as rows leave whole, freed both (ten pages for five); queued position by position, it evicts position 0's row
+    alone and position 1's stays cached, whole."""
+    m = make_manager(gemma_like(window=8), {name: 25 for name in _names()})
+    a = Request("a", list(range(1, 17)), 0)  # 16 tokens: the window (8) leaves positions 0 and 1 at once
+    prefill(m, a)
+    assert sorted(p for _, p in _cached_rows(m)) == [0, 1]
+    assert m.stats().groups["full"].free == 1  # (the arena's free pages)
+    b = Request("b", list(range(500, 504)), 0)  # a block for each of the six groups: one page free, five evicted
+    admit(m, b)
+    compute(m, b, 4)
+    assert {name: g.evictions for name, g in m.stats().groups.items()} == {**dict.fromkeys(_names()[:5], 1), "full": 0}
+    rows = _cached_rows(m)
+    assert [p for _, p in rows] == [1] and all(len(cuts) == 5 for cuts in rows.values())
+    check_kv(m, a)
+    check_kv(m, b)
+    m.check_invariants()
+
+
+def test_a_held_source_row_goes_back_to_the_queue_as_one_segment_per_row():
+    """A partial hit holds the source's block of every group at one position and lets go of them after its copy
+    (``SharedPool.decref_each``). A cut family's blocks there are one row: queued in one call, at one clock, so a stale
+    demotion moves the row whole (a tie of the cuts queues it as one entry); the uncut group's block is a row alone."""
+    arena = SharedPool(["s.0", "s.1", "s.2", "full"], 12, [0, 0, 0, 3])
+    keep = lambda n, x: None  # noqa: E731
+    older = arena.take(3, 1, keep)  # a shared block queued before: the one-call path for all-leaves is not taken
+    arena.node[older[0]] = _Run("older", {"child": 1})  # type: ignore[assignment]
+    arena.release(3, older, 0, True, keep)
+    src = [piece[0] for piece in arena.take_each(range(4), [1, 1, 1, 1], keep)]
+    run = _Run("src", {"child": 1})
+    for b in src:
+        arena.node[b], arena.pos[b] = run, 0  # type: ignore[call-overload]
+    arena.decref_each(range(4), src, [0, 0, 0, 0])
+    (_, got), = arena.evictable.buckets()
+    clocks = dict(got)
+    assert clocks[src[0]] == clocks[src[1]] == clocks[src[2]] != clocks[src[3]]
+    assert arena.evictable._clock == 5  # (the clock still counts every block)

@@ -34,7 +34,7 @@ from cache_backends import LayerKV
 from cache_backends.interface import PrefixCacheInUseError
 from cache_backends.request import Request
 from cache_backends.v2 import CacheState
-from tests.kv_v2_support import blocks_add_up, check_kv, make_manager, write_kv
+from tests.kv_v2_support import blocks_add_up, check_kv, make_manager, own_groups, write_kv
 
 BLOCKS = 5
 MAX_SEQ = 48
@@ -227,24 +227,32 @@ class V2CacheMachine(RuleBasedStateMachine):
             return
         self.m.check_invariants()
         stats = self.m.stats().groups
-        for g in self.m.groups:
+        active = self._with(CacheState.ACTIVE)
+        for g, cuts in own_groups(self.m):  # references are the manager's own blocks' (tied: a logical block's)
             owners: dict[int, int] = {}
-            for r in self._with(CacheState.ACTIVE):
-                table = [b for b in self.m.block_table(r, g.name) if b >= 0]
+            for r in active:
+                table = [b for b in self.m.cache(r).tables[g.name] if b >= 0]
                 assert len(table) == len(set(table)), f"{r.req_id} owns a block of {g.name} twice"
                 for b in table:
                     owners[b] = owners.get(b, 0) + 1
             pool = self.m._pool[g.name]
             shared = self.m.layout.shared
-            mine = [b for b in range(pool.num_blocks) if not shared or pool.holds(b)]  # a shared arena: this group's
+            ids = len(pool.ref)  # (a tied arena's logical ids: as many as its pages)
+            mine = [b for b in range(ids) if not shared or pool.holds(b)]  # a shared arena: this group's
             assert set(owners) <= set(mine), f"a table of {g.name} holds another group's block"
             for b in mine:
                 assert pool.ref[b] == owners.get(b, 0)
                 if owners.get(b, 0) > 1:
                     assert pool.node[b] is not None, "only cached prefix blocks are shared"
-            s = stats[g.name]
-            assert s.total == BLOCKS * (len(self.m.groups) if shared else 1)
-            assert s.used == len(owners)
+            for cut in cuts:  # what the user sees per group: its pages, each held once per table, counted in use
+                pages: set[int] = set()
+                for r in active:
+                    table = [b for b in self.m.block_table(r, cut) if b >= 0]
+                    assert len(table) == len(set(table)), f"{r.req_id} owns a page of {cut} twice"
+                    pages.update(table)
+                s = stats[cut]
+                assert s.total == BLOCKS * (len(self.m.groups) if shared else 1)
+                assert s.used == len(owners) == len(pages)
         assert blocks_add_up(self.m.stats(), self.m.layout.shared)
 
     @invariant()

@@ -452,10 +452,17 @@ class EvictionQueue:
             return None
         return seg
 
-    def refresh(self, blocks: Iterable[int]) -> None:
+    def refresh(self, blocks: Iterable[int], rows: Sequence[int] | None = None) -> None:
         """Move each of ``blocks`` that is queued to the young end of its bucket, as if released now: its priority and
         sharedness kept; one not queued is skipped. A finish on a sliding window requeues this way the blocks its
-        window let go that a hit on its history still needs (``KVCacheManagerV2._refresh_window_head``)."""
+        window let go that a hit on its history still needs (``KVCacheManagerV2._refresh_window_head``).
+
+        ``rows``: the lengths of the runs of ``blocks`` (every one queued, in one bucket) that are one row of a shared
+        arena's cut family each (``SharedPool._row_rest``): each run is requeued as one segment at one clock, so a
+        stale demotion moves a row whole, as a tie of the cuts (one entry a row) does."""
+        if rows is not None:
+            self._refresh_rows(list(blocks), rows)
+            return
         tags, segs, clock = self._tag, self._segs, self._clock
         for b in blocks:  # each its own segment: a block's clock is its own (stale demotions read it)
             tag = tags[b] if b >= 0 else -1
@@ -471,6 +478,36 @@ class EvictionQueue:
             self._append(tag, [b], clock)
             clock += 1
         self._clock = clock
+        if self._entries > 2 * self._len + _SLACK:
+            self._compact()
+
+    def _refresh_rows(self, blocks: list[int], rows: Sequence[int]) -> None:
+        """:meth:`refresh` of ``blocks`` by rows: each run of ``rows[i]`` blocks one segment at the clock it is moved
+        at (the clock then moves by its blocks, as block by block)."""
+        if sum(rows) != len(blocks):
+            raise ValueError(f"rows of {sum(rows)} blocks for {len(blocks)} blocks")
+        tags, segs = self._tag, self._segs
+        at = 0
+        for n in rows:
+            row = blocks[at:at + n]
+            at += n
+            tag = tags[row[0]] if row and row[0] >= 0 else -1
+            key = tag & _KEY_MASK
+            if tag < 0 or any(b < 0 or tags[b] < 0 or tags[b] & _KEY_MASK != key for b in row):
+                self.refresh(row)  # not one queued row (the caller's rows are): block by block, as without rows
+                continue
+            for b in row:
+                old = tags[b]
+                seg = segs[old]
+                live = seg[0] - 1
+                seg[0] = live
+                if not live:
+                    del segs[old]
+            tag = self._new_tag(key)
+            for b in row:
+                tags[b] = tag
+            self._append(tag, row, self._clock)
+            self._clock += n
         if self._entries > 2 * self._len + _SLACK:
             self._compact()
 

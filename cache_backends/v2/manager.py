@@ -73,9 +73,10 @@ refused for utilisation; the scheduler decides admission.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from itertools import chain, compress, repeat, takewhile
 from operator import add, attrgetter, eq, getitem, itemgetter, mul, not_, or_, sub, truth
 from typing import Any
@@ -85,8 +86,8 @@ import torch
 
 from cache_backends.hashing import pack_tokens
 from cache_backends.interface import ManagerOptions, prefix_cache_in_use
-from cache_backends.kv_events import KvEventBuffer
-from cache_backends.layout import KvLayout, LayerGroup, longest
+from cache_backends.kv_events import REMOVED, STORED, KvEventBuffer
+from cache_backends.layout import KvLayout, LayerGroup, cut_families, longest, tied_groups
 from cache_backends.pools import BlockPools, even_run, move_pages
 from cache_backends.request import Request
 from cache_backends.reuse import partial_reuse_off_reason, partial_reuse_unit, reuse_unit
@@ -97,6 +98,15 @@ from cache_backends.v2.radix import PendingPrefix, RadixNode, RadixTree, TailRun
 from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool, interleave
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
+from cache_backends.v2.tied_pool import CutTables, TiedArena, TiedShare
+
+#: Whether the V2 manager ties a shared arena's cuts of one group (``layout.share_pages`` cuts a group whose layers
+#: outnumber a page's, e.g. Gemma 3 27B: 52 sliding + 10 full layers as 31 groups of 2-layer pages) into one logical
+#: group whose block owns a page per cut (``cache_backends.v2.tied_pool``): the manager then walks 2 block tables a
+#: request, not 31, at about V1's CPU (BENCHMARKS.md "tie57d", "tie58b"). Its decisions, KV events and host tier are
+#: the page arena's (each cut its own group, evicting whole rows: ``SharedPool``); False runs that page arena, the
+#: reference the tie is checked against (``tests/test_kv_v2_tied*.py``).
+TIE_CUTS = True
 
 
 def _most_fitting(want: int, fits: Callable[[int], bool], lo: int = 0) -> int:
@@ -160,6 +170,11 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
 
 _SALT = attrgetter("salt")
 _FIRST_TOKEN = itemgetter(slice(0, 8))  # a run's first block's packed bytes -> its first token's
+#: where events go out as they happen (no tie, or no events): a reusable no-op context
+_AS_IT_GOES = contextlib.nullcontext()
+#: a KV event of the tie's logical group, its cuts' names not yet given: (group, kind, keys or stored stretches,
+#: tokens per block) (``KVCacheManagerV2._cut_by_cut``)
+_Heard = tuple[str, str, Any, int]
 
 
 def _first_packed(request: Request) -> bytes:
@@ -264,42 +279,81 @@ class KVCacheManagerV2:
         self.pools = pools
         self.options = options
         self.T = self.layout.tokens_per_block
-        self.groups: tuple[LayerGroup, ...] = self.layout.groups
-        self._group = {g.name: g for g in self.groups}
+        self._groups: tuple[LayerGroup, ...] = self.layout.groups
+        #: A shared arena's cuts of one group are tied (:data:`TIE_CUTS`, :func:`~cache_backends.layout.tied_groups`;
+        #: BENCHMARKS.md "tie57" to "tie58"): ``self._groups`` are the logical groups (Gemma 3 27B: 2, not 31), each
+        #: block owning a page per cut (``TiedArena``); ``layout.groups`` stay the cuts, and pages appear where memory
+        #: is touched (``block_tables``, ``fork``, ``_claim_partial_arena``). KV events go out per cut
+        #: (``_event_cuts``: ``_detach``, ``_stored``). The host tier holds a slot per page (``cache.host`` by cut;
+        #: ``reclaim`` and the write-back map by logical group, ``_suspend_tied``, ``_restore``). The public per-group
+        #: APIs (:attr:`groups`, ``stats()``, ``block_table``, ``shortfall``, ``per_group``, ``growth_*``,
+        #: ``available_blocks``) speak the cuts either way. ``_tied_cuts[i]``: logical group ``i``'s cut names.
+        self._tied_cuts: list[list[str]] | None = None
+        #: with the tie on, each cut's name -> (its logical group's index, its page's index in a logical block)
+        self._cut_of: dict[str, tuple[int, int]] = {}
+        #: with the tie on, each logical group's name -> its cuts' names, in order: the names its KV events go out under
+        #: (a consumer hears each cut's stores and removals, as from the page arena); empty with the tie off
+        self._event_cuts: dict[str, list[str]] = {}
+        #: with the tie on, inside :meth:`_cut_by_cut` (or ``_restore``'s recording: group None): its logical group
+        #: and the events it heard, each ``(logical group, REMOVED, keys, 0)`` or ``(logical group, STORED, [(hashes,
+        #: parent, token ids)] stretches, tokens per block)``, with no cut name yet; else None
+        self._batch: tuple[str | None, list[_Heard]] | None = None
+        logical, cuts = tied_groups(self.layout.groups) if TIE_CUTS and self.layout.shared else ([], [])
+        if any(len(c) > 1 for c in cuts):  # (an arena of uncut groups is its own tie: a page a block)
+            self._tied_cuts = [[self.layout.groups[i].name for i in c] for c in cuts]
+            self._groups = tuple(logical)
+            self._cut_of = {name: (g, j) for g, names in enumerate(self._tied_cuts) for j, name in enumerate(names)}
+            self._event_cuts = {g.name: names for g, names in zip(logical, self._tied_cuts, strict=True)}
+        self._group = {g.name: g for g in self._groups}
+        #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied its
+        #: family's cuts, a logical block holding a page per cut. Every check of blocks
+        #: against a pool set's ``available`` (pages) weighs a block by it: ``_spans``, ``_set_cycles`` and
+        #: ``_pool_cycles`` count pages, ``_first_short``, ``resume_refusal``, ``probe_hit``, ``_reserve_shared`` and
+        #: ``_claim_partial_arena`` weigh the groups' blocks.
+        self._pages_per_block: list[int] = ([1] * len(self._groups) if self._tied_cuts is None
+                                            else [len(c) for c in self._tied_cuts])
+        self._page_weight = dict(zip((g.name for g in self._groups), self._pages_per_block, strict=True))
+        # the pages of a block of every group (a decode's boundary takes one of each), and the weights where any
+        # differs from 1 (else None: the hot paths sum blocks as they are)
+        self._row_pages = sum(self._pages_per_block)
+        self._weights = None if self._row_pages == len(self._groups) else self._pages_per_block
         self._arena: SharedPool | None = None
         #: a slab arena (``pools.slabs``: groups of unequal pages drawing on one budget), or None
         self._slabs: SlabArena | None = None
         # (pool, its groups' names) per distinct pool: one SharedPool for a shared layout, else a GroupPool per group
         self._pool_sets: list[tuple[GroupPool | SharedPool, list[str]]]
         if self.layout.shared:
-            names = [g.name for g in self.groups]
-            self._arena = SharedPool(names, pools.num_blocks[names[0]])
+            names = [g.name for g in self._groups]
+            if self._tied_cuts is not None:
+                self._arena = TiedArena(names, self._pages_per_block, pools.num_blocks[self._tied_cuts[0][0]])
+            else:
+                self._arena = SharedPool(names, pools.num_blocks[names[0]], cut_families(self._groups))
             self._pool: dict[str, GroupPool | GroupShare] = dict(zip(names, self._arena.shares, strict=True))
             self._pool_sets = [(self._arena, names)]
         elif pools.slabs is not None:
             self._slabs = SlabArena(pools.slabs, pools.slab_bytes)
-            own = {g.name: SlabPool(g.name, self._slabs, g.bytes_per_block) for g in self.groups}
+            own = {g.name: SlabPool(g.name, self._slabs, g.bytes_per_block) for g in self._groups}
             self._pool = dict(own)
             self._pool_sets = [(pool, [name]) for name, pool in own.items()]
         else:
-            own = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self.groups}
+            own = {g.name: GroupPool(g.name, pools.num_blocks[g.name]) for g in self._groups}
             self._pool = dict(own)
             self._pool_sets = [(pool, [name]) for name, pool in own.items()]
-        self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self.groups]
+        self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self._groups]
         # (group, token blocks per group block, pool's block -> run list, pool's block -> position list) for keying;
         # with reuse on, every group block spans a whole number of token blocks.
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node,
-                               self._pool[g.name].pos) for g in self.groups]
-        self._names = [g.name for g in self.groups]
+                               self._pool[g.name].pos) for g in self._groups]
+        self._names = [g.name for g in self._groups]
         # a hit's claim per group: (group, block span in tokens, in token blocks, window, what claims its blocks: its
         # pool's incref_many, or None on a shared arena, whose claims are made for every group at once)
         self._claim_steps = [(g.name, g.tokens_per_block, g.tokens_per_block // self.T, g.window,
                               None if self._arena is not None else self._pool[g.name].incref_many)
-                             for g in self.groups]
+                             for g in self._groups]
         # a shared arena whose every group block spans one token block: its block -> run list, which every group's
         # view shares (a decode that fills a block keys every group's block at one position, checked in bulk)
         self._one_owner = (self._arena.node if self._arena is not None and all(g.tokens_per_block == self.T
-                                                                                for g in self.groups) else None)
+                                                                                for g in self._groups) else None)
         # the arena's versions of per-group paths (one pass over the groups), or the per-group ones: plain functions
         # called with the manager (a bound method kept on the manager would make it a reference cycle, and its pools
         # would outlive it until the garbage collector runs)
@@ -307,7 +361,7 @@ class KVCacheManagerV2:
         self._claim_partial_fn = cls._claim_partial_arena if self._arena is not None else cls._claim_partial
         self._tail_fn = (cls._tail_to_keep_arena if self._arena is not None and len(self._names) > 1
                          else cls._tail_to_keep)
-        self._sliding = [g for g in self.groups if g.window is not None]
+        self._sliding = [g for g in self._groups if g.window is not None]
         # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
         windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
         for g in self._sliding:
@@ -319,30 +373,36 @@ class KVCacheManagerV2:
         # the shortest sliding window (no window: never shorter than a sequence): held_back holds nothing below it
         self._min_window = min((g.window for g in self._sliding), default=math.inf)
         spans: dict[int, int] = {}
-        for g in self.groups:
-            spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + 1
-        self._spans = list(spans.items())  # (block span, groups with it): a shared arena's joint need per span
+        for g, w in zip(self._groups, self._pages_per_block, strict=True):
+            spans[g.tokens_per_block] = spans.get(g.tokens_per_block, 0) + w
+        self._spans = list(spans.items())  # (block span, pages of its groups' blocks): a shared arena's need per span
         # a shared arena: every group's index in it and the slot of its span in _spans (one take_each per step)
-        self._share_index = [self._pool[g.name].index for g in self.groups] if self.layout.shared else []  # type: ignore[union-attr]
-        self._span_slot = [list(spans).index(g.tokens_per_block) for g in self.groups]
+        self._share_index = [self._pool[g.name].index for g in self._groups] if self.layout.shared else []  # type: ignore[union-attr]
+        self._span_slot = [list(spans).index(g.tokens_per_block) for g in self._groups]
         # life cycles: groups of one block span and window hold the same blocks for any length (blocks_for), so the
         # admission estimates are computed once per cycle; (a group of it, its groups' indexes), and each group's cycle
         cycles: dict[tuple[int, int | None], list[int]] = {}
-        for i, g in enumerate(self.groups):
+        for i, g in enumerate(self._groups):
             cycles.setdefault((g.tokens_per_block, g.window), []).append(i)
-        self._cycles = [(self.groups[members[0]], members) for members in cycles.values()]
-        self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self.groups]
+        self._cycles = [(self._groups[members[0]], members) for members in cycles.values()]
+        self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self._groups]
         #: per life cycle (the order of :meth:`cycle_growth`'s lists): whether its groups slide a window
         self.cycle_windowed: tuple[bool, ...] = tuple(g.window is not None for g, _ in self._cycles)
-        self._span_first = [next(g.name for g in self.groups if g.tokens_per_block == tpb) for tpb in spans]
-        # per pool set: (a group of each life cycle in it, how many of the set's groups share that cycle)
-        index = {g.name: i for i, g in enumerate(self.groups)}
+        self._span_first = [next(g.name for g in self._groups if g.tokens_per_block == tpb) for tpb in spans]
+        # per pool set: (a group of each life cycle in it, the pages a block of each of the set's groups in that
+        # cycle holds, together: how many of them share the cycle, each block weighed by _pages_per_block)
+        index = {g.name: i for i, g in enumerate(self._groups)}
+        weight = self._page_weight
+        set_counts: list[Counter[int]] = []
+        for _, names in self._pool_sets:
+            count: Counter[int] = Counter()
+            for name in names:
+                count[self._cycle_of[index[name]]] += weight[name]
+            set_counts.append(count)
         self._pool_cycles: list[list[tuple[LayerGroup, int]]] = [
-            [(self._cycles[c][0], k) for c, k in Counter(self._cycle_of[index[name]] for name in names).items()]
-            for _, names in self._pool_sets]
-        # the same as (cycle index, groups of the set in it): admission's estimates are per cycle (:meth:`short_of`)
-        self._set_cycles: list[list[tuple[int, int]]] = [
-            list(Counter(self._cycle_of[index[name]] for name in names).items()) for _, names in self._pool_sets]
+            [(self._cycles[c][0], k) for c, k in count.items()] for count in set_counts]
+        # the same as (cycle index, pages): admission's estimates are per cycle (:meth:`short_of`)
+        self._set_cycles: list[list[tuple[int, int]]] = [list(count.items()) for count in set_counts]
         # a shared arena's window sets as (window, span, first member, [(arena index, member name)], member names):
         # released at once
         self._arena_windows = [(w, tpb, members[0][0], [(pool.index, name) for name, pool in members],  # type: ignore[union-attr]
@@ -353,7 +413,7 @@ class KVCacheManagerV2:
         in_sets = [name for *_, names, _ in self._arena_windows for name in names]
         self._arena_refresh = ([(w, tpb, first, names) for w, tpb, first, _, names, _ in self._arena_windows]
                                if in_sets and in_sets == [g.name for g in self._sliding] else None)
-        spans = [g.tokens_per_block for g in self.groups]
+        spans = [g.tokens_per_block for g in self._groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
         if not options.enable_block_reuse:
@@ -376,18 +436,21 @@ class KVCacheManagerV2:
         #: a caller's say on which cached prefix lengths a request may reuse (:meth:`limit_reuse`), or None
         self._prefix_check: tuple[str, Callable[[Request, int, int], bool]] | None = None
         # lazy keying (cache_backends.v2.radix): where a request's blocks stay as they are until it lets go of them
-        self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self.groups)
+        self._lazy = self._reuse and all(g.tokens_per_block == self.T for g in self._groups)
         # where a whole-block hit's claim is asked about before it is built (probe_hit): pools per group, or an arena
         # whose every group holds a block per position (its release interleaves the groups position by position)
         self._probes = self._reuse and (self._arena is None or self._lazy)
         # every group block spans one token block: probe_hit's claim per group is a slice of the run's blocks, taken
         # (and refuse_hit's requeue) in C passes over the groups where there are a few (for one or two, the passes'
-        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes)
-        self._unit_spans = all(g.tokens_per_block == self.T for g in self.groups) and len(self.groups) >= 4
+        # fixed cost is more than the loop's: tiny-llama +0.2% opcodes). Tied, always: the tie's 2 logical groups
+        # (a sliding one of k cuts) take the passes for less than the loop (tiny-gemma3 and Gemma 3 27B multi-turn
+        # -0.1% opcodes; BENCHMARKS.md "tie58b")
+        self._unit_spans = all(g.tokens_per_block == self.T for g in self._groups) and (
+            len(self._groups) >= 4 or self._tied_cuts is not None)
         # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit):
         # pools per group, each group's block one token block, no window (admission holds back no shared prefix)
         self._tail_probes = (self._probes and self._partial and self._arena is None and self._slabs is None
-                             and not self._sliding and all(g.tokens_per_block == self.T for g in self.groups))
+                             and not self._sliding and all(g.tokens_per_block == self.T for g in self._groups))
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
@@ -399,12 +462,12 @@ class KVCacheManagerV2:
             self.host = HostTier(pools, slots)
         #: per group, a cached device block a suspended cache left on the device -> (cache, logical block) whose
         #: reserved host slot it is copied to when it is evicted or dropped (write-back)
-        self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self.groups}
+        self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self._groups}
         #: per group, a position's block -> the live copies (block, its allocation's ``gen``) requests filled for that
         #: position while it was held: kept private then, one of them takes the position when that block leaves it
         #: (:meth:`_detach`), so the prefix stays reachable while a copy runs (BENCHMARKS.md, "V2's loss on a tiny
         #: budget with preemptions": a preempted request recomputed a shared prefix, the tree's copy was evicted)
-        self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self.groups}
+        self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self._groups}
         self._caches: dict[Request, SequenceCache] = {}
         #: who moves what it keys by a block along when :meth:`compact_slabs` moves blocks (:meth:`watch_moves`)
         self._move_watchers: list[Callable[[str, list[tuple[int, int]]], None]] = []
@@ -413,7 +476,7 @@ class KVCacheManagerV2:
         #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
         self.num_on_host = 0
         # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
-        self._worst_blocks = [0] * len(self.groups)
+        self._worst_blocks = [0] * len(self._groups)
         self._closed = False
         self._never_fits_memo: tuple[tuple[Request, int, int], str | None] | None = None
         self._stats_fixed: tuple[int, int, str | None] | None = None  # stats(): pool bytes, host bytes, memory
@@ -422,6 +485,11 @@ class KVCacheManagerV2:
                          "reuse_partial_hits": 0, "reuse_query_tokens": 0}
 
     # --- life cycle ----------------------------------------------------------------------------
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layer groups as the user and the executor see them (``layout.groups``: the cuts, tie or not)."""
+        return self.layout.groups
 
     def create(self, request: Request) -> SequenceCache:
         """Register a suspended, empty cache for ``request``; :meth:`resume` admits it."""
@@ -434,7 +502,7 @@ class KVCacheManagerV2:
         if request.num_tokens > self.options.max_seq_len:
             raise ValueError(f"request {request.req_id}: {request.num_tokens} tokens exceed max_seq_len="
                              f"{self.options.max_seq_len}")
-        cache = SequenceCache(request, {g.name: [] for g in self.groups}, {g.name: 0 for g in self.groups},
+        cache = SequenceCache(request, {g.name: [] for g in self._groups}, {g.name: 0 for g in self._groups},
                               key_at=self.T if self._reuse else NEVER)
         self._caches[request] = cache
         return cache
@@ -476,6 +544,9 @@ class KVCacheManagerV2:
         if cache.is_active or not cache.admitted:
             return None
         needs = self._restore_needs(cache)
+        if self._weights is not None:  # in pages: a group's block holds _pages_per_block of them
+            weight = self._page_weight
+            needs = {n: (a * weight[n], b * weight[n], c * weight[n]) for n, (a, b, c) in needs.items()}
         for i, (pool, names) in enumerate(self._pool_sets):  # a shared arena: the groups' needs together
             pages = sum(needs[n][0] for n in names)
             reclaim_cached = sum(needs[n][1] for n in names)
@@ -498,6 +569,8 @@ class KVCacheManagerV2:
 
     def _where(self, names: list[str]) -> str:
         """How messages name a pool: its group, or the arena the groups share."""
+        if self._tied_cuts is not None:  # the tied arena, by the groups the user sees: its cuts
+            return f"the arena shared by {len(self.layout.groups)} groups"
         return f"group {names[0]}" if len(names) == 1 else f"the arena shared by {len(names)} groups"
 
     def short_of(self, *needs: list[int], extra: list[int] | None = None, sets: list[int] | None = None) -> bool:
@@ -510,7 +583,27 @@ class KVCacheManagerV2:
 
     def per_group(self, per_cycle: list[int]) -> dict[str, int]:
         """A per-cycle estimate (:meth:`cycle_growth`, :meth:`cycle_headroom`) as blocks per group, by name."""
-        return {g.name: per_cycle[c] for g, c in zip(self.groups, self._cycle_of, strict=True)}
+        return self._by_cut({g.name: per_cycle[c] for g, c in zip(self._groups, self._cycle_of, strict=True)})
+
+    def _by_cut(self, per_group: dict[str, int]) -> dict[str, int]:
+        """A per-group figure by the names the user sees: with the cuts tied, each cut shows its logical group's
+        (a logical block is one page of each cut), in ``layout.groups`` order; else ``per_group`` itself."""
+        if self._tied_cuts is None:
+            return per_group
+        return {cut: per_group[g.name] for g, cuts in zip(self._groups, self._tied_cuts, strict=True) for cut in cuts}
+
+    def _logical_needs(self, need: dict[str, int]) -> dict[str, int]:
+        """``need`` by cut name as blocks per logical group (with the cuts tied): a cut's ``n`` pages are ``n``
+        logical blocks of its group (the most any of its cuts needs), since a tie takes a row of pages at once.
+        Logical names (the manager's own calls) pass through."""
+        if not self._cut_of:
+            return need
+        out: dict[str, int] = {}
+        for name, n in need.items():
+            cut = self._cut_of.get(name)
+            key = self._groups[cut[0]].name if cut is not None else name
+            out[key] = max(out.get(key, n), n)
+        return out
 
     def shortfall(self, need: dict[str, int]) -> str | None:
         """Why blocks per group ``need`` (negative counts as 0) cannot all be allocated now, or None when they can.
@@ -518,7 +611,7 @@ class KVCacheManagerV2:
         The one feasibility rule: the needs of the groups that share a pool are summed against that pool's
         free plus evictable blocks (a shared arena: every group's need together; otherwise each group alone).
         """
-        short = self._first_short((need,))
+        short = self._first_short((self._logical_needs(need),))
         if short is None:
             return None
         pool, names, n = short
@@ -563,6 +656,7 @@ class KVCacheManagerV2:
         if self._slabs is not None:
             return self._joint([max(0, sum(need.get(name, 0) for need in needs)) for _, (name,) in self._pool_sets],
                                extra)
+        weight = self._page_weight
         for i, (pool, names) in enumerate(self._pool_sets):
             n = 0
             for name in names:
@@ -570,7 +664,7 @@ class KVCacheManagerV2:
                 for need in needs:
                     k += need.get(name, 0)
                 if k > 0:
-                    n += k
+                    n += k * weight[name]  # (pages: a block of the group holds that many)
             if n > pool.available + (extra[i] if extra else 0):
                 return pool, names, n
         return None
@@ -630,14 +724,18 @@ class KVCacheManagerV2:
         it fit (SGLang's rule); moving them out and still refusing it would leave their room idle."""
         held: dict[int, Counter[int]] = {}
         sets = {name: i for i, (_, names) in enumerate(self._pool_sets) for name in names}
+        weight = self._page_weight if self._weights is not None else None
+        pages_of: dict[int, int] = {}  # a block's pages, where a group's block holds more than one (_pages_per_block)
         for r in requests:
             for name, table in self._active(r).tables.items():
                 counts = held.setdefault(sets[name], Counter())
                 counts.update(b for b in table if b >= 0)
+                if weight is not None:
+                    pages_of.update(dict.fromkeys(table, weight[name]))
         out = [0] * len(self._pool_sets)
         for i, counts in held.items():
             ref = self._pool_sets[i][0].ref
-            out[i] = sum(1 for b, k in counts.items() if ref[b] == k)
+            out[i] = sum(1 if weight is None else pages_of[b] for b, k in counts.items() if ref[b] == k)
         return out
 
     def suspend(self, request: Request) -> bool:
@@ -648,8 +746,10 @@ class KVCacheManagerV2:
         cache = self._active(request)
         if self.host is None:
             return False
-        keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self.groups}
-        held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self.groups}
+        keep = {g.name: math.ceil(cache.committed / g.tokens_per_block) for g in self._groups}
+        held = {g.name: sum(1 for b in cache.tables[g.name][: keep[g.name]] if b >= 0) for g in self._groups}
+        if self._tied_cuts is not None:
+            return self._suspend_tied(cache, keep, held)
         if not self.host.has_room(held):
             return False
         if cache.pending is not None:  # its blocks are taken back on resume only if they are in the tree
@@ -657,7 +757,7 @@ class KVCacheManagerV2:
         host: dict[str, list[int]] = {}
         reclaim: dict[str, dict[int, tuple[int, int]]] = {}
         moves: dict[str, tuple[list[int], list[int]]] = {}  # the uncached pages, copied together below
-        for g in self.groups:
+        for g in self._groups:
             pool = self._pool[g.name]
             slots = [-1] * keep[g.name]
             marks: dict[int, tuple[int, int]] = {}
@@ -676,6 +776,51 @@ class KVCacheManagerV2:
             reclaim[g.name] = marks
         self.host.write_many(moves)
         self.host.sync()  # the uncached pages are on the host before their device blocks change hands
+        cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
+        self._release_blocks(cache)
+        self.num_on_host += 1
+        cache.state = CacheState.SUSPENDED
+        self._active_requests.discard(cache.request)
+        cache.history = cache.capacity = cache.committed
+        self.counters["suspends"] += 1
+        return True
+
+    def _suspend_tied(self, cache: SequenceCache, keep: dict[str, int], held: dict[str, int]) -> bool:
+        """:meth:`suspend` with the cuts tied: a host slot per page, ``cache.host`` keyed by the cuts
+        (the host tier's groups), ``cache.reclaim`` and the write-back map by logical group and block (a cached
+        logical block still on the device is written back, every page, only if it is evicted first)."""
+        host_tier, arena, cuts = self.host, self._arena, self._tied_cuts
+        assert host_tier is not None and isinstance(arena, TiedArena) and cuts is not None
+        if not host_tier.has_room({cut: held[g.name] for g, names in zip(self._groups, cuts, strict=True)
+                                   for cut in names}):
+            return False
+        if cache.pending is not None:  # its blocks are taken back on resume only if they are in the tree
+            self._materialize(cache.pending)
+        host: dict[str, list[int]] = {}
+        reclaim: dict[str, dict[int, tuple[int, int]]] = {}
+        moves: dict[str, tuple[list[int], list[int]]] = {}  # the uncached pages, copied together below
+        for g, names in zip(self._groups, cuts, strict=True):
+            pool = self._pool[g.name]
+            slots = [[-1] * keep[g.name] for _ in names]
+            marks: dict[int, tuple[int, int]] = {}
+            later = self._write_back[g.name]
+            for j, b in enumerate(cache.tables[g.name][: keep[g.name]]):
+                if b < 0:
+                    continue
+                cached = pool.node[b] is not None
+                for i, cut in enumerate(names):
+                    slots[i][j] = slot = host_tier.reserve(cut)
+                    if not cached:
+                        to, of = moves.setdefault(cut, ([], []))
+                        to.append(slot)
+                        of.append(arena.pages[b][i])
+                if cached:  # stays cached on the device: copied only if it is evicted first
+                    marks[j] = (b, pool.gen[b])
+                    later.setdefault(b, []).append((cache, j))
+            host.update(zip(names, slots, strict=True))
+            reclaim[g.name] = marks
+        host_tier.write_many(moves)
+        host_tier.sync()  # the uncached pages are on the host before their device blocks change hands
         cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
         self._release_blocks(cache)
         self.num_on_host += 1
@@ -834,22 +979,23 @@ class KVCacheManagerV2:
                 lo, hi = max(0, m - window + 1) // tpb, released[first]  # (a set's groups release in lockstep)
                 if lo < hi:
                     step = tpb // T
-                    if pending is not None:  # at C speed
+                    if pending is not None:  # at C speed; position by position (a row's pages together: below)
                         cut = itemgetter(slice((lo + 1) * step - 1, hi * step, step))
-                        got += chain.from_iterable(map(reversed, map(cut, map(pending.blocks.get, names,
-                                                                               repeat(())))))
+                        got += interleave([x[::-1] for x in map(cut, map(pending.blocks.get, names, repeat(())))])
                         continue
                     # keyed: the set's positions looked up on the path once, then every group's block at each in one
                     # comprehension (the loop below made one a group: 26 on Gemma 3 27B, at a third of its finishes)
                     tree, keyed, last = self._tree, cache.keyed, cache.last
                     at = [tree.position(last, p) for j in range(hi - 1, lo - 1, -1)  # type: ignore[arg-type]
                           if (p := (j + 1) * step - 1) < keyed]
-                    got += [run.blocks[name][i] for name in names for run, i in at]
+                    # position by position, tail first: each row of the set's cuts requeued together, so the queue
+                    # keeps every row's pages next to each other (``KVCacheManagerV2._check_rows``)
+                    got += [run.blocks[name][i] for run, i in at for name in names]
             if got:
                 got = list(filter((0).__le__, got))
                 got = list(compress(got, map(not_, map(arena.ref.__getitem__, got))))  # type: ignore[union-attr]
                 if got:
-                    arena.evictable.refresh(got)  # type: ignore[union-attr]
+                    arena.evictable.refresh(got, self._row_runs(got))  # type: ignore[union-attr]
             return
         tree = self._tree
         # per (window, span) set, once: the first position a hit on m tokens reads, and the span in token blocks
@@ -858,7 +1004,7 @@ class KVCacheManagerV2:
         spots: dict[tuple[int, int], list[tuple[RadixNode, int]]] = {}  # (keyed) per set and bound: (run, offset)
         by_group = pending.blocks if pending is not None else None
         one = self._arena is not None  # a shared arena: one queue for every group
-        shared: list[int] = []
+        shared: list[list[int]] = []  # a shared arena's window groups' blocks, group by group
         queues: dict[int, tuple[EvictionQueue, list[int]]] = {}
         for name, pool, k in self._window_groups:
             lo, step = bounds[k]
@@ -878,15 +1024,46 @@ class KVCacheManagerV2:
                                          if (p := (j + 1) * step - 1) < keyed]
                 seg = [run.blocks[name][i] for run, i in at]
             ref = pool.ref
-            got = shared if one else queues.setdefault(id(pool.evictable), (pool.evictable, []))[1]
+            if one:  # the arena's: interleaved below, a row's pages together as the one pass above queues them
+                shared.append(seg)  # type: ignore[arg-type]
+                continue
+            got = queues.setdefault(id(pool.evictable), (pool.evictable, []))[1]
             for b in seg:
                 if b >= 0 and not ref[b]:
                     got.append(b)
         if shared:
-            self._arena.evictable.refresh(shared)  # type: ignore[union-attr]
+            arena = self._arena
+            assert arena is not None
+            rows = [b for b in interleave(shared) if b >= 0 and not arena.ref[b]]  # type: ignore[arg-type]
+            if rows:
+                arena.evictable.refresh(rows, self._row_runs(rows))
         for queue, blocks in queues.values():
             if blocks:
                 queue.refresh(blocks)
+
+    def _row_runs(self, blocks: list[int]) -> list[int] | None:
+        """The lengths of the runs of ``blocks`` (an arena's queued pages, each row's together) that are one row of a
+        cut family each (a page of a family of one: a row of its own); None without families (page by page).
+
+        Why: a refresh then moves each row as one segment at one clock (``EvictionQueue.refresh``), so a stale
+        demotion never splits a row, as a tie of the cuts, one queue entry a row, would not."""
+        arena = self._arena
+        assert arena is not None
+        first = arena._first
+        if not first:
+            return None
+        of, node, pos = arena.group_of, arena.node, arena.pos
+        sizes: list[int] = []
+        last: object = None
+        for b in blocks:
+            f = first[of[b]]
+            key = (id(node[b]), pos[b], f) if f >= 0 else None
+            if key is not None and key == last:
+                sizes[-1] += 1
+            else:
+                sizes.append(1)
+            last = key
+        return sizes
 
     def preempt(self, request: Request) -> None:
         """Drop ``request``'s cache so it is recomputed later (its prefix stays cached for reuse); what it loses is
@@ -913,26 +1090,28 @@ class KVCacheManagerV2:
         if child in self._caches:
             raise ValueError(f"request {child.req_id}: already has a KV cache")
         copies = {g.name: int(P % g.tokens_per_block != 0 and src.tables[g.name][P // g.tokens_per_block] >= 0)
-                  for g in self.groups}
+                  for g in self._groups}
         if self.shortfall(copies) is not None:
             return False
-        self._take_slabs([copies[g.name] for g in self.groups])
+        self._take_slabs([copies[g.name] for g in self._groups])
         if src.pending is not None:  # keyed lazily: hang the prompt in the tree so the child's path can run through it
             self._materialize(src.pending)
         cache = self.create(child)
         pages: dict[int, tuple[Any, list[int], list[int]]] = {}  # per pool tensor (a shared arena: one) its copies
-        for g in self.groups:
+        for g in self._groups:
             name, full = g.name, P // g.tokens_per_block
             pool, table = self._pool[name], src.tables[name]
             shared = table[:full]
             pool.incref_many([b for b in shared if b >= 0])
             own = list(shared)
             if copies[name]:
-                b = pool.allocate(self._detach)
-                tensor = self.pools.tensors[name]
+                # (tied, with KV events: the evictions sent as the page arena's take per cut sends them)
+                b = (self._allocate_as_pages(name) if self._event_cuts and self.kv_events is not None
+                     else pool.allocate(self._detach))
+                tensor, got = self._pages_of(name, [b])
                 _, to, of = pages.setdefault(id(tensor), (tensor, [], []))
-                to.append(b)
-                of.append(table[full])
+                to += got
+                of += self._pages_of(name, [table[full]])[1]
                 own.append(b)
             elif P % g.tokens_per_block:
                 own.append(-1)  # the window already let the partial block go
@@ -1009,10 +1188,10 @@ class KVCacheManagerV2:
                 cache.room = min(len(cache.tables[first]) * tpb
                                  for first, (tpb, _) in zip(self._span_first, self._spans, strict=True))
                 return True
-        need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self.groups}
+        need = {g.name: math.ceil(capacity / g.tokens_per_block) - len(cache.tables[g.name]) for g in self._groups}
         if self.shortfall(need) is not None:
             return False
-        self._take_slabs([need[g.name] for g in self.groups])
+        self._take_slabs([need[g.name] for g in self._groups])
         for name, n in need.items():
             pool, table = self._pool[name], cache.tables[name]
             if n > 0:
@@ -1125,7 +1304,7 @@ class KVCacheManagerV2:
             assert arena is not None
             if total > len(arena._free) + len(arena.evictable):
                 return False
-            if total == len(self._names) and len(self._spans) == 1:  # a block for every group: a decode's boundary
+            if total == self._row_pages and len(self._spans) == 1:  # a block for every group: a decode's boundary
                 tables = cache.tables
                 for name, b in zip(self._names, arena.take_one_each(self._share_index, self._detach_mixed),
                                    strict=True):
@@ -1153,7 +1332,7 @@ class KVCacheManagerV2:
         arena = self._arena
         assert arena is not None
         one = len(per_span) == 1
-        counts = [per_span[0]] * len(self.groups) if one else [per_span[s] for s in self._span_slot]
+        counts = [per_span[0]] * len(self._groups) if one else [per_span[s] for s in self._span_slot]
         pieces = arena.take_each(self._share_index, counts, self._detach, self._detach_mixed)
         for (name, _, _), piece in zip(self._group_pools, pieces, strict=True):
             if piece:
@@ -1311,7 +1490,7 @@ class KVCacheManagerV2:
                 source = self._partial_source(request, tree.root(request.salt), 0)
                 if source[0] is not None:
                     return self._unprobed(request, build, (0, None, source))
-            sets, groups = len(self._pool_sets), len(self.groups)
+            sets, groups = len(self._pool_sets), len(self._groups)
             return HitProbe(0, None, [([], [], 0)] * groups, [0] * sets, [0] * groups, [0] * sets)
         if not self._probes:
             return self._unprobed(request, build)
@@ -1368,8 +1547,8 @@ class KVCacheManagerV2:
                 # the usual: a waiting request's history, held by nobody
                 cached_of.append(blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs))))
                 claimed.append((blocks, refs, lo))
-        if self._arena is not None:  # one pool set, one eviction queue
-            taken = [sum(taken_groups)]
+        if self._arena is not None:  # one pool set, one eviction queue; taken in pages
+            taken = [sum(taken_groups) if self._weights is None else sum(map(mul, taken_groups, self._weights))]
             shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
         else:  # a pool per group: pool set i is group i
             if partial is not None:  # the copy's block, in use beside the claim's
@@ -1548,15 +1727,15 @@ class KVCacheManagerV2:
 
     def growth_bound_with(self, request: Request) -> dict[str, int]:
         """:meth:`growth_bound` once ``request`` (not admitted yet, claiming nothing) would be active."""
-        return dict(zip(self._names, self._bound_per_group(request), strict=True))
+        return self._by_cut(dict(zip(self._names, self._bound_per_group(request), strict=True)))
 
     def growth_bound_sets(self, request: Request | None = None, probe: HitProbe | None = None) -> list[int]:
         """:meth:`growth_bound` (with ``request``: :meth:`growth_bound_with`) summed per pool set, as ``sets`` for
         :meth:`short_of`: admission's cheap check needs no group's name. With ``probe`` (and its ``request``): as its
         claim would leave it (the cached blocks it takes in use)."""
         per = self._bound_per_group(request, probe.taken_groups if probe is not None else None)
-        if self._arena is not None:  # one pool set, every group
-            return [sum(per)]
+        if self._arena is not None:  # one pool set, every group, in pages
+            return [sum(per) if self._weights is None else sum(map(mul, per, self._weights))]
         return list(per)  # a pool per group: pool set i is group i
 
     def _bound_per_group(self, request: Request | None, taken: list[int] | None = None) -> Iterable[int]:
@@ -1647,11 +1826,13 @@ class KVCacheManagerV2:
     def growth_bound(self) -> dict[str, int]:
         """Per group, an upper bound of :meth:`cycle_headroom` over every active cache at any ratio, in O(groups):
         the blocks active caches hold at their worst cases minus the blocks in use (shared ones count once)."""
-        return dict(zip(self._names, self._bound_per_group(None), strict=True))
+        return self._by_cut(dict(zip(self._names, self._bound_per_group(None), strict=True)))
 
     def available_blocks(self) -> dict[str, int]:
         """Blocks per group an allocation could take now (free plus evictable); the groups of a shared arena each
         show the arena's, so check several groups' needs together with :meth:`shortfall`."""
+        if self._tied_cuts is not None:  # each cut shows the arena's pages, as the page arena of the cuts does
+            return dict.fromkeys((g.name for g in self.layout.groups), self._arena.available)  # type: ignore[union-attr]
         return {name: pool.available for name, pool in self._pool.items()}
 
     def worst_case_tokens(self, request: Request) -> int:
@@ -1685,10 +1866,10 @@ class KVCacheManagerV2:
             what = f" (prompt + max_new_tokens{capped})"
         if self._slabs is not None:  # alone in the arena: every group's blocks in slabs of its own
             slabs = self._slabs
-            per_group = [g.blocks_for(n) for g in self.groups]
+            per_group = [g.blocks_for(n) for g in self._groups]
             k = slabs.slabs_for(per_group)
             if k > slabs.num_slabs:
-                each = ", ".join(f"{g.name} {b} blocks" for g, b in zip(self.groups, per_group, strict=True))
+                each = ", ".join(f"{g.name} {b} blocks" for g, b in zip(self._groups, per_group, strict=True))
                 return (f"request {request.req_id} needs {k} slabs of the arena for {n} tokens{what} ({each}; a slab "
                         f"holds one group's blocks); the arena has {slabs.num_slabs}")
             return None
@@ -1717,8 +1898,13 @@ class KVCacheManagerV2:
     def block_table(self, request: Request, group: str) -> list[int]:
         """Physical block per logical block of ``request`` in ``group``; -1 where a window released it."""
         cache = self._active(request)
-        if group not in cache.tables:
-            raise ValueError(f"no layer group {group!r}; groups: {', '.join(cache.tables)}")
+        cut = self._cut_of.get(group)
+        if cut is not None:  # a cut's pages of its logical group's blocks
+            g, j = cut
+            return self._arena.cut_tables(g, cache.tables[self._groups[g].name])[j]  # type: ignore[union-attr]
+        if group not in cache.tables or self._cut_of:
+            names = self._cut_of or cache.tables
+            raise ValueError(f"no layer group {group!r}; groups: {', '.join(names)}")
         return list(cache.tables[group])
 
     def block_tables(self, request: Request) -> list[list[int]]:
@@ -1729,8 +1915,14 @@ class KVCacheManagerV2:
         none), so copying them would cost more than the comparison: ~1 µs per list, 31 lists per request
         on Gemma 3 27B's shared arena.
         """
-        tables = self._active(request).tables
-        return [tables[g.name] for g in self.groups]
+        cache = self._active(request)
+        tables = cache.tables
+        if self._tied_cuts is not None:  # each logical table as its cuts' page tables, kept in step (CutTables)
+            readers = cache.cut_tables
+            if readers is None:
+                readers = cache.cut_tables = [CutTables(self._arena, i) for i in range(len(self._groups))]  # type: ignore[arg-type]
+            return [t for g, reader in zip(self._groups, readers, strict=True) for t in reader.read(tables[g.name])]
+        return [tables[g.name] for g in self._groups]
 
     def limit_reuse(self, group: str, check: Callable[[Request, int, int], bool]) -> None:
         """Reuse a cached prefix of length ``m`` only where ``check(request, m, block)`` holds, ``block`` being
@@ -1766,7 +1958,7 @@ class KVCacheManagerV2:
             return 0
         assert self.host is None and not any(self._write_back.values()), "a slab arena has no host tier"
         moved = 0
-        for g in self.groups:
+        for g in self._groups:
             name, pool = g.name, self._pool[g.name]
             assert isinstance(pool, SlabPool)
             pairs = pool.packing_moves(self._detach)
@@ -1836,7 +2028,7 @@ class KVCacheManagerV2:
         Gemma 3 27B's 31 groups, a tenth of what building the whole stats costs)."""
         self._check_open()
         total_bytes = self._fixed_stats()[0]
-        used_bytes = sum(pool.num_used * g.bytes_per_block for g, (_, _, pool) in zip(self.groups, self._group_pools,
+        used_bytes = sum(pool.num_used * g.bytes_per_block for g, (_, _, pool) in zip(self._groups, self._group_pools,
                                                                                       strict=True))
         return used_bytes / total_bytes if total_bytes else 0.0
 
@@ -1845,7 +2037,7 @@ class KVCacheManagerV2:
         self._check_open()
         groups = {}
         used_bytes = 0
-        for g in self.groups:
+        for g in self._groups:
             pool = self._pool[g.name]
             groups[g.name] = GroupStats(total=pool.num_blocks, free=pool.num_free, evictable=pool.num_evictable,
                                         used=pool.num_used,
@@ -1854,6 +2046,8 @@ class KVCacheManagerV2:
                                         shared=self.layout.shared,
                                         slabs=pool.owned if isinstance(pool, SlabPool) else None)
             used_bytes += pool.num_used * g.bytes_per_block
+        if self._tied_cuts is not None:  # per cut, as the page arena of the cuts counts them (a logical block is a page
+            groups = self._cut_stats()  # of each cut): the same figures, evictions summed over cuts included
         total_bytes, host_bytes, memory = self._fixed_stats()  # stats runs every step in a driver
         host = None
         if self.host is not None:
@@ -1886,6 +2080,21 @@ class KVCacheManagerV2:
                 "slab_bytes": self._slabs.slab_bytes, **self._slabs.counters},
         )
 
+    def _cut_stats(self) -> dict[str, GroupStats]:
+        """``stats().groups`` with the cuts tied: per cut, the arena's pages as total and free, and its logical
+        group's used, cached and evicted blocks (each one page of the cut)."""
+        arena = self._arena
+        assert isinstance(arena, TiedArena)
+        total, free = arena.num_pages, len(arena._free)
+        out = {}
+        for i, cuts in enumerate(self._tied_cuts or ()):
+            used = arena.used[i]
+            for name in cuts:
+                out[name] = GroupStats(total=total, free=free, evictable=arena.cached[i], used=used,
+                                       usage=used / total if total else 0.0, evictions=arena.evicted[i],
+                                       tokens_per_block=self._groups[i].tokens_per_block, shared=True, slabs=None)
+        return out
+
     def close(self) -> None:
         """Release the device pools and the host tier (idempotent); the manager is unusable afterwards."""
         if self._closed:
@@ -1913,7 +2122,7 @@ class KVCacheManagerV2:
         if active != self._active_requests:
             problems.append(f"{len(self._active_requests)} requests noted active, {len(active)} caches are "
                             f"(differ: {sorted(r.req_id for r in active ^ self._active_requests)})")
-        owners: dict[str, dict[int, int]] = {g.name: {} for g in self.groups}
+        owners: dict[str, dict[int, int]] = {g.name: {} for g in self._groups}
         on_path: dict[str, RadixNode] = {}  # each cache's last radix run
         for cache in self._caches.values():
             rid = cache.request.req_id
@@ -1941,7 +2150,7 @@ class KVCacheManagerV2:
                         min(start // tpb, len(cache.tables[name])) > cache.released[name] for name, _ in members):
                     problems.append(f"{rid}: a window releases a block at {cache.committed} tokens, before slide_at "
                                     f"{cache.slide_at}")
-            for g in self.groups:
+            for g in self._groups:
                 table = cache.tables[g.name]
                 held = [b for b in table if b >= 0]
                 if len(set(held)) != len(held):
@@ -1957,12 +2166,21 @@ class KVCacheManagerV2:
                         problems.append(f"{rid}: group {g.name} holds block {j} below its window's release mark")
                     if b >= 0:
                         owners[g.name][b] = owners[g.name].get(b, 0) + 1
-        worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self.groups]
+        worst = [sum(g.blocks_for(c.worst) for c in self._caches.values() if c.is_active) for g in self._groups]
         if worst != self._worst_blocks:
             problems.append(f"worst-case blocks of active caches {self._worst_blocks}, recomputed {worst}")
         if self._slabs is not None:
             problems += self._slabs.check()
         for pool, names in self._pool_sets:  # per distinct pool: free + every group's used + evictable == blocks
+            if isinstance(pool, TiedArena):  # its pages (each logical block's k distinct, owned once), then its ids
+                problems += pool.check()
+                free, evictable = set(pool._free_ids), set(pool.evictable.blocks())
+                used = {b for b in range(len(pool.ref)) if pool.ref[b] > 0}
+                if free & evictable or len(free) + len(evictable) + len(used) != len(pool.pages) \
+                        or len(free) != len(pool._free_ids):
+                    problems.append(f"tied arena: free {len(free)} + evictable {len(evictable)} + used {len(used)} "
+                                    f"logical ids != {len(pool.pages)} ({len(free & evictable)} free and queued)")
+                continue
             listed = pool.free_ids() if isinstance(pool, SlabPool) else pool._free
             free, evictable = set(listed), set(pool.evictable.blocks())
             if free & evictable:
@@ -1972,9 +2190,11 @@ class KVCacheManagerV2:
                     or len(used) != pool.num_used:
                 problems.append(f"{self._where(names)}: free {len(free)} + evictable {len(evictable)} + used "
                                 f"{len(used)} != {pool.num_blocks} (num_used {pool.num_used})")
-        for g in self.groups:
+        if self._arena is not None:
+            problems += self._check_rows(self._arena)
+        for g in self._groups:
             pool = self._pool[g.name]
-            holds = pool.holds if isinstance(pool, GroupShare) else None
+            holds = pool.holds if isinstance(pool, (GroupShare, TiedShare)) else None
             free, evictable = set(pool.free_ids()), set(pool.evictable.blocks())
             ids = range(len(pool.ref))  # a slab pool's ids span the arena; elsewhere len(ref) == num_blocks
             mine = ids if holds is None else [b for b in ids if holds(b)]
@@ -1983,7 +2203,7 @@ class KVCacheManagerV2:
                 problems.append(f"group {g.name}: used {len(used)} (num_used {pool.num_used}), evictable "
                                 f"{len(evictable.intersection(mine))} (num_evictable {pool.num_evictable})")
             if holds is not None:
-                stray = [b for b in range(pool.num_blocks) if b not in free and pool.arena.group_of[b] < 0]
+                stray = [b for b in range(len(pool.ref)) if b not in free and pool.arena.group_of[b] < 0]
                 if stray:
                     problems.append(f"shared arena: blocks neither free nor in a group: {stray}")
             for b in mine:
@@ -2036,6 +2256,48 @@ class KVCacheManagerV2:
                         problems.append(f"group {name}: suspended page {j}'s block {b} changed hands unwritten")
         if problems:
             raise AssertionError("; ".join(problems))
+
+    def _check_rows(self, arena: SharedPool) -> list[str]:
+        """A shared arena's cut families leave no partial row cached: where a cut of a family holds a page at a cached
+        position (in the tree or a pending prefix), every cut of the family does (``SharedPool._row_rest``); and
+        each queued row's pages lie next to each other in the eviction queue."""
+        members = arena._members
+        if members is None:
+            return []
+        rows: dict[tuple[int, int, int], list[int]] = {}
+        for b in range(arena.num_blocks):
+            g, run = arena.group_of[b], arena.node[b]
+            if run is not None and g >= 0 and members[g]:
+                rows.setdefault((id(run), arena.pos[b], members[g][0]), []).append(g)
+        problems = [f"shared arena: position {p} holds cuts {sorted(arena.names[g] for g in gs)} of "
+                    f"{len(members[first])}: a partial row is cached"
+                    for (_, p, first), gs in rows.items() if len(gs) != len(members[first])]
+        # a queued row lies whole and in one piece in the eviction order (one bucket, its pages next to each other):
+        # the queue then evicts rows as a queue of whole rows would, the order a tie of the cuts into one logical
+        # block (its pages evicted together) can keep exactly
+        seen: set[tuple[int, int, int]] = set()
+        for _, got in arena.evictable.buckets():
+            row: tuple[int, int, int] | None = None
+            n = 0
+            for b, _ in got:
+                g, run = arena.group_of[b], arena.node[b]
+                key = (id(run), arena.pos[b], members[g][0]) if run is not None and members[g] else None
+                if key is not None and key == row:
+                    n += 1
+                    continue
+                if row is not None and n != len(members[row[2]]):
+                    problems.append(f"shared arena: a queued row of {arena.names[row[2]]}'s family at position "
+                                    f"{row[1]} has {n} of its {len(members[row[2]])} pages together in the queue")
+                if key is not None and key in seen:
+                    problems.append(f"shared arena: the queued row of {arena.names[key[2]]}'s family at position "
+                                    f"{key[1]} lies in pieces in the queue")
+                row, n = key, 1
+                if key is not None:
+                    seen.add(key)
+            if row is not None and n != len(members[row[2]]):
+                problems.append(f"shared arena: a queued row of {arena.names[row[2]]}'s family at position {row[1]} "
+                                f"has {n} of its {len(members[row[2]])} pages together in the queue")
+        return problems
 
     def _check_tree(self, on_path: dict[str, RadixNode]) -> list[str]:
         """The radix tree's invariants (:mod:`cache_backends.v2.radix`); ``on_path``: each cache's last run."""
@@ -2147,28 +2409,43 @@ class KVCacheManagerV2:
 
     def _new_tree(self) -> RadixTree:
         """An empty radix tree over this manager's pools (a split rewrites their block -> run lists)."""
-        return RadixTree({g.name: (self._pool[g.name].node, self._pool[g.name].pos) for g in self.groups})
+        return RadixTree({g.name: (self._pool[g.name].node, self._pool[g.name].pos) for g in self._groups})
 
     def _detach(self, group: str, blocks: list[int]) -> None:
         """Unhook evicted or dropped blocks of ``group`` from their radix runs (the pool's other bookkeeping is the
         caller's); a suspended cache's page among them is copied to its host slot first (write-back)."""
+        if self._event_cuts and self._batch is None and self.kv_events is not None:
+            # the cuts tied: what one call reports (its removals, then the stores of the copies it hangs in their
+            # place) goes out cut by cut, as the page arena's call per cut reports it (inside, _batch is set)
+            with self._cut_by_cut(group):
+                self._detach(group, blocks)
+            return
         later = self._write_back[group]
         if later:
             slots: list[int] = []
             of: list[int] = []
+            cuts = self._tied_cuts[self._names.index(group)] if self._tied_cuts is not None else None
             for b in blocks:
                 for cache, j in later.pop(b, ()):
                     assert self.host is not None and cache.host is not None
-                    slots.append(cache.host[group][j])
-                    of.append(b)
+                    if cuts is None:
+                        slots.append(cache.host[group][j])
+                        of.append(b)
+                    else:  # a tied block: each cut's page to that cut's slot (one shared host tensor)
+                        slots += [cache.host[cut][j] for cut in cuts]
+                        of += self._arena.pages[b]  # type: ignore[union-attr]
                     del cache.reclaim[group][j]
-            if slots:
-                self.host.write(group, slots, of)  # type: ignore[union-attr]  # one copy for them all
+            if slots:  # (tied: by the first cut's name, the host tensor every cut shares)
+                self.host.write(group if cuts is None else cuts[0], slots, of)  # type: ignore[union-attr]
                 self.host.sync()  # type: ignore[union-attr]  # on the host before the block changes hands
         if self.kv_events is not None:
             key, pool = self._tree.key, self._pool[group]
-            self.kv_events.removed([key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
-                                    for b in blocks], group)
+            keys = [key(pool.node[b], pool.pos[b] - pool.node[b].start)  # type: ignore[union-attr]
+                    for b in blocks]
+            if group in self._event_cuts:  # tied: reported per cut (the caller is inside _cut_by_cut)
+                self._tied_event(group, REMOVED, keys, 0)
+            else:
+                self.kv_events.removed(keys, group)
         copies = self._copies[group]
         if copies:
             pool = self._pool[group]
@@ -2178,6 +2455,89 @@ class KVCacheManagerV2:
                 self._hang_copy(group, run, p, got)  # type: ignore[arg-type]
             return
         self._tree.detach(group, blocks)
+
+    @contextlib.contextmanager
+    def _cut_by_cut(self, group: str | None) -> Iterator[list[_Heard]]:
+        """With the cuts tied and KV events on: the events of ``group`` (a logical group) inside go out when it ends,
+        once per cut of the group, cut by cut, each cut's in the order they happened, under the cut's name. With
+        ``group`` None the events of any group are only recorded, in the list yielded (``_restore`` sends them).
+
+        Why: a logical block is a page of each cut, and where the page arena runs a call or a loop per cut (a detach,
+        a window's slide dropping blocks one by one), its events come cut by cut; the tie's one pass over logical
+        blocks would report them block by block."""
+        assert self._batch is None and self.kv_events is not None
+        heard: list[_Heard] = []
+        self._batch = (group, heard)
+        try:
+            yield heard
+        finally:
+            self._batch = None
+            if group is not None:
+                for name in self._event_cuts[group]:
+                    self._send(name, heard)
+
+    def _send(self, name: str, heard: list[_Heard]) -> None:
+        """Send ``heard`` (``_cut_by_cut``'s events) under the cut ``name``."""
+        events = self.kv_events
+        assert events is not None
+        for _, kind, what, tpb in heard:
+            if kind == REMOVED:
+                events.removed(what, name)
+            else:
+                for hashes, parent, tokens in what:
+                    events.stored(hashes, parent, tokens, tpb, name)
+
+    def _tied_event(self, group: str, kind: str, what: Any, tpb: int) -> None:
+        """An event of the tie's logical ``group`` (``_cut_by_cut``'s form): heard by the batch open, else sent per
+        cut at once."""
+        if self._batch is None:
+            with self._cut_by_cut(group):
+                self._tied_event(group, kind, what, tpb)
+            return
+        assert self._batch[0] in (group, None), (self._batch[0], group)  # a batch replays one family's cuts
+        self._batch[1].append((group, kind, what, tpb))
+
+    def _allocate_as_pages(self, group: str) -> int:
+        """A block of the tie's logical ``group`` (KV events on), its take's events sent in the order the page arena's
+        take of a page per cut, cut by cut, sends them (:meth:`_send_paged`)."""
+        free = len(self._arena._free)  # type: ignore[union-attr]
+        with self._cut_by_cut(None) as heard:
+            b = self._pool[group].allocate(self._detach)
+        self._send_paged(group, free, [(heard, [])])
+        return b
+
+    def _send_paged(self, group: str, free: int, steps: list[tuple[list[_Heard], list[_Heard]]]) -> None:
+        """Send the events recorded while the logical ``group`` took blocks one at a time (``_restore``, ``fork``) in
+        the page arena's order.
+
+        ``steps``: per logical block allocated, what its take's evictions reported (each evicted row's removal, and
+        the stores of copies hung in its place) and what hanging the new block stored. The page arena of the cuts
+        allocates cut by cut, a page at a time: a cut's allocation stores its page, and evicts the next row of the
+        queue (reported whole, each of its cuts) when the arena has no free page left (``free`` at the start, and
+        each evicted row's pages after); the tie evicted the same rows, in the same order, a block at a time."""
+        rows: list[tuple[str, list[_Heard]]] = []  # each evicted row: its logical group, its events
+        for evicted, _ in steps:
+            for g, kind, what, tpb in evicted:
+                if kind == REMOVED:
+                    rows += [(g, [(g, kind, [key], 0)]) for key in what]
+                else:  # a copy hung where an evicted block was: that block's row reports it (its key is the copy's)
+                    first = what[0][0][0]
+                    row = next((r for r in reversed(rows) if r[0] == g and r[1][0][2][0] == first), rows[-1])
+                    row[1].append((g, kind, what, tpb))
+        left = iter(rows)
+        for name in self._event_cuts[group]:
+            for _, stored in steps:
+                if not free:
+                    row = next(left, None)
+                    if row is not None:
+                        for cut in self._event_cuts[row[0]]:
+                            self._send(cut, row[1])
+                        free += len(self._event_cuts[row[0]])
+                free -= 1
+                self._send(name, stored)
+        for g, heard in left:  # (none: the page arena evicts as many rows)
+            for cut in self._event_cuts[g]:
+                self._send(cut, heard)
 
     def _hang_copy(self, group: str, run: RadixNode, p: int, copies: list[tuple[int, int]]) -> None:
         """Hang the first of ``copies`` (a request's live, private copy of the block that just left position ``p`` of
@@ -2243,6 +2603,7 @@ class KVCacheManagerV2:
         tpb = self._group[group].tokens_per_block
         step = tpb // self.T
         chain: list[tuple[RadixNode, int]] = []
+        out: list[tuple[list[bytes], bytes | None, list[int]]] = []
         for item in [*at, None]:
             if item is not None and (not chain or item[0].start + item[1] == chain[-1][0].start + chain[-1][1] + step):
                 chain.append(item)
@@ -2260,8 +2621,21 @@ class KVCacheManagerV2:
                     for q in range(first, last.start + chain[-1][1] + 1):
                         r, j = tree.position(last, q)
                         tokens += r.token_ids(j)
-                events.stored([tree.key(r, j) for r, j in chain], parent, tokens, tpb, group)
+                out.append(([tree.key(r, j) for r, j in chain], parent, tokens))
             chain = [item] if item is not None else []
+        if group in self._event_cuts:  # tied: each cut's pages are stored there, reported cut by cut
+            self._tied_event(group, STORED, out, tpb)
+            return
+        for hashes, parent, tokens in out:
+            events.stored(hashes, parent, tokens, tpb, group)
+
+    def _pages_of(self, group: str, blocks: list[int]) -> tuple[Any, list[int]]:
+        """The tensor ``group``'s blocks live in and their page ids there: the blocks themselves, or with the cuts
+        tied each logical block's pages, in cut order, in the arena's one tensor."""
+        if self._tied_cuts is None:
+            return self.pools.tensors[group], blocks
+        pages = self._arena.pages  # type: ignore[union-attr]
+        return self.pools.tensors[self._tied_cuts[0][0]], [p for b in blocks for p in pages[b]]
 
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
@@ -2340,10 +2714,18 @@ class KVCacheManagerV2:
                 table = tables[name]
                 if cache.pending is not None and keep_cached:
                     self._park_blocks(cache.pending, (name,), tables, released[name], upto)
-                for j in range(released[name], upto):
-                    if table[j] >= 0:
-                        pool.decref(table[j], priority, keep_cached, self._detach)
-                        table[j] = -1
+                if self._event_cuts and self.kv_events is not None:
+                    # tied: the drops sent cut by cut, as the page arena's loop per cut sends them
+                    with self._cut_by_cut(name):
+                        for j in range(released[name], upto):
+                            if table[j] >= 0:
+                                pool.decref(table[j], priority, keep_cached, self._detach)
+                                table[j] = -1
+                else:
+                    for j in range(released[name], upto):
+                        if table[j] >= 0:
+                            pool.decref(table[j], priority, keep_cached, self._detach)
+                            table[j] = -1
                 released[name] = max(released[name], upto)
         cache.slide_at = min(((released[name] + 1) * tpb + window - 1
                               for window, tpb, members in self._window_sets for name, _ in members), default=NEVER)
@@ -2353,7 +2735,8 @@ class KVCacheManagerV2:
         """A lazily keyed cache's decode slide on a shared arena, in one pass: position ``lo`` of each of a window
         set's groups (``names``, arena indexes ``index``) parked under ``prefix`` and let go, when every group has its
         block there and holds it alone (the usual slide); whether it did (else nothing changed). Exactly
-        :meth:`_park_blocks` then :meth:`SharedPool.release_slices` of that position.
+        :meth:`_park_blocks` then :meth:`SharedPool.release_slices` of that position (``TiedArena.release_slices``
+        with the cuts tied, where a window set is one logical group).
 
         Why: a slide moves a block or two of each group, so the calls, lists and checks around those two (six calls
         a slide) cost more than the blocks' own work; on tiny-gemma3 ``no-reuse`` every decode block boundary
@@ -2361,12 +2744,21 @@ class KVCacheManagerV2:
         arena = self._arena
         assert arena is not None
         got = [table[lo] for table in map(tables.__getitem__, names)]
-        if len(got) < 2 or -1 in got:
-            return False
-        get = itemgetter(*got)
         ref = arena.ref
-        if get(arena.group_of) != index or get(ref).count(1) != len(got):
-            return False
+        if len(got) < 2:
+            # one group: a tie's logical sliding group (the page arena's single groups keep the per-group calls);
+            # itemgetter of one id answers the item, not a tuple
+            if self._tied_cuts is None or not got:
+                return False
+            b = got[0]
+            if b < 0 or arena.group_of[b] != index[0] or ref[b] != 1:
+                return False
+        else:
+            if -1 in got:
+                return False
+            get = itemgetter(*got)
+            if get(arena.group_of) != index or get(ref).count(1) != len(got):
+                return False
         # parked: what _park_blocks does for one position (a pending prefix has no children, so the blocks go to
         # the leaves, as release_slices queues them)
         if len(prefix.held) <= lo:
@@ -2559,7 +2951,7 @@ class KVCacheManagerV2:
             return 0
         # the usual case: every group holds a block at every position of the path (a run's held counts them), so
         # every length suits every group; checked per run, not per group (31 path walks on Gemma 3 27B's arena)
-        groups = len(self.groups)
+        groups = len(self._groups)
         held = last.held[: n - last.start]
         whole = held.count(groups) == len(held)
         node = last.parent
@@ -2574,7 +2966,7 @@ class KVCacheManagerV2:
         counts: dict[str, list[int]] = {}  # sliding groups whose blocks span several positions: prefix counts
         along_of: dict[str, list[int]] = {}  # sliding groups with a block per position: their blocks on the path
         gaps = []  # the groups missing a block on the path: only they can rule a length out
-        for g in () if whole else self.groups:
+        for g in () if whole else self._groups:
             step = g.tokens_per_block // T
             along = self._tree.path_blocks(last, n, g.name)
             if step == 1:  # a group block per position: searched at C speed
@@ -2882,7 +3274,8 @@ class KVCacheManagerV2:
         per table: its full committed blocks parked under its pending prefix and every block let go, when each table
         holds a block at every position from its window mark on, each its group's and held by this table alone, and
         none after the full ones is in the cache (the usual finish); whether it did (else nothing changed). Exactly
-        :meth:`_park` then :meth:`_release_blocks`.
+        :meth:`_park` then :meth:`_release_blocks`, on the page arena or with the cuts tied (a ``TiedArena``: the
+        blocks are logical, a freed one gives its pages and id back).
 
         Why: the two walked every block twice (parking, then releasing with a branch per block for what a parked
         block is known to be), ~100 blocks a finish on tiny-gemma3 (6 groups), 512 finishes a ``no-reuse`` run."""
@@ -2947,7 +3340,10 @@ class KVCacheManagerV2:
                 for b in tail:
                     ref[b] = 0
                     group_of[b] = -1
-                free += tail[::-1]
+                if self._tied_cuts is None:
+                    free += tail[::-1]
+                else:  # tied, _free is pages: each logical block's pages and id go back (as release_tables frees)
+                    arena._let_go(tail[::-1])  # type: ignore[attr-defined]
             used[g] -= len(table) - lo
             kept[g] += len(got)
             tables[name] = []
@@ -3040,21 +3436,21 @@ class KVCacheManagerV2:
                         if source is None else source)
         if best is None:
             return 0
-        src_of = {g.name: best.blocks[g.name][0] for g in self.groups}
-        for g in self.groups:  # hold the source so our own allocation cannot evict it
+        src_of = {g.name: best.blocks[g.name][0] for g in self._groups}
+        for g in self._groups:  # hold the source so our own allocation cannot evict it
             self._pool[g.name].incref(src_of[g.name])
         gained = 0
-        if self.shortfall({g.name: 1 for g in self.groups}) is None:
-            self._take_slabs([1] * len(self.groups))
-            fresh = [self._pool[g.name].allocate(self._detach) for g in self.groups]
-            for g, b in zip(self.groups, fresh, strict=True):
+        if self.shortfall({g.name: 1 for g in self._groups}) is None:
+            self._take_slabs([1] * len(self._groups))
+            fresh = [self._pool[g.name].allocate(self._detach) for g in self._groups]
+            for g, b in zip(self._groups, fresh, strict=True):
                 src = src_of[g.name]
                 self.pools.tensors[g.name][:, b].copy_(self.pools.tensors[g.name][:, src])
                 cache.tables[g.name].append(b)
             gained = best_k
             cache.partial_hit = True
             self.counters["reuse_partial_hits"] += 1
-        for g in self.groups:
+        for g in self._groups:
             pool, src = self._pool[g.name], src_of[g.name]
             pool.decref(src, pool.priority[src], True, self._detach)
         return gained
@@ -3076,10 +3472,10 @@ class KVCacheManagerV2:
         srcs = [blocks[name][0] for name in self._names]
         arena.incref_each(index, srcs)  # hold the source so our own allocation cannot evict it
         gained = 0
-        if len(srcs) <= arena.available:
+        if self._row_pages <= arena.available:  # a page of each group's new block (its pages, tied)
             fresh = arena.take_one_each(index, self._detach_mixed)
             # every group's tensor is the one arena: all pages in one go
-            _copy_pages(self.pools.tensors[self._names[0]], fresh, srcs)
+            _copy_pages(*self._pages_of(self._names[0], fresh), self._pages_of(self._names[0], srcs)[1])
             tables = cache.tables
             for name, b in zip(self._names, fresh, strict=True):
                 tables[name].append(b)
@@ -3103,7 +3499,7 @@ class KVCacheManagerV2:
         want_ids = _tokens(request, m, m + self.T)
         want = pack_tokens(want_ids)
         best, best_k = None, 0
-        groups = len(self.groups)
+        groups = len(self._groups)
         # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with the
         # longest match shares two tokens if any does, so only those are compared; else every child that shares the
         # first token is (any other shares no token).
@@ -3132,9 +3528,11 @@ class KVCacheManagerV2:
         request = cache.request
         next_len = cache.committed + (1 if request.num_tokens > cache.committed else 0)
         needs = {}
-        for g in self.groups:
+        for g in self._groups:
             name = g.name
-            pool, slots, marks = self._pool[name], cache.host[name], cache.reclaim[name]
+            # (tied: the positions' slots of the first cut, every cut holding one at the same positions)
+            slots = cache.host[name if self._tied_cuts is None else self._tied_cuts[self._names.index(name)][0]]
+            pool, marks = self._pool[name], cache.reclaim[name]
             # every page with a host slot is copied back unless its mark (a cached device block, only ever set beside
             # a slot) is still valid: counted per group at C speed, the marks checked all at once (a suspended request
             # is asked every step it waits; Gemma 3 27B's 31 groups made a Python pass over every page a tenth of
@@ -3172,8 +3570,11 @@ class KVCacheManagerV2:
         assert self.host is not None and cache.host is not None
         T = self.T
         tables: dict[str, list[int]] = {}
-        for g in self.groups:  # first take back, in every group, so allocating below cannot evict them
-            pool, slots = self._pool[g.name], cache.host[g.name]
+        cuts = self._tied_cuts
+        # each group's slots per position (tied: the first cut's; every cut has one at the same positions)
+        at = {g.name: cache.host[g.name if cuts is None else cuts[i][0]] for i, g in enumerate(self._groups)}
+        for g in self._groups:  # first take back, in every group, so allocating below cannot evict them
+            pool, slots = self._pool[g.name], at[g.name]
             table = tables[g.name] = [-1] * len(slots)
             for j, slot in enumerate(slots):
                 if slot >= 0:
@@ -3182,21 +3583,40 @@ class KVCacheManagerV2:
                         pool.incref(b)
                         table[j] = b
         moves: dict[str, tuple[list[int], list[int]]] = {}  # copied together once every block is allocated
-        for g in self.groups:
-            pool, slots, table = self._pool[g.name], cache.host[g.name], tables[g.name]
+        # tied with KV events: each allocation's events recorded, then sent in the page arena's order (_send_paged)
+        replay = cuts is not None and self.kv_events is not None
+        for gi, g in enumerate(self._groups):
+            pool, slots, table = self._pool[g.name], at[g.name], tables[g.name]
             of, to = moves[g.name] = ([], [])
-            for j, slot in enumerate(slots):
-                if slot >= 0 and table[j] < 0:
-                    # (an eviction here copies the page it evicts to that page's own host slot now: before the
-                    # copy below overwrites the block)
-                    b = pool.allocate(self._detach)
-                    of.append(slot)
-                    to.append(b)
-                    table[j] = b
-                    end = (j + 1) * g.tokens_per_block
-                    if self._reuse and end <= cache.committed and end % T == 0:
-                        assert cache.last is not None
-                        self._attach(*self._tree.position(cache.last, end // T - 1), g.name, b)
+            free = len(self._arena._free) if replay else 0  # type: ignore[union-attr]
+            steps: list[tuple[list[_Heard], list[_Heard]]] = []
+            with self._cut_by_cut(None) if replay else _AS_IT_GOES as heard:
+                for j, slot in enumerate(slots):
+                    if slot >= 0 and table[j] < 0:
+                        # (an eviction here copies the page it evicts to that page's own host slot now: before the
+                        # copy below overwrites the block)
+                        b = pool.allocate(self._detach)
+                        if replay:
+                            steps.append((heard[:], []))
+                            heard.clear()
+                        if cuts is None:
+                            of.append(slot)
+                            to.append(b)
+                        else:  # each cut's slot into that cut's page of the new logical block
+                            for i, cut in enumerate(cuts[gi]):
+                                cut_of, cut_to = moves.setdefault(cut, ([], []))
+                                cut_of.append(cache.host[cut][j])
+                                cut_to.append(self._arena.pages[b][i])  # type: ignore[union-attr]
+                        table[j] = b
+                        end = (j + 1) * g.tokens_per_block
+                        if self._reuse and end <= cache.committed and end % T == 0:
+                            assert cache.last is not None
+                            self._attach(*self._tree.position(cache.last, end // T - 1), g.name, b)
+                        if replay:
+                            steps[-1][1].extend(heard)
+                            heard.clear()
+            if replay:
+                self._send_paged(g.name, free, steps)
             cache.tables[g.name] = table
         self.host.load_many(moves)
         self.host.sync()  # the copies are done before the slots can be overwritten

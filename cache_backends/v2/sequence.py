@@ -67,6 +67,7 @@ class SequenceCache:
     reused_tokens: int = 0
     partial_hit: bool = False
     worst: int = -1  # the request's worst-case tokens, for admission's headroom estimate (-1: not computed yet)
+    cut_tables: list | None = None  # with the cuts tied: a CutTables per logical group (block_tables)
 
     @property
     def is_active(self) -> bool:

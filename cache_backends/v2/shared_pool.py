@@ -27,6 +27,13 @@ its life cycle — they take a block, leave the window and are released at the s
 31 groups would otherwise cost 31 calls where one group costs one. Each batch method hands out or takes back
 exactly the blocks, in exactly the order, that the per-group calls would (``scripts/kv_diffcheck.py`` checks it
 step by step); only the per-block work remains per group.
+
+Rows (``families``, :func:`~cache_backends.layout.cut_families`): a prefix position's pages of one family's cuts are a
+*row*; a hit needs the whole row. An eviction that takes some of a row's pages frees the row's other queued pages with
+them (:meth:`SharedPool._row_rest`), so no partial row stays cached (``KVCacheManagerV2.check_invariants`` checks
+it). This is the eviction rule of a tie of the cuts into one logical block (BENCHMARKS.md "tie57"). With families, a
+take per group and one batch take may free different rows (the rest a group's take frees serves the next group's),
+so the batch methods equal the per-group calls only without families (``tests/test_kv_v2_shared.py`` checks them so).
 """
 
 from __future__ import annotations
@@ -134,9 +141,24 @@ def _interleave_tails(tables: list[list[int]], lens: list[int]) -> list[int]:
 class SharedPool:
     """Free list, reference counts, radix owners and eviction queue of an arena shared by ``names``."""
 
-    def __init__(self, names: Sequence[str], num_blocks: int) -> None:
+    def __init__(self, names: Sequence[str], num_blocks: int, families: Sequence[int] | None = None) -> None:
         self.names = list(names)
         self.num_blocks = num_blocks
+        #: ``families[g]``: the group ``g`` was cut from (:func:`~cache_backends.layout.cut_families`); the cuts of
+        #: one family leave the cache a whole row at a time (:meth:`_row_rest`). None: every group its own family.
+        self._members: list[tuple[int, ...]] | None = None
+        self._first: list[int] = []
+        if families is not None:
+            if len(families) != len(self.names):
+                raise ValueError(f"{len(families)} families for {len(self.names)} groups")
+            of: dict[int, list[int]] = {}
+            for g, f in enumerate(families):
+                of.setdefault(f, []).append(g)
+            if any(len(m) > 1 for m in of.values()):
+                # per group: every cut of its family, itself included, in arena order (empty: a family of one)
+                self._members = [tuple(of[f]) if len(of[f]) > 1 else () for f in families]
+                #: per group: its family's first group, or -1 for a family of one
+                self._first = [of[f][0] if len(of[f]) > 1 else -1 for f in families]
         self.ref = [0] * num_blocks
         self.gen = [0] * num_blocks
         self.node: list[RadixNode | None] = [None] * num_blocks
@@ -189,6 +211,9 @@ class SharedPool:
         if total > k:
             group_of = self.group_of
             evicted = self.evictable.pop_many(total - k)
+            rest = self._row_rest(evicted) if self._members is not None else None
+            if rest:  # detached with the evicted blocks, then freed (below): not handed out by this take
+                evicted += rest
             names, cached, evictions = self.names, self.cached, self.evicted
             if detach_mixed is not None:  # one call for every group's evicted blocks, in eviction order
                 of = list(map(group_of.__getitem__, evicted))
@@ -203,6 +228,8 @@ class SharedPool:
                         cached[g] = cached[g] - 1
                         evictions[g] = evictions[g] + 1
                 detach_mixed(evicted, of)
+                if rest:
+                    self._free_rest(evicted, len(rest))
                 out += evicted
                 return self._hand_out(out, groups, counts)
             # every evicted block's group, then one detach per group: a finish queues its groups' blocks position
@@ -220,8 +247,56 @@ class SharedPool:
                 cached[g] -= len(blocks)
                 evictions[g] += len(blocks)
                 detach(names[g], blocks)
+            if rest:
+                self._free_rest(evicted, len(rest))
             out += evicted
         return self._hand_out(out, groups, counts)
+
+    def _row_rest(self, evicted: list[int]) -> list[int]:
+        """The queued blocks of the rows ``evicted`` (just popped, not detached yet) leaves behind: for each evicted
+        block of a cut group, the blocks its family's other cuts hold at the same radix position, where nobody holds
+        them; in the order the rows were first evicted, each row's cuts in arena order.
+
+        Why: the cuts :func:`~cache_backends.layout.share_pages` makes of one group hold a prefix position together
+        and a hit needs every one of them (``KVCacheManagerV2._usable_prefix``), yet the queue hands out pages one at a
+        time, so a take of ``n`` pages split rows: a third of the rows evictions touched on tiny-gemma3 (BENCHMARKS.md
+        "tie57"), and the cuts left behind stayed cached, useless, while whole rows were evicted in their place. Taking
+        the rest of each row with it frees them instead (tiny-gemma3 ``mixed`` at a quarter of the budget: 13.5% of
+        prompt tokens reused against 19.8% with whole rows). A cut some request holds stays: it is not cached waste."""
+        members, node, ref = self._members, self.node, self.ref
+        assert members is not None
+        # rows by (run, position, family's first group), counted at C speed: a decode's block boundary on Gemma 3 27B
+        # evicts a row or two of 26 + 5 pages, so the Python loop runs per row, not per page
+        of = list(map(self.group_of.__getitem__, evicted))
+        rows = Counter(zip(map(node.__getitem__, evicted), map(self.pos.__getitem__, evicted),
+                           map(self._first.__getitem__, of), strict=True))
+        names, queued = self.names, self.evictable
+        rest: list[int] = []
+        for (run, p, first), n in rows.items():  # in the order the rows were first evicted
+            if first < 0 or run is None:
+                continue
+            fam = members[first]
+            if n == len(fam):
+                continue
+            i = p - run.start
+            for s in fam:  # the evicted cuts' own blocks are out of the queue already: skipped as not queued
+                blocks = run.blocks.get(names[s])
+                if blocks is not None and i < len(blocks):
+                    b = blocks[i]
+                    if b >= 0 and not ref[b] and b in queued:
+                        rest.append(b)
+        if rest:
+            queued.remove_many(rest)
+        return rest
+
+    def _free_rest(self, evicted: list[int], n: int) -> None:
+        """Move the last ``n`` of ``evicted`` (a take's :meth:`_row_rest`, detached now) to the free list."""
+        rest = evicted[len(evicted) - n:]
+        del evicted[len(evicted) - n:]
+        group_of = self.group_of
+        for b in rest:
+            group_of[b] = -1
+        self._free += rest
 
     def take_one_each(self, groups: Sequence[int], detach_mixed: DetachMixed) -> list[int]:
         """A page for each of ``groups`` (``groups[i]`` gets the ``i``-th): exactly :meth:`take_each` with every count
@@ -241,12 +316,17 @@ class SharedPool:
         group_of = self.group_of
         if total > k:
             evicted = self.evictable.pop_many(total - k)
+            rest = self._row_rest(evicted) if self._members is not None else None
+            if rest:  # detached with the evicted blocks, then freed: not handed out by this take
+                evicted += rest
             of = list(map(group_of.__getitem__, evicted))
             cached, evictions = self.cached, self.evicted
             for g in of:
                 cached[g] = cached[g] - 1
                 evictions[g] = evictions[g] + 1
             detach_mixed(evicted, of)
+            if rest:
+                self._free_rest(evicted, len(rest))
             out += evicted
         gen, ref, used = self.gen, self.ref, self.used
         for b, g in zip(out, groups, strict=True):  # this loop runs for every block handed out: kept lean
@@ -371,12 +451,14 @@ class SharedPool:
         in order, in one pass (what :meth:`incref_each` held goes back: a cached block to the queue, an uncached one
         free).
 
-        The blocks that go to the queue are queued in order, one by one as the calls would queue them; in one
-        ``add_many`` when that is the same: all leaves of one priority while no shared block is queued (then no
-        stale shared block is demoted between them)."""
+        The blocks that go to the queue are queued in order, one by one as the calls would queue them, but a row's
+        (a cut family's blocks of one run position, next to each other, of one priority and sharedness) in one call,
+        as a tie of the cuts queues the row as one entry; in one ``add_many`` when that is the same: all leaves of one
+        priority while no shared block is queued (then no stale shared block is demoted between them)."""
         ref, group_of, owner, free = self.ref, self.group_of, self.node, self._free
         cached, used = self.cached, self.used
-        queued: list[tuple[int, int, bool]] = []
+        # (block, priority, shared, its family's first group or -1, its run, its position)
+        queued: list[tuple[int, int, bool, int, int, int]] = []
         for g, b, p in zip(groups, blocks, priorities, strict=True):
             if b < 0:
                 continue
@@ -393,16 +475,27 @@ class SharedPool:
                 group_of[b] = -1
             else:
                 cached[g] = cached[g] + 1
-                queued.append((b, p, bool(node.children)))
+                queued.append((b, p, bool(node.children), self._first[g] if self._first else -1, id(node), self.pos[b]))
         if not queued:
             return
         queue = self.evictable
         p = queued[0][1]
-        if not queue.num_shared and all(not s and q == p for _, q, s in queued):
-            queue.add_many([b for b, _, _ in queued], p)
+        if not queue.num_shared and all(not s and q == p for _, q, s, *_ in queued):
+            queue.add_many([b for b, *_ in queued], p)
             return
-        for b, q, s in queued:
-            queue.add_many((b,), q, s)
+        # one by one, but a row of a cut family (its cuts' blocks next to each other, of one priority and sharedness)
+        # in one call: one segment at one clock, as a tie of the cuts queues the row as one entry (a stale demotion
+        # then moves the row whole)
+        row: list[int] = []
+        key: tuple[int, bool, int, int, int] | None = None
+        for b, *at in queued:
+            if at[2] >= 0 and key == tuple(at):
+                row.append(b)
+                continue
+            if row:
+                queue.add_many(row, *key[:2])  # type: ignore[index]
+            row, key = [b], tuple(at)  # type: ignore[assignment]
+        queue.add_many(row, *key[:2])  # type: ignore[index]
 
     def drop_each(self, groups: Sequence[int], blocks: Sequence[int], detach_mixed: DetachMixed) -> None:
         """For each ``i`` in order, ``blocks[i]`` of ``groups[i]`` (ids below 0 skipped) goes free if nobody holds it
@@ -480,10 +573,13 @@ class SharedPool:
                         return
         leaves: list[int] = []  # cached blocks split as EvictionQueue.add_split would, in the same pass
         shared: list[int] = []
-        for group, table in members:
-            released = 0
-            n_cached = len(leaves) + len(shared)
-            for j in range(lo, hi):
+        used, kept = self.used, self.cached
+        # position by position (each position's blocks of every group, then the next position's): the queue then
+        # holds each row of a family's cuts (SharedPool._row_rest) together, as a finish's interleave does; group by
+        # group, a slide of two positions queued (j, cut 0), (j + 1, cut 0), (j, cut 1), ..., so a take of two pages
+        # split two rows and freed both (a tie of the cuts, one logical block a row, needs each row in one place)
+        for j in range(lo, hi):
+            for group, table in members:
                 b = table[j]
                 if b < 0:
                     continue
@@ -493,15 +589,14 @@ class SharedPool:
                 ref[b] = ref[b] - 1
                 if ref[b]:
                     continue
-                released += 1
+                used[group] -= 1
                 node = owner[b]
                 if node is None:
                     free.append(b)
                     group_of[b] = -1
                 else:
+                    kept[group] += 1
                     (shared if node.children else leaves).append(b)
-            self.used[group] -= released
-            self.cached[group] += len(leaves) + len(shared) - n_cached
         self._queue(leaves, shared, priority)
 
     def release_tables(self, tables: Sequence[tuple[int, list[int]]], priority: int,
