@@ -4,6 +4,7 @@ per row of a family's cuts, weighing its pages, must evict the rows a page queue
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -129,6 +130,44 @@ def test_a_row_queue_s_refresh_moves_its_clock_by_the_row_s_pages_as_the_page_qu
     rows.refresh([2, 0])
     _same(pages, rows)
     assert len({seg[4] for bucket in pages._by_key.values() for seg in bucket if seg[0]}) == 3  # a clock a row
+
+
+def _opcodes(fn: Callable[[], object]) -> int:
+    """The Python opcodes ``fn()`` runs (every frame it enters): a deterministic measure of its work."""
+    count = [0]
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            count[0] += 1
+        return local
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        return local
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(old)
+    return count[0]
+
+
+def test_a_row_queue_s_calls_cost_no_more_with_many_shared_rows_queued_and_none_stale():
+    """A release or claim while shared prefixes' rows wait in the queue (a multi-turn workload's finished histories)
+    costs what it costs with a few: the stale demotion looks only at each shared bucket's oldest entries, as the page
+    queue's does. (It walked every shared entry twice a call: ~200 us with 1,000 rows queued; BENCHMARKS.md "rev58".)"""
+
+    def cost(shared_rows: int) -> int:
+        n = 4 * shared_rows
+        queue = RowQueue([0] * n, [3] * n, n)
+        for b in range(shared_rows):
+            queue.add_many([b], 0, True)
+        b = shared_rows
+        return _opcodes(lambda: (queue.add_many([b], 0), queue.remove_many([b]), queue.add_many([b], 1, True)))
+
+    assert cost(400) == cost(10)
 
 
 class _Run:
