@@ -537,7 +537,8 @@ class TiedShare:
 
     Deliberately without ``GroupShare._free``: the manager's inlined checks ``len(pool._free) + len(pool.evictable)``
     count blocks of one page, which a tie's pages are not (``KVCacheManagerV2._reserve_split``, ``_finish_parked``);
-    each must weigh a logical block by its ``k`` pages, and a missing attribute finds the ones not yet converted."""
+    each must weigh a logical block by its ``k`` pages, so one that reads ``_free`` through a logical group's view
+    fails (AttributeError) rather than count pages as blocks."""
 
     def __init__(self, arena: TiedArena, index: int) -> None:
         self.arena = arena
