@@ -122,6 +122,18 @@ def test_a_row_queue_pops_whole_rows_and_says_when_the_pages_are_not_there():
         rows.pop_many(1)
 
 
+def test_a_row_queue_s_released_rows_count_their_pages_once_when_listed_twice_or_queued_already():
+    """A release that lists a row twice, or one queued already (the caller's error ``EvictionQueue.add_released``
+    survives), queues each row once and counts its pages once, as the page queue counts its pages."""
+    pages, rows = _pair()
+    assert rows.add_released([0, 1, 0], 0, [1] * ROWS) == pages.add_released(_pages([0, 1, 0]), 0, [1] * PAGES) - 2
+    assert len(rows) == len(pages) == 4
+    rows.add_released([2, 1], 0, [1] * ROWS)  # row 1 is queued already: only row 2's 3 pages are new
+    pages.add_released(_pages([2, 1]), 0, [1] * PAGES)
+    assert len(rows) == len(pages) == 7
+    assert rows.pop_pages(7) == [0, 1, 2]
+
+
 def test_a_row_queue_s_refresh_moves_its_clock_by_the_row_s_pages_as_the_page_queue_s_does():
     pages, rows = _pair()
     pages.add_many(_pages([0, 1, 2]), 0, True)

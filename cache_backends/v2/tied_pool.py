@@ -58,7 +58,8 @@ class RowQueue(EvictionQueue):
 
     def add_released(self, blocks: Sequence[int], priority: int, ref: list[int]) -> int:
         """:meth:`EvictionQueue.add_released`, each entry weighing its pages (a block listed twice: see there)."""
-        self._pending = self._pages(dict.fromkeys(blocks))
+        tags = self._tag  # (the pages of those it queues anew: not one listed twice or queued already)
+        self._pending = self._pages(b for b in dict.fromkeys(blocks) if tags[b] < 0)
         return super().add_released(blocks, priority, ref)
 
     def _demote_stale(self) -> None:
