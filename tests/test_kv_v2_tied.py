@@ -371,6 +371,18 @@ def test_a_tied_arena_s_release_queues_or_frees_whole_logical_blocks_and_reset_e
     assert len(tied.evictable) == 0 and tied.available == 12 and tied.node[a1] is None and tied.check() == []
 
 
+def test_a_tied_release_that_meets_a_block_released_too_often_leaves_the_blocks_before_it_queued_or_freed():
+    """A release that raises on a block released more often than held (a bookkeeping bug upstream) still queues or
+    frees the blocks let go before it, as ``SharedPool.release`` does: no page is left neither free nor queued."""
+    tied = TiedArena(["a", "b"], [3, 1], 12)
+    (a1, a2), _ = tied.take_each(range(2), [2, 1], lambda n, x: None)
+    tied.node[a1] = _Run("r", False)
+    with pytest.raises(RuntimeError, match="released more often than held"):
+        tied.release(0, [a1, a2, a1], 0, True, lambda n, x: None)
+    assert tied.check() == [] and len(tied.evictable) == 3 and tied.available == 12 - 1
+    assert tied.used == [0, 1] and tied.cached == [1, 0]
+
+
 def test_a_refreshed_row_of_a_page_queue_is_demoted_whole_when_it_goes_stale():
     """A finish refreshes a shared row of three pages; once stale it is demoted. Refreshed page by page (a clock a
     page), the demotion took the row's first page and left the other two (the row in two buckets, where a tie's queue

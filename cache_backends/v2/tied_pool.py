@@ -391,30 +391,32 @@ class TiedArena:
         shared: list[int] = []
         dropped: list[int] = []
         gone: list[int] = []
-        for b in blocks:
-            if b < 0:
-                continue
-            if self.ref[b] <= 0 or self.group_of[b] != group:
-                raise RuntimeError(f"group {self.names[group]}: block {b} released more often than held")
-            self.ref[b] -= 1
-            if self.ref[b]:
-                continue
-            self.used[group] -= 1
-            node = self.node[b]
-            if node is None:
-                gone.append(b)
-            elif keep_cached:
-                (shared if getattr(node, "children", None) else cached).append(b)
-            else:
-                dropped.append(b)
-        if dropped:
-            detach(self.names[group], dropped)
-        self._let_go(gone + dropped)
-        self.cached[group] += len(cached) + len(shared)
-        if cached:
-            self.evictable.add_many(cached, priority)
-        if shared:
-            self.evictable.add_many(shared, priority, True)
+        try:
+            for b in blocks:
+                if b < 0:
+                    continue
+                if self.ref[b] <= 0 or self.group_of[b] != group:
+                    raise RuntimeError(f"group {self.names[group]}: block {b} released more often than held")
+                self.ref[b] -= 1
+                if self.ref[b]:
+                    continue
+                self.used[group] -= 1
+                node = self.node[b]
+                if node is None:
+                    gone.append(b)
+                elif keep_cached:
+                    (shared if getattr(node, "children", None) else cached).append(b)
+                else:
+                    dropped.append(b)
+        finally:  # what was released before an error is queued or freed, as SharedPool.release leaves it
+            if dropped:
+                detach(self.names[group], dropped)
+            self._let_go(gone + dropped)
+            self.cached[group] += len(cached) + len(shared)
+            if cached:
+                self.evictable.add_many(cached, priority)
+            if shared:
+                self.evictable.add_many(shared, priority, True)
 
     def reset(self) -> None:
         """Every cached block freed (the manager empties the radix tree); none may be in use."""
