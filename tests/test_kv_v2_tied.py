@@ -4,6 +4,7 @@ per row of a family's cuts, weighing its pages, must evict the rows a page queue
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -121,6 +122,18 @@ def test_a_row_queue_pops_whole_rows_and_says_when_the_pages_are_not_there():
         rows.pop_many(1)
 
 
+def test_a_row_queue_s_released_rows_count_their_pages_once_when_listed_twice_or_queued_already():
+    """A release that lists a row twice, or one queued already (the caller's error ``EvictionQueue.add_released``
+    survives), queues each row once and counts its pages once, as the page queue counts its pages."""
+    pages, rows = _pair()
+    assert rows.add_released([0, 1, 0], 0, [1] * ROWS) == pages.add_released(_pages([0, 1, 0]), 0, [1] * PAGES) - 2
+    assert len(rows) == len(pages) == 4
+    rows.add_released([2, 1], 0, [1] * ROWS)  # row 1 is queued already: only row 2's 3 pages are new
+    pages.add_released(_pages([2, 1]), 0, [1] * PAGES)
+    assert len(rows) == len(pages) == 7
+    assert rows.pop_pages(7) == [0, 1, 2]
+
+
 def test_a_row_queue_s_refresh_moves_its_clock_by_the_row_s_pages_as_the_page_queue_s_does():
     pages, rows = _pair()
     pages.add_many(_pages([0, 1, 2]), 0, True)
@@ -129,6 +142,44 @@ def test_a_row_queue_s_refresh_moves_its_clock_by_the_row_s_pages_as_the_page_qu
     rows.refresh([2, 0])
     _same(pages, rows)
     assert len({seg[4] for bucket in pages._by_key.values() for seg in bucket if seg[0]}) == 3  # a clock a row
+
+
+def _opcodes(fn: Callable[[], object]) -> int:
+    """The Python opcodes ``fn()`` runs (every frame it enters): a deterministic measure of its work."""
+    count = [0]
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            count[0] += 1
+        return local
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        return local
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(old)
+    return count[0]
+
+
+def test_a_row_queue_s_calls_cost_no_more_with_many_shared_rows_queued_and_none_stale():
+    """A release or claim while shared prefixes' rows wait in the queue (a multi-turn workload's finished histories)
+    costs what it costs with a few: the stale demotion looks only at each shared bucket's oldest entries, as the page
+    queue's does. (It walked every shared entry twice a call: ~200 us with 1,000 rows queued; BENCHMARKS.md "rev58".)"""
+
+    def cost(shared_rows: int) -> int:
+        n = 4 * shared_rows
+        queue = RowQueue([0] * n, [3] * n, n)
+        for b in range(shared_rows):
+            queue.add_many([b], 0, True)
+        b = shared_rows
+        return _opcodes(lambda: (queue.add_many([b], 0), queue.remove_many([b]), queue.add_many([b], 1, True)))
+
+    assert cost(400) == cost(10)
 
 
 class _Run:
@@ -318,6 +369,18 @@ def test_a_tied_arena_s_release_queues_or_frees_whole_logical_blocks_and_reset_e
     assert seen == [] and tied.available == 12
     tied.reset()
     assert len(tied.evictable) == 0 and tied.available == 12 and tied.node[a1] is None and tied.check() == []
+
+
+def test_a_tied_release_that_meets_a_block_released_too_often_leaves_the_blocks_before_it_queued_or_freed():
+    """A release that raises on a block released more often than held (a bookkeeping bug upstream) still queues or
+    frees the blocks let go before it, as ``SharedPool.release`` does: no page is left neither free nor queued."""
+    tied = TiedArena(["a", "b"], [3, 1], 12)
+    (a1, a2), _ = tied.take_each(range(2), [2, 1], lambda n, x: None)
+    tied.node[a1] = _Run("r", False)
+    with pytest.raises(RuntimeError, match="released more often than held"):
+        tied.release(0, [a1, a2, a1], 0, True, lambda n, x: None)
+    assert tied.check() == [] and len(tied.evictable) == 3 and tied.available == 12 - 1
+    assert tied.used == [0, 1] and tied.cached == [1, 0]
 
 
 def test_a_refreshed_row_of_a_page_queue_is_demoted_whole_when_it_goes_stale():

@@ -58,20 +58,26 @@ class RowQueue(EvictionQueue):
 
     def add_released(self, blocks: Sequence[int], priority: int, ref: list[int]) -> int:
         """:meth:`EvictionQueue.add_released`, each entry weighing its pages (a block listed twice: see there)."""
-        self._pending = self._pages(dict.fromkeys(blocks))
+        tags = self._tag  # (the pages of those it queues anew: not one listed twice or queued already)
+        self._pending = self._pages(b for b in dict.fromkeys(blocks) if tags[b] < 0)
         return super().add_released(blocks, priority, ref)
 
     def _demote_stale(self) -> None:
-        before = self._shared_entries()
+        # the entries EvictionQueue._demote_stale moves: each shared bucket's front segments while dead or stale (it
+        # looks at no others). Why not every shared entry before and after: that walk ran at every queue call while
+        # any shared entry was queued, ~200 us a call with 1,000 shared rows queued (BENCHMARKS.md "rev58")
+        limit, tags = self._clock - self._stale, self._tag
+        demoted: list[int] = []
+        for key, bucket in self._by_key.items():
+            if key >> _SHARED_BIT:
+                for live, tag, blocks, at, clock in bucket:
+                    if live and clock >= limit:
+                        break
+                    if live:
+                        demoted += [b for b in blocks[at:] if tags[b] == tag]
         super()._demote_stale()
         # EvictionQueue took one a demoted entry off num_shared; the pages they weigh come off instead
-        after = self._shared_entries()
-        self.num_shared += len(before) - len(after) - self._pages(before - after)
-
-    def _shared_entries(self) -> set[int]:
-        tags = self._tag
-        return {b for key, bucket in self._by_key.items() if key >> _SHARED_BIT
-                for seg in bucket if seg[0] for b in seg[2][seg[3]:] if tags[b] == seg[1]}
+        self.num_shared += len(demoted) - self._pages(demoted)
 
     def remove_many(self, blocks: Sequence[int]) -> None:
         """:meth:`EvictionQueue.remove_many`, the length and shared count lowered by the pages taken out."""
@@ -385,30 +391,32 @@ class TiedArena:
         shared: list[int] = []
         dropped: list[int] = []
         gone: list[int] = []
-        for b in blocks:
-            if b < 0:
-                continue
-            if self.ref[b] <= 0 or self.group_of[b] != group:
-                raise RuntimeError(f"group {self.names[group]}: block {b} released more often than held")
-            self.ref[b] -= 1
-            if self.ref[b]:
-                continue
-            self.used[group] -= 1
-            node = self.node[b]
-            if node is None:
-                gone.append(b)
-            elif keep_cached:
-                (shared if getattr(node, "children", None) else cached).append(b)
-            else:
-                dropped.append(b)
-        if dropped:
-            detach(self.names[group], dropped)
-        self._let_go(gone + dropped)
-        self.cached[group] += len(cached) + len(shared)
-        if cached:
-            self.evictable.add_many(cached, priority)
-        if shared:
-            self.evictable.add_many(shared, priority, True)
+        try:
+            for b in blocks:
+                if b < 0:
+                    continue
+                if self.ref[b] <= 0 or self.group_of[b] != group:
+                    raise RuntimeError(f"group {self.names[group]}: block {b} released more often than held")
+                self.ref[b] -= 1
+                if self.ref[b]:
+                    continue
+                self.used[group] -= 1
+                node = self.node[b]
+                if node is None:
+                    gone.append(b)
+                elif keep_cached:
+                    (shared if getattr(node, "children", None) else cached).append(b)
+                else:
+                    dropped.append(b)
+        finally:  # what was released before an error is queued or freed, as SharedPool.release leaves it
+            if dropped:
+                detach(self.names[group], dropped)
+            self._let_go(gone + dropped)
+            self.cached[group] += len(cached) + len(shared)
+            if cached:
+                self.evictable.add_many(cached, priority)
+            if shared:
+                self.evictable.add_many(shared, priority, True)
 
     def reset(self) -> None:
         """Every cached block freed (the manager empties the radix tree); none may be in use."""
@@ -532,7 +540,8 @@ class TiedShare:
 
     Deliberately without ``GroupShare._free``: the manager's inlined checks ``len(pool._free) + len(pool.evictable)``
     count blocks of one page, which a tie's pages are not (``KVCacheManagerV2._reserve_split``, ``_finish_parked``);
-    each must weigh a logical block by its ``k`` pages, and a missing attribute finds the ones not yet converted."""
+    each must weigh a logical block by its ``k`` pages, so one that reads ``_free`` through a logical group's view
+    fails (AttributeError) rather than count pages as blocks."""
 
     def __init__(self, arena: TiedArena, index: int) -> None:
         self.arena = arena
