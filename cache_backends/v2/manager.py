@@ -150,6 +150,15 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
     # simulation): a tenth of a Gemma 3 27B multi-turn run's KV time; the same gather and scatter as ``index_select``
     # and ``index_copy_`` ~20-27 us; a slice copy ~4 us, checks included
     n = len(dst)
+    if pages.is_meta:  # unbacked pools (a simulation): no bytes to move, only the lists to check
+        # torch's meta gather and scatter check the lists' lengths (not the ids: a meta index has no values) through
+        # Python decompositions, ~35 us warm and ~90 us within a run: a tenth of tiny-gemma3 multi-turn's V2 KV time
+        # (BENCHMARKS.md "perf59"). Checked here instead: the lengths, and the ids against the pool
+        if len(src) != n:
+            raise ValueError(f"{n} destination pages for {len(src)} source pages")
+        if n and max(max(dst), max(src)) >= pages.shape[1]:
+            raise IndexError(f"page ids {dst} <- {src} outside a pool of {pages.shape[1]} pages")
+        return
     if n > 1:
         if dst[0] > dst[-1]:  # a descending run read backwards: the same pairs
             dst, src = dst[::-1], src[::-1]
