@@ -145,7 +145,8 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
 def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
     """``pages[:, dst] = pages[:, src]`` for distinct ``dst`` blocks none of which is in ``src``: one strided copy where
     both lists step evenly (a partial hit's usual source run and fresh blocks: consecutive ids), else one gather and
-    one scatter by index tensors (in host memory, page by page: :func:`cache_backends.pools.move_pages`)."""
+    one scatter by index tensors (in host memory, page by page: :func:`cache_backends.pools.move_pages`); on unbacked
+    (meta) pools nothing moves, the lists are only checked."""
     # ``pages[:, dst] = pages[:, src]`` as written costs ~65 us of torch's Python decompositions on unbacked pools (a
     # simulation): a tenth of a Gemma 3 27B multi-turn run's KV time; the same gather and scatter as ``index_select``
     # and ``index_copy_`` ~20-27 us; a slice copy ~4 us, checks included
