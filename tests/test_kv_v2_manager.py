@@ -869,6 +869,30 @@ def test_copying_pages_takes_one_slice_copy_where_both_lists_step_evenly():
         seen.clear()
 
 
+def test_copying_unbacked_pages_runs_no_torch_op_yet_refuses_lists_a_device_copy_would():
+    # a simulation's pools (meta) hold no bytes: a partial hit's copy moves nothing, so it runs no torch op (meta's
+    # gather and scatter were a tenth of a tiny-gemma3 multi-turn run's V2 KV time); a page id outside the pool, which
+    # meta's gather never saw (a meta index has no values), and lists of unequal length still fail as on a device
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    pages = torch.empty((2, 32, 3, 4), device="meta")
+    with Record():
+        for dst, src in (([20, 5, 17], [3, 30, 9]), ([21, 22, 23], [3, 5, 7]), ([31], [0]), ([], [])):
+            _copy_pages(pages, dst, src)
+    assert ops == []
+    for dst, src, error in (([20, 5], [3, 32], IndexError), ([32], [3], IndexError),
+                            ([20, 40, 17], [3, 5, 7], IndexError), ([20, 5], [3], ValueError)):
+        with pytest.raises(error):
+            _copy_pages(pages, dst, src)
+
+
 @pytest.mark.parametrize("layers", [full_sliding_layers(window=8), split_sliding_layers(window=8), FULL])
 def test_a_decode_s_reservation_is_schedule_tokens_of_one_token_up_to_max_seq_len_and_a_full_pool(layers):
     # schedule_decode reserves a decode's one token without reading the request's length; it must answer and leave

@@ -145,11 +145,21 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
 def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
     """``pages[:, dst] = pages[:, src]`` for distinct ``dst`` blocks none of which is in ``src``: one strided copy where
     both lists step evenly (a partial hit's usual source run and fresh blocks: consecutive ids), else one gather and
-    one scatter by index tensors (in host memory, page by page: :func:`cache_backends.pools.move_pages`)."""
+    one scatter by index tensors (in host memory, page by page: :func:`cache_backends.pools.move_pages`); on unbacked
+    (meta) pools nothing moves, the lists are only checked."""
     # ``pages[:, dst] = pages[:, src]`` as written costs ~65 us of torch's Python decompositions on unbacked pools (a
     # simulation): a tenth of a Gemma 3 27B multi-turn run's KV time; the same gather and scatter as ``index_select``
     # and ``index_copy_`` ~20-27 us; a slice copy ~4 us, checks included
     n = len(dst)
+    if pages.is_meta:  # unbacked pools (a simulation): no bytes to move, only the lists to check
+        # torch's meta gather and scatter check the lists' lengths (not the ids: a meta index has no values) through
+        # Python decompositions, ~35 us warm and ~90 us within a run: a tenth of tiny-gemma3 multi-turn's V2 KV time
+        # (BENCHMARKS.md "perf59"). Checked here instead: the lengths, and the ids against the pool
+        if len(src) != n:
+            raise ValueError(f"{n} destination pages for {len(src)} source pages")
+        if n and max(max(dst), max(src)) >= pages.shape[1]:
+            raise IndexError(f"page ids {dst} <- {src} outside a pool of {pages.shape[1]} pages")
+        return
     if n > 1:
         if dst[0] > dst[-1]:  # a descending run read backwards: the same pairs
             dst, src = dst[::-1], src[::-1]
