@@ -784,15 +784,7 @@ class KVCacheManagerV2:
                         of.append(b)
             host[g.name] = slots
             reclaim[g.name] = marks
-        self.host.write_many(moves)
-        self.host.sync()  # the uncached pages are on the host before their device blocks change hands
-        cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
-        self._release_blocks(cache)
-        self.num_on_host += 1
-        cache.state = CacheState.SUSPENDED
-        self._active_requests.discard(cache.request)
-        cache.history = cache.capacity = cache.committed
-        self.counters["suspends"] += 1
+        self._moved_out(cache, host, reclaim, moves)
         return True
 
     def _suspend_tied(self, cache: SequenceCache, keep: dict[str, int], held: dict[str, int]) -> bool:
@@ -829,8 +821,17 @@ class KVCacheManagerV2:
                     later.setdefault(b, []).append((cache, j))
             host.update(zip(names, slots, strict=True))
             reclaim[g.name] = marks
-        host_tier.write_many(moves)
-        host_tier.sync()  # the uncached pages are on the host before their device blocks change hands
+        self._moved_out(cache, host, reclaim, moves)
+        return True
+
+    def _moved_out(self, cache: SequenceCache, host: dict[str, list[int]],
+                   reclaim: dict[str, dict[int, tuple[int, int]]],
+                   moves: dict[str, tuple[list[int], list[int]]]) -> None:
+        """A suspend's end, tied or not: the uncached pages copied to their host slots (``moves``), the cache's slots
+        and write-back marks set, its device blocks released, the cache suspended."""
+        assert self.host is not None
+        self.host.write_many(moves)
+        self.host.sync()  # the uncached pages are on the host before their device blocks change hands
         cache.host, cache.reclaim = host, reclaim  # before the release: one that drops a cached block writes it back
         self._release_blocks(cache)
         self.num_on_host += 1
@@ -838,7 +839,6 @@ class KVCacheManagerV2:
         self._active_requests.discard(cache.request)
         cache.history = cache.capacity = cache.committed
         self.counters["suspends"] += 1
-        return True
 
     def free(self, request: Request) -> None:
         """Close ``request``'s cache: device blocks released (cached ones stay reusable), host slots freed.
