@@ -26,6 +26,7 @@ from cache_backends.interface import ManagerOptions, SchedulerOutput
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+from cache_backends.v2.radix import PendingPrefix
 from engine.driver import Driver, StalledError
 
 LAYER_STRIDE = 1 << 20
@@ -275,3 +276,15 @@ def compute(manager: KVCacheManagerV2, request: Request, n: int) -> None:
 def prefill(manager: KVCacheManagerV2, request: Request) -> None:
     admit(manager, request)
     compute(manager, request, request.num_tokens - request.num_computed_tokens)
+
+
+def arena_owner(arena: Any, b: int) -> object:
+    """Page / logical block ``b``'s owner on a shared or tied arena, as state comparisons read it: None, a pending
+    prefix by its request and position, or a keyed run by its start, length and the block's position."""
+    node = arena.node[b]
+    if node is None:
+        return None
+    if isinstance(node, PendingPrefix):
+        return ("pending", node.request.req_id, arena.pos[b])
+    return ("run", node.start, len(node.held), arena.pos[b])
+

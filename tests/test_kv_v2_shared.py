@@ -21,12 +21,12 @@ from cache_backends.layout import cut_families
 from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.v2 import KVCacheManagerV2
-from cache_backends.v2.radix import PendingPrefix
 from cache_backends.v2.shared_pool import SharedPool, interleave
 from engine.simulator import simulate
 from engine.workloads import make_workload
 from tests.kv_v2_support import (
     admit,
+    arena_owner,
     blocks_add_up,
     check_kv,
     compute,
@@ -652,14 +652,6 @@ def _slide_state(m) -> list:
     pending prefix."""
     arena = m._arena
 
-    def owner(b: int) -> object:
-        node = arena.node[b]
-        if node is None:
-            return None
-        if isinstance(node, PendingPrefix):
-            return ("pending", node.request.req_id, arena.pos[b])
-        return ("run", node.start, len(node.held), arena.pos[b])
-
     caches = []
     for request, cache in sorted(m._caches.items(), key=lambda item: item[0].req_id):
         pending = cache.pending
@@ -668,8 +660,8 @@ def _slide_state(m) -> list:
                        None if pending is None else (list(pending.held),
                                                      {k: list(v) for k, v in pending.blocks.items()})))
     return [list(arena._free), arena.evictable.blocks(), list(arena.ref), list(arena.gen), list(arena.group_of),
-            [owner(b) for b in range(arena.num_blocks)], list(arena.used), list(arena.cached), list(arena.evicted),
-            caches, m.stats()]
+            [arena_owner(arena, b) for b in range(arena.num_blocks)], list(arena.used), list(arena.cached),
+            list(arena.evicted), caches, m.stats()]
 
 
 def _slide_run(requests: list[tuple[str, list[int], int]], fast: bool) -> tuple[list, int, int]:

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from cache_backends import LayerKV
 from cache_backends.request import Request
 from cache_backends.v2 import KVCacheManagerV2
-from cache_backends.v2.radix import PendingPrefix
 from cache_backends.v2.scheduler import KVCacheV2Scheduler
-from tests.kv_v2_support import check_kv, drive, make_manager, next_token, prefill, write_kv
+from tests.kv_v2_support import arena_owner, check_kv, drive, make_manager, next_token, prefill, write_kv
 
 
 def _gemma_like(window: int) -> list[LayerKV]:
@@ -62,14 +61,6 @@ def _tied_state(m: KVCacheManagerV2) -> list:
     free pages and ids in order, the row queue's order and page counts, each cache's logical and cut tables."""
     arena = m._arena
 
-    def owner(b: int) -> object:
-        node = arena.node[b]
-        if node is None:
-            return None
-        if isinstance(node, PendingPrefix):
-            return ("pending", node.request.req_id, arena.pos[b])
-        return ("run", node.start, len(node.held), arena.pos[b])
-
     queue = arena.evictable
     caches = []
     for request, cache in sorted(m._caches.items(), key=lambda item: item[0].req_id):
@@ -80,7 +71,7 @@ def _tied_state(m: KVCacheManagerV2) -> list:
                        None if pending is None else (list(pending.held),
                                                      {k: list(v) for k, v in pending.blocks.items()}, pending.tail)))
     return [list(arena._free), list(arena._free_ids), list(arena.pages), list(arena.weight), list(arena.ref),
-            list(arena.gen), list(arena.group_of), [owner(b) for b in range(len(arena.pages))],
+            list(arena.gen), list(arena.group_of), [arena_owner(arena, b) for b in range(len(arena.pages))],
             queue.buckets(), len(queue), queue.num_shared, queue._clock,
             list(arena.used), list(arena.cached), list(arena.evicted), caches, m.stats()]
 
