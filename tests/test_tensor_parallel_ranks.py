@@ -268,6 +268,7 @@ if os.environ.get("RANK") == "2":
 """
 
 
+@pytest.mark.slow  # four ranks load a tiny model and generate (~30 s on two busy cores)
 def test_a_rank_sigkilled_under_torchrun_leaves_no_audit_temporary_but_one_from_before_stays(tmp_path):
     # SIGKILL runs nothing in the killed rank, and torchrun cannot remove its unpublished audit log (kvload's own
     # launcher does): its .a.rank2.jsonl.<hex>.tmp stayed beside the audit log. The ranks left on its machine remove
