@@ -14,7 +14,7 @@ import re
 import secrets
 import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -492,6 +492,16 @@ def temporaries(path: str | Path) -> set[str]:
     with contextlib.suppress(OSError):
         return {str(parent / n) for n in os.listdir(parent) if pattern.fullmatch(n)}
     return set()
+
+
+def remove_new_temporaries(path: str | Path, before: Collection[str]) -> None:
+    """Remove the temporaries beside ``path`` that are not in ``before`` (:func:`temporaries` of the same ``path``
+    before its writer started): what a writer that died with no cleanup (SIGKILL) left. One rule for the two who
+    outlive such a writer: kvload's launcher for its ranks, and a rank for the ranks on its machine under torchrun
+    (:func:`pipeline.ranks.remove_lost_peers_temporaries`). A temporary there before is not the writer's: it stays."""
+    for name in temporaries(path) - set(before):
+        with contextlib.suppress(OSError):  # gone already: the other rank left on this machine removed it first
+            os.unlink(name)
 
 
 def _create_temp(path: Path, flag: str) -> tuple[str, int]:

@@ -176,9 +176,38 @@ def _retire_worker() -> None:
     _jobs = None
 
 
-#: The other ranks' processes on this machine, by rank: (pid, start time in clock ticks since boot), set when the
-#: object group forms (:func:`_gather_processes`). A rank on another machine (or in another pid namespace) is absent.
-_peers: dict[int, tuple[int, int]] = {}
+#: The other ranks' processes on this machine, by rank: (pid, start time in clock ticks since boot, its
+#: :data:`_output`), set when the object group forms (:func:`_gather_processes`). A rank on another machine (or in
+#: another pid namespace) is absent.
+_peers: dict[int, tuple[int, int, tuple[str, tuple[str, ...]] | None]] = {}
+#: The file this process writes through a temporary beside it (its ``--audit-log``, absolute) and the temporaries
+#: that were beside it before this process wrote (:func:`note_output`); told to the other ranks with its identity.
+_output: tuple[str, tuple[str, ...]] | None = None
+
+
+def note_output(path: str | os.PathLike[str]) -> None:
+    """Take note of ``path`` before this rank writes it through a temporary (its ``--audit-log``). The ranks on this
+    machine learn it with this process's identity when the group forms: should this process die with no cleanup
+    (SIGKILL; under torchrun nothing else runs for it), one that outlives it removes the temporaries that appeared
+    beside ``path`` since (:func:`remove_lost_peers_temporaries`). Call it before the first collective."""
+    from pipeline.audit import temporaries
+
+    global _output
+    full = os.path.abspath(path)  # the ranks on this machine may run elsewhere than this process's directory
+    _output = (full, tuple(sorted(temporaries(full))))
+
+
+def remove_lost_peers_temporaries() -> None:
+    """Remove what the ranks on this machine that have exited left beside their output (:func:`note_output`): the
+    temporaries that appeared there since each took note. A rank whose command failed calls it once its own file is
+    discarded: a rank SIGKILLed under torchrun left its unpublished audit log (kvload's launcher removes it for the
+    ranks it started; torchrun cannot). A rank alive, on another machine, or met in no group formed is left alone; one
+    that exited on its own already removed (or published) its temporary, so nothing of it is there to remove."""
+    from pipeline.audit import remove_new_temporaries
+
+    for pid, start, output in list(_peers.values()):
+        if output is not None and _gone(pid, start):
+            remove_new_temporaries(*output)
 
 
 def _process_identity() -> tuple[str, str, int, int] | None:
@@ -222,11 +251,12 @@ def _gather_processes(rank: int, group: Any) -> None:
 
     everyone: list[Any] = [None] * dist.get_world_size(group)
     mine = _process_identity()
-    interruptible(lambda: dist.all_gather_object(everyone, mine, group=group))
+    told = None if mine is None else (*mine, _output)
+    interruptible(lambda: dist.all_gather_object(everyone, told, group=group))
     _peers.clear()
     for other, who in enumerate(everyone):
         if other != rank and mine is not None and who is not None and tuple(who[:2]) == mine[:2]:
-            _peers[other] = (int(who[2]), int(who[3]))
+            _peers[other] = (int(who[2]), int(who[3]), who[4])
 
 
 def _lost_peer() -> None:
@@ -235,7 +265,7 @@ def _lost_peer() -> None:
     on it, not an unbound buffer's send), so a sender whose bytes were in flight then waited the whole collective
     timeout (``KVLOAD_DIST_TIMEOUT_S``, 600 s): ``kvload serve``'s clients silent that long after a follower's
     SIGKILL. Nothing travels for it: the watch reads ``/proc`` only while a broadcast waits (each 0.1 s)."""
-    for rank, (pid, start) in _peers.items():
+    for rank, (pid, start, _) in _peers.items():
         if _gone(pid, start):
             raise RankLostError(f"lost contact with another rank (it exited or was killed): rank {rank} (pid {pid}) "
                                 "exited")
@@ -454,5 +484,6 @@ def shutdown() -> None:
     del server  # after the group: its last store operations reach it
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "object_group",
-           "rank_audit_path", "ranks_from_env", "shutdown", "timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "note_output",
+           "object_group", "rank_audit_path", "ranks_from_env", "remove_lost_peers_temporaries", "shutdown",
+           "timeout_s"]

@@ -155,6 +155,12 @@ def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
     if sink is not None:
         ns.audit_sink = None
         sink.close(ok=ok)
+        if not ok:  # a rank that failed: a rank SIGKILLed beside it (its cause, often) left its temporary for it
+            from pipeline.ranks import remove_lost_peers_temporaries
+            from pipeline.signals import deferred
+
+            with deferred():  # torchrun's SIGTERM to the ranks left must not cut this short
+                remove_lost_peers_temporaries()
 
 
 def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:

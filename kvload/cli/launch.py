@@ -185,22 +185,25 @@ class Launcher:
                 r.proc.wait()
                 if r.reader is not None:
                     r.reader.join(timeout=5)
-                if r.proc.returncode < 0:  # a death with no cleanup (SIGKILL): the rank's unpublished audit log goes
-                    for path in self._audit_temporaries(r.rank) - before.get(r.rank, set()):
-                        with contextlib.suppress(OSError):
-                            os.unlink(path)
+                if r.proc.returncode < 0 and self.audit_log:  # a death with no cleanup (SIGKILL): its audit log goes
+                    from pipeline.audit import remove_new_temporaries
+
+                    remove_new_temporaries(self._audit_path(r.rank), before.get(r.rank, set()))
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         return self._report()
 
-    def _audit_temporaries(self, rank: int) -> set[str]:
-        """The temporaries (``pipeline.audit``'s ``.NAME.<12 hex>.tmp``) beside rank ``rank``'s ``--audit-log``."""
-        if not self.audit_log:
-            return set()
-        from pipeline.audit import temporaries
+    def _audit_path(self, rank: int) -> str:
+        """Rank ``rank``'s ``--audit-log`` (rank N's is ``<stem>.rankN<suffix>`` beside rank 0's)."""
         from pipeline.ranks import Ranks, rank_audit_path
 
-        return temporaries(rank_audit_path(self.audit_log, Ranks(rank, self.world, rank)))
+        return rank_audit_path(self.audit_log or "", Ranks(rank, self.world, rank))
+
+    def _audit_temporaries(self, rank: int) -> set[str]:
+        """The temporaries (``pipeline.audit``'s ``.NAME.<12 hex>.tmp``) beside rank ``rank``'s ``--audit-log``."""
+        from pipeline.audit import temporaries
+
+        return temporaries(self._audit_path(rank)) if self.audit_log else set()
 
     def _note_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)  # passed on by the supervising loop (no Popen calls inside a handler)
