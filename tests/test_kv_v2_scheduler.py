@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cache_backends import LayerKV
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request, RequestState
-from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler, group_pool
 from tests.kv_v2_support import (
     admit,
     compute,
@@ -492,6 +492,19 @@ def test_a_probed_hit_on_tied_cuts_that_copies_a_partial_block_answers_as_its_bu
     assert m._tied_cuts is not None and probe is not None and probe.partial is not None  # (the states these seeds make)
     assert (len(m._arena._free) < m._row_pages) == evicts
     _check_probe(seed, want, ratio)
+
+
+@pytest.mark.parametrize("seed", [65, 747, 757, 1048, 1220])
+def test_a_probed_copy_on_tied_cuts_counts_the_shared_pages_its_source_s_requeue_demotes(seed, monkeypatch):
+    """The build of a probed copy queues the copy's source again before admission's estimates, and that queueing
+    demotes shared prefixes' pages gone stale (``EvictionQueue._demote_stale``): ``held_back`` with the probe must
+    count them, as the built claim's does. With shared prefixes stale after a tenth of a pool's worth of pages (eight
+    pools' in use: rare in a short test), these seeds' probes meet it."""
+    monkeypatch.setattr(group_pool, "STALE_POOLS", 0.1)
+    m, _, probe = _probed_hit(seed)
+    assert m._tied_cuts is not None and probe is not None and probe.partial is not None
+    for want, ratio in ((1, 0.0), (64, 1.0)):
+        _check_probe(seed, want, ratio)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

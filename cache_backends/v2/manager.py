@@ -1574,12 +1574,19 @@ class KVCacheManagerV2:
                 for (g, _), lo in zip(self._cycles, los, strict=True):
                     if g.window is not None and max(0, m + k - g.window + 1) // self.T != lo:
                         return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
+                queue, skip = arena.evictable, set(out)
                 short = self._row_pages - len(arena._free)
                 if short > 0:  # the copy evicts: the rows the take would pop, those out of the queue skipped
-                    if arena.available - arena.evictable._pages(out) < self._row_pages:
+                    if arena.available - queue._pages(out) < self._row_pages:
                         # no room for the copy: the build copies nothing (only building answers)
                         return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
-                    evicted_shared = arena.evictable.count_shared(arena.evictable.peek_pages(short, set(out)))
+                    evicted = queue.peek_pages(short, skip)
+                    evicted_shared = queue.count_shared(evicted)
+                    skip.update(evicted)
+                # the source queued again (a leaf: a tail has no children) may demote stale shared pages
+                back = queue._pages(b for b in srcs if not arena.ref[b])
+                if back and queue.num_shared:
+                    evicted_shared += queue.stale_pages(back, skip)
                 taken_groups = [t + 1 for t in taken_groups]
                 taken = [sum(taken_groups) if weights is None else sum(map(mul, taken_groups, weights))]
             else:
@@ -1618,9 +1625,12 @@ class KVCacheManagerV2:
         """:meth:`create` + :meth:`resume` for the request ``probe`` was made for, claiming what the probe found (the
         pools and tree are as it found them: :class:`HitProbe`), without looking it up again: the same cache, the
         same blocks taken out of the eviction queue, the same counters."""
-        if probe.partial is not None:  # a copy: built as create + resume would (they find what the probe found)
-            self.create(request)
-            self._admit(self._caches[request])
+        if probe.partial is not None:  # a copy: built as create + resume would, from the probe's lookup (_unprobed's)
+            last = probe.last
+            assert last is not None
+            m = (last.start + len(last.held)) * self.T  # the claimed path ends at its last run's end
+            # (a leave that trimmed the path's last position left it ending elsewhere: looked up again)
+            self._admit(self.create(request), (m, last, (probe.partial, probe.tokens - m)) if last.held[-1] else None)
             return
         cache = self.create(request)
         m, last = probe.tokens, probe.last

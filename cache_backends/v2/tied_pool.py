@@ -148,6 +148,22 @@ class RowQueue(EvictionQueue):
                             return out
         return out
 
+    def stale_pages(self, queued: int, skip: set[int]) -> int:
+        """The shared pages a queue call of ``queued`` pages would demote (:meth:`_demote_stale`) were ``skip`` taken
+        out first: those of the shared segments the clock then leaves behind. Why: a probed copy's build queues its
+        source again before admission's estimates, and that queueing may demote (``KVCacheManagerV2.probe_hit``)."""
+        limit, tags, weight = self._clock + queued - self._stale, self._tag, self._weight
+        n = 0
+        for key, bucket in self._by_key.items():
+            if key >> _SHARED_BIT:
+                for _, tag, blocks, at, clock in bucket:  # oldest first: a bucket's clocks grow
+                    pages = sum(weight[b] for b in itertools.islice(blocks, at, None)
+                                if tags[b] == tag and b not in skip)
+                    if pages and clock >= limit:
+                        break
+                    n += pages
+        return n
+
     def pop_pages(self, n: int) -> list[int]:
         """Whole entries in eviction order until they weigh at least ``n`` pages: the rows the page queue's pop of
         ``n`` pages touches, whose every page then leaves (``SharedPool._row_rest``); ``IndexError`` if fewer are
