@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from itertools import compress
 
 from cache_backends.v2 import group_pool
 from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue
 from cache_backends.v2.shared_pool import interleave
-
-_SHARED = 1 << _SHARED_BIT  # a queued entry's tag bit for a shared prefix's
 
 
 class RowQueue(EvictionQueue):
@@ -93,20 +90,6 @@ class RowQueue(EvictionQueue):
 
     def _counted_out(self, blocks: Sequence[int], take: object) -> None:
         tags = self._tag
-        if blocks and min(blocks) >= 0 and max(blocks) < len(tags):
-            got = list(map(tags.__getitem__, blocks))
-            if min(got) >= 0 and len(set(blocks)) == len(blocks):
-                # the usual (a claim of cached rows, each queued once): every one leaves, counted at C speed. Why: a
-                # refused turn's history leaves the queue and comes back every step it waits, and the general count's
-                # four passes were a tenth of V2's KV work on Gemma 3 27B at a quarter of the budget (BENCHMARKS.md
-                # "tailprobe60")
-                weights = list(map(self._weight.__getitem__, blocks))
-                pages, shared = sum(weights), sum(compress(weights, map(_SHARED.__and__, got)))
-                n_len, n_shared = self._len, self.num_shared
-                take()  # type: ignore[operator]  # (every one queued: no KeyError)
-                self._len = n_len - pages
-                self.num_shared = n_shared - shared
-                return
         queued = [b for b in dict.fromkeys(blocks) if 0 <= b < len(tags) and tags[b] >= 0]
         shared = [b for b in queued if tags[b] >> _SHARED_BIT & 1]
         n_len, n_shared = self._len, self.num_shared
