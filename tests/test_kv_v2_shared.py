@@ -1203,14 +1203,15 @@ def test_a_probe_with_build_that_finds_no_block_for_the_copy_still_builds_the_hi
 
 
 def test_a_probe_answered_none_leaves_nothing_a_later_build_reuses_after_the_tree_changed():
-    """A probe that answers None without building (the copying hit above) keeps nothing of its lookup: a build after
-    the tree changed looks it up again. Here a sibling turn, finished between the probe and the build, caches the
-    turn's fifth block whole where the probe found 4 blocks and the history's tail to copy (2 tokens): the build
-    claims 5 blocks (as a manager that never probed), not the stale 4 and a copy."""
+    """A probe that builds nothing (the copying hit above: with the cuts tied, its copy probed) keeps nothing of its
+    lookup: a build after the tree changed looks it up again. Here a sibling turn, finished between the probe and the
+    build, caches the turn's fifth block whole where the probe found 4 blocks and the history's tail to copy (2
+    tokens): the build claims 5 blocks (as a manager that never probed), not the stale 4 and a copy."""
     opening = [*range(1, 19), 50, 51, 52]
     probed, r = _turn_after_history(opening)
     fresh, again = _turn_after_history(opening)
-    assert probed.probe_hit(r) is None and not probed.has_cache(r)
+    probe = probed.probe_hit(r)
+    assert not probed.has_cache(r) and (probe is None or (probe.tokens, probe.partial is not None) == (18, True))
     for m in (probed, fresh):
         prefill(m, sibling := Request("t0b", [*range(1, 19), 50, 51, 60, 61, 62], 0))
         m.free(sibling)
