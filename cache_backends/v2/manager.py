@@ -1785,8 +1785,8 @@ class KVCacheManagerV2:
             return max(0, min(want, most - start % -self.T))
         available = arena.available + (extra[0] if extra else 0)
         rest = -start % self.T  # a probe's copied partial block (start inside a block: every span T) holds the rest
-        if rest and available >= 0:
-            return want if want <= rest else fit_spans(want - rest, available, spans) + rest
+        if rest:  # (no room at all: the built cache's fit is 0, its block's rest included)
+            return 0 if available < 0 else want if want <= rest else fit_spans(want - rest, available, spans) + rest
         return fit_spans(want, available, spans)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:

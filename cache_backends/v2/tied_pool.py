@@ -157,11 +157,12 @@ class RowQueue(EvictionQueue):
         for key, bucket in self._by_key.items():
             if key >> _SHARED_BIT:
                 for _, tag, blocks, at, clock in bucket:  # oldest first: a bucket's clocks grow
-                    pages = sum(weight[b] for b in itertools.islice(blocks, at, None)
-                                if tags[b] == tag and b not in skip)
-                    if pages and clock >= limit:
-                        break
-                    n += pages
+                    live = (b for b in itertools.islice(blocks, at, None) if tags[b] == tag and b not in skip)
+                    if clock >= limit:  # the first segment still queued and not stale ends the bucket's demotions
+                        if next(live, None) is not None:
+                            break
+                        continue
+                    n += sum(map(weight.__getitem__, live))
         return n
 
     def pop_pages(self, n: int) -> list[int]:
