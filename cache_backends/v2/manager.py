@@ -1565,27 +1565,30 @@ class KVCacheManagerV2:
             arena = self._arena
             evicted_shared = 0
             if partial is not None:  # the cuts tied (_tail_probes): a copy's logical block of every group, in pages
-                weights = self._weights
+                weights, queue = self._weights, arena.evictable
                 srcs = [partial.blocks[name][0] for name in self._names]
-                out = list(chain.from_iterable(cached_of))  # what the claim and the copy's hold take out of the queue
-                out += compress(srcs, map(not_, map(arena.ref.__getitem__, srcs)))
+                held_srcs = list(compress(srcs, map(not_, map(arena.ref.__getitem__, srcs))))  # queued, the copy holds
                 # a copy that takes a window past a block boundary has the build slide it at once: the slid blocks
                 # queued again (and the queue's stale demotions with them) before the estimates; only building answers
                 for (g, _), lo in zip(self._cycles, los, strict=True):
                     if g.window is not None and max(0, m + k - g.window + 1) // self.T != lo:
                         return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
-                queue, skip = arena.evictable, set(out)
+                skip: set[int] | None = None  # what the claim and the copy's hold take out of the queue, where asked
                 short = self._row_pages - len(arena._free)
                 if short > 0:  # the copy evicts: the rows the take would pop, those out of the queue skipped
+                    out = [*chain.from_iterable(cached_of), *held_srcs]
                     if arena.available - queue._pages(out) < self._row_pages:
                         # no room for the copy: the build copies nothing (only building answers)
                         return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
+                    skip = set(out)
                     evicted = queue.peek_pages(short, skip)
                     evicted_shared = queue.count_shared(evicted)
                     skip.update(evicted)
                 # the source queued again (a leaf: a tail has no children) may demote stale shared pages
-                back = queue._pages(b for b in srcs if not arena.ref[b])
+                back = queue._pages(held_srcs)
                 if back and queue.num_shared:
+                    if skip is None:
+                        skip = {*chain.from_iterable(cached_of), *held_srcs}
                     evicted_shared += queue.stale_pages(back, skip)
                 taken_groups = [t + 1 for t in taken_groups]
                 taken = [sum(taken_groups) if weights is None else sum(map(mul, taken_groups, weights))]

@@ -156,13 +156,10 @@ class RowQueue(EvictionQueue):
         n = 0
         for key, bucket in self._by_key.items():
             if key >> _SHARED_BIT:
-                for _, tag, blocks, at, clock in bucket:  # oldest first: a bucket's clocks grow
-                    live = (b for b in itertools.islice(blocks, at, None) if tags[b] == tag and b not in skip)
-                    if clock >= limit:  # the first segment still queued and not stale ends the bucket's demotions
-                        if next(live, None) is not None:
-                            break
-                        continue
-                    n += sum(map(weight.__getitem__, live))
+                for _, tag, blocks, at, clock in bucket:  # oldest first: a shared bucket's clocks never fall
+                    if clock >= limit:  # no segment from here on is stale
+                        break
+                    n += sum(weight[b] for b in itertools.islice(blocks, at, None) if tags[b] == tag and b not in skip)
         return n
 
     def pop_pages(self, n: int) -> list[int]:
