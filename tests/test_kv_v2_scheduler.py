@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cache_backends import LayerKV
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request, RequestState
-from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler
+from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler, group_pool
 from tests.kv_v2_support import (
     admit,
     compute,
@@ -480,6 +480,33 @@ def test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be(seed, w
     _check_probe(seed, want, ratio)
 
 
+@pytest.mark.parametrize("ratio", [0.0, 0.55])
+@pytest.mark.parametrize("want", [1, 5, 64])
+@pytest.mark.parametrize(("seed", "evicts"), [(0, False), (16, False), (25, False), (50, True), (242, True),
+                                              (272, True)])
+def test_a_probed_hit_on_tied_cuts_that_copies_a_partial_block_answers_as_its_built_claim(seed, evicts, want, ratio):
+    """With the cuts tied (Gemma 3's layouts), a turn whose history ends inside a block is probed too: its estimates
+    (the copy's room, the pages its take evicts counted in ``held_back``) are its built claim's, and ``refuse_hit``
+    leaves the arena as building and cancelling it do, whether the copy's pages are free or evicted."""
+    m, _, probe = _probed_hit(seed)
+    assert m._tied_cuts is not None and probe is not None and probe.partial is not None  # (the states these seeds make)
+    assert (len(m._arena._free) < m._row_pages) == evicts
+    _check_probe(seed, want, ratio)
+
+
+@pytest.mark.parametrize("seed", [65, 747, 757, 1048, 1220])
+def test_a_probed_copy_on_tied_cuts_counts_the_shared_pages_its_source_s_requeue_demotes(seed, monkeypatch):
+    """The build of a probed copy queues the copy's source again before admission's estimates, and that queueing
+    demotes shared prefixes' pages gone stale (``EvictionQueue._demote_stale``): ``held_back`` with the probe must
+    count them, as the built claim's does. With shared prefixes stale after a tenth of a pool's worth of pages (eight
+    pools' in use: rare in a short test), these seeds' probes meet it."""
+    monkeypatch.setattr(group_pool, "STALE_POOLS", 0.1)
+    m, _, probe = _probed_hit(seed)
+    assert m._tied_cuts is not None and probe is not None and probe.partial is not None
+    for want, ratio in ((1, 0.0), (64, 1.0)):
+        _check_probe(seed, want, ratio)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 100_000), want=st.integers(1, 64), ratio=st.sampled_from([0.0, 0.1, 0.55, 1.0]))
 @example(seed=1019, want=1, ratio=0.0)  # a copy of a block that is not the history's tail sought, no room for it
@@ -593,12 +620,14 @@ def test_a_follow_up_turn_refused_for_room_is_not_built():
     m.check_invariants()
 
 
-def _refused_turn_with_a_copy(other_len: int, build: bool) -> tuple[list, list, list, int]:
+def _refused_turn_with_a_copy(other_len: int, build: bool, layers: list[LayerKV] = FULL, blocks: int = 11,
+                              lates: int = 2) -> tuple[list, list, list, int, int]:
     """A follow-up turn whose history ends inside a block (its partial last block kept cached for the copy), refused
-    for room beside a growing request of ``other_len`` prompt tokens, two prompts cached after the history (two
+    for room beside a growing request of ``other_len`` prompt tokens, ``lates`` prompts cached after the history (two
     blocks each, taking the free list): (decisions, pool state, the requests whose caches were created, free blocks
-    when it was refused); ``build``: the turn built and cancelled (no probe)."""
-    m = make_manager(FULL, 11, enable_partial_reuse=True)
+    (pages on a shared arena) when it was refused, blocks evicted in that step); ``build``: the turn built and
+    cancelled (no probe)."""
+    m = make_manager(layers, blocks, enable_partial_reuse=True)
     if build:
         m.probe_hit = lambda request, build=False: None  # type: ignore[method-assign]
     history = list(range(1, 19))  # four blocks and two tokens: the finish keeps the partial block for the next turn
@@ -608,10 +637,11 @@ def _refused_turn_with_a_copy(other_len: int, build: bool) -> tuple[list, list, 
     s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64)
     assert s.step(deque([other]), []).admitted == [other]
     m.commit(other, other_len)
-    for i in range(2):
+    for i in range(lates):
         prefill(m, late := Request(f"late{i}", [60 + i, 61, 62, 63, 64], 0))
         m.free(late)
-    free = len(m._pool_sets[0][0]._free)
+    free = len(m._arena._free) if m._arena is not None else len(m._pool_sets[0][0]._free)
+    evicted = m.stats().evictions
     created: list[str] = []
     create = m.create
     m.create = lambda request: created.append(request.req_id) or create(request)  # type: ignore[method-assign]
@@ -619,7 +649,8 @@ def _refused_turn_with_a_copy(other_len: int, build: bool) -> tuple[list, list, 
     out = s.step(deque([turn]), [other])
     m.check_invariants()
     decisions = [out.admitted, out.preempted, out.suspended, [(c.request.req_id, c.num_tokens) for c in out.scheduled]]
-    return decisions, _pool_state(m), created, free
+    return (decisions, _pool_state(m), created, free,
+            m.stats().evictions - evicted)
 
 
 @pytest.mark.parametrize(("other_len", "free"), [(4, 1), (8, 0)])
@@ -634,6 +665,22 @@ def test_a_refused_turn_that_would_copy_its_history_s_partial_block_is_not_built
     assert probed[0] == built[0] and probed[0][0] == []  # refused either way
     assert probed[1] == built[1]
     assert probed[2] == [] and built[2] == ["turn1"]
+
+
+@pytest.mark.parametrize(("lates", "evicts"), [(0, False), (1, True)])
+def test_a_refused_turn_on_tied_cuts_that_would_copy_its_history_s_partial_block_is_not_built(lates, evicts):
+    """The same with the cuts tied (a shared arena with sliding windows, as Gemma 3's): the turn is probed, not built
+    and cancelled (under pressure Gemma 3 27B's waiting turns were, step after step); the copy's logical block taken
+    from the free pages, or evicting the oldest queued rows when fewer are free than a row's pages, and the arena
+    ends as building and cancelling it leave it, evictions, queue order and clocks included."""
+    probed = _refused_turn_with_a_copy(8, build=False, layers=full_sliding_layers(8), blocks=8, lates=lates)
+    built = _refused_turn_with_a_copy(8, build=True, layers=full_sliding_layers(8), blocks=8, lates=lates)
+    assert probed[3] == built[3] and (probed[3] < 3) == evicts  # a row is 3 pages: full, and two sliding cuts
+    assert probed[4] == built[4] and (probed[4] > 0) == evicts
+    assert probed[0] == built[0] and probed[0][0] == []  # refused either way
+    assert probed[1] == built[1]
+    assert probed[2] == [] and built[2] == ["turn1"]
+
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), layout=st.sampled_from(["full", "shared", "split"]), reuse=st.booleans())

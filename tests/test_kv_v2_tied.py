@@ -4,6 +4,7 @@ per row of a family's cuts, weighing its pages, must evict the rows a page queue
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 
@@ -56,7 +57,7 @@ def _same(pages: EvictionQueue, rows: RowQueue) -> None:
     assert _as_rows(pages.buckets()) == [(key, [b for b, _ in got]) for key, got in rows.buckets()]
 
 
-_op = st.tuples(st.sampled_from(["queue", "hit", "claim", "pop", "requeue", "refresh"]),
+_op = st.tuples(st.sampled_from(["queue", "hit", "claim", "pop", "requeue", "refresh", "peek"]),
                 st.lists(st.integers(0, ROWS - 1), max_size=5, unique=True), st.integers(0, 2), st.booleans(),
                 st.integers(1, PAGES))
 
@@ -93,6 +94,17 @@ def test_a_row_queue_evicts_the_rows_a_page_queue_evicts_and_counts_its_pages(op
             pages.remove_many(rest)  # the rest of every row the pop touched leaves with it
             assert rows.pop_pages(n) == touched
             queued.difference_update(touched)
+        elif what == "peek":
+            # a probe's look at what a copy's take would evict once its claim's rows are out of the queue
+            # (KVCacheManagerV2.probe_hit): the rows that taking them out, then popping, pops; the queue untouched
+            skip = set(picked)
+            before = (rows.buckets(), len(rows), rows.num_shared, rows._clock)
+            seen = rows.peek_pages(n, skip)
+            assert (rows.buckets(), len(rows), rows.num_shared, rows._clock) == before
+            trial = copy.deepcopy(rows)
+            trial.remove_many([r for r in picked if r in queued])
+            assert seen == (trial.pop_pages(min(n, len(trial))) if len(trial) else [])
+            continue
         elif what == "refresh":  # a finish requeues its window's last rows: each row one segment at one clock
             mine = [r for r in picked if r in queued]
             pages.refresh(_pages(mine), [K[r] for r in mine])

@@ -457,10 +457,14 @@ class KVCacheManagerV2:
         # -0.1% opcodes; BENCHMARKS.md "tie58b")
         self._unit_spans = all(g.tokens_per_block == self.T for g in self._groups) and (
             len(self._groups) >= 4 or self._tied_cuts is not None)
-        # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit):
-        # pools per group, each group's block one token block, no window (admission holds back no shared prefix)
-        self._tail_probes = (self._probes and self._partial and self._arena is None and self._slabs is None
-                             and not self._sliding and all(g.tokens_per_block == self.T for g in self._groups))
+        # where a whole-block hit followed by the copy of its history's partial last block is probed too (probe_hit),
+        # each group's block one token block: pools per group without a window (admission holds back no shared
+        # prefix, so what the copy evicts changes no estimate), or the cuts tied (the eviction's shared pages are
+        # counted: RowQueue.peek_pages). Why tied: under pressure Gemma 3 27B's follow-up turns were built and
+        # cancelled every step they waited (BENCHMARKS.md "tailprobe60")
+        self._tail_probes = (self._probes and self._partial and self._slabs is None
+                             and all(g.tokens_per_block == self.T for g in self._groups)
+                             and (self._tied_cuts is not None if self._arena is not None else not self._sliding))
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
         self._tree = self._new_tree()
@@ -1558,8 +1562,39 @@ class KVCacheManagerV2:
                 cached_of.append(blocks if cached == len(blocks) else list(compress(blocks, map(not_, refs))))
                 claimed.append((blocks, refs, lo))
         if self._arena is not None:  # one pool set, one eviction queue; taken in pages
-            taken = [sum(taken_groups) if self._weights is None else sum(map(mul, taken_groups, self._weights))]
-            shared_taken = [self._arena.evictable.count_shared(list(chain.from_iterable(cached_of)))]
+            arena = self._arena
+            evicted_shared = 0
+            if partial is not None:  # the cuts tied (_tail_probes): a copy's logical block of every group, in pages
+                weights, queue = self._weights, arena.evictable
+                srcs = [partial.blocks[name][0] for name in self._names]
+                held_srcs = list(compress(srcs, map(not_, map(arena.ref.__getitem__, srcs))))  # queued, the copy holds
+                # a copy that takes a window past a block boundary has the build slide it at once: the slid blocks
+                # queued again (and the queue's stale demotions with them) before the estimates; only building answers
+                for (g, _), lo in zip(self._cycles, los, strict=True):
+                    if g.window is not None and max(0, m + k - g.window + 1) // self.T != lo:
+                        return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
+                skip: set[int] | None = None  # what the claim and the copy's hold take out of the queue, where asked
+                short = self._row_pages - len(arena._free)
+                if short > 0:  # the copy evicts: the rows the take would pop, those out of the queue skipped
+                    out = [*chain.from_iterable(cached_of), *held_srcs]
+                    if arena.available - queue._pages(out) < self._row_pages:
+                        # no room for the copy: the build copies nothing (only building answers)
+                        return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
+                    skip = set(out)
+                    evicted = queue.peek_pages(short, skip)
+                    evicted_shared = queue.count_shared(evicted)
+                    skip.update(evicted)
+                # the source queued again (a leaf: a tail has no children) may demote stale shared pages
+                back = queue._pages(held_srcs)
+                if back and queue.num_shared:
+                    if skip is None:
+                        skip = {*chain.from_iterable(cached_of), *held_srcs}
+                    evicted_shared += queue.stale_pages(back, skip)
+                taken_groups = [t + 1 for t in taken_groups]
+                taken = [sum(taken_groups) if weights is None else sum(map(mul, taken_groups, weights))]
+            else:
+                taken = [sum(taken_groups) if self._weights is None else sum(map(mul, taken_groups, self._weights))]
+            shared_taken = [arena.evictable.count_shared(list(chain.from_iterable(cached_of))) + evicted_shared]
         else:  # a pool per group: pool set i is group i
             if partial is not None:  # the copy's block, in use beside the claim's
                 for (name, _, pool), t in zip(self._group_pools, taken_groups, strict=True):
@@ -1593,9 +1628,12 @@ class KVCacheManagerV2:
         """:meth:`create` + :meth:`resume` for the request ``probe`` was made for, claiming what the probe found (the
         pools and tree are as it found them: :class:`HitProbe`), without looking it up again: the same cache, the
         same blocks taken out of the eviction queue, the same counters."""
-        if probe.partial is not None:  # a copy: built as create + resume would (they find what the probe found)
-            self.create(request)
-            self._admit(self._caches[request])
+        if probe.partial is not None:  # a copy: built as create + resume would, from the probe's lookup (_unprobed's)
+            last = probe.last
+            assert last is not None
+            m = (last.start + len(last.held)) * self.T  # the claimed path ends at its last run's end
+            # (a leave that trimmed the path's last position left it ending elsewhere: looked up again)
+            self._admit(self.create(request), (m, last, (probe.partial, probe.tokens - m)) if last.held[-1] else None)
             return
         cache = self.create(request)
         m, last = probe.tokens, probe.last
@@ -1630,7 +1668,7 @@ class KVCacheManagerV2:
         if last is None:  # an empty claim: building and cancelling it leaves nothing changed
             return
         if probe.partial is not None:
-            self._refuse_copy(probe, priority)
+            (self._refuse_copy if self._arena is None else self._refuse_copy_tied)(probe, priority)
             return
         leaves_of, shared_of = self._requeue_order(probe)
         if self._arena is not None:
@@ -1702,6 +1740,31 @@ class KVCacheManagerV2:
                 pool.evictable.add_many(shared, priority, True)
         tree.leave(held)
 
+    def _refuse_copy_tied(self, probe: HitProbe, priority: int) -> None:
+        """:meth:`_refuse_copy` with the cuts tied: the claim's cached blocks out of the queue group by group (its
+        ``incref_groups``), the path claimed, the source held, a logical block of every group taken (evicting as the
+        build's take), the source let go, then the cancel's release: the copies freed, the claim queued position by
+        position (``TiedArena.release_tables``' order), the path let go. References and counts end as they were."""
+        arena, tree, index = self._arena, self._tree, self._share_index
+        last, source = probe.last, probe.partial
+        assert isinstance(arena, TiedArena) and last is not None and source is not None
+        queue = arena.evictable
+        for blocks, refs, _ in probe.claimed:
+            queue.remove_many(list(compress(blocks, map(not_, refs))))
+        held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
+        srcs = [source.blocks[name][0] for name in self._names]
+        arena.incref_each(index, srcs)
+        fresh = arena.take_one_each(index, self._detach_mixed)
+        arena.decref_each(index, srcs, list(map(arena.priority.__getitem__, srcs)))
+        leaves_of, shared_of = self._requeue_order(probe)  # (the runs' shapes after the take's evictions)
+        arena.release_tables([(i, [b]) for i, b in zip(index, fresh, strict=True)], priority)  # nobody holds a copy
+        leaves, shared = interleave(leaves_of), interleave(shared_of)
+        if leaves:
+            queue.add_many(leaves, priority)
+        if shared:
+            queue.add_many(shared, priority, True)
+        tree.leave(held)
+
     def fit_tokens_new(self, request: Request, want: int, extra: list[int] | None = None, start: int = 0) -> int:
         """:meth:`fit_tokens` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when
         :meth:`claims_nothing` holds (an empty cache); nothing is built. With ``start``, a :meth:`probe_hit`'s
@@ -1723,7 +1786,11 @@ class KVCacheManagerV2:
             most = min((pool.available + k) * tpb for (_, tpb, pool), k in zip(self._group_pools, more, strict=True))
             # a probe's copied partial block (``start`` inside a block, counted in ``extra``) has room for the rest
             return max(0, min(want, most - start % -self.T))
-        return fit_spans(want, arena.available + (extra[0] if extra else 0), spans)
+        available = arena.available + (extra[0] if extra else 0)
+        rest = -start % self.T  # a probe's copied partial block (start inside a block: every span T) holds the rest
+        if rest:  # (no room at all: the built cache's fit is 0, its block's rest included)
+            return 0 if available < 0 else want if want <= rest else fit_spans(want - rest, available, spans) + rest
+        return fit_spans(want, available, spans)
 
     def growth_blocks_new(self, request: Request, ratio: float, scheduled: int) -> dict[str, int]:
         """:meth:`growth_blocks` for ``request`` as :meth:`create` + :meth:`resume` would leave it, when

@@ -26,6 +26,7 @@ to "tie58").
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 from cache_backends.v2 import group_pool
@@ -127,6 +128,39 @@ class RowQueue(EvictionQueue):
     def pop_many(self, n: int) -> list[int]:
         """Not for a row queue: entries are popped by pages (:meth:`pop_pages`)."""
         raise TypeError("RowQueue pops by pages: pop_pages")
+
+    def peek_pages(self, n: int, skip: set[int]) -> list[int]:
+        """The entries :meth:`pop_pages` of ``n`` pages would pop were ``skip`` (queued or not) taken out first, in
+        eviction order, without popping them: fewer where they weigh less than ``n``. Why: a probe of a hit whose copy
+        evicts counts the shared pages the eviction takes (``KVCacheManagerV2.probe_hit``) before anything changes;
+        taking out queues nothing, so no stale demotion can fall between the look and the pop."""
+        out: list[int] = []
+        got, tags, weight, by_key = 0, self._tag, self._weight, self._by_key
+        for key in sorted(by_key):  # the heap's order: the least key present first
+            for live, tag, blocks, at, _ in by_key[key]:
+                if not live:
+                    continue
+                for b in itertools.islice(blocks, at, None):
+                    if tags[b] == tag and b not in skip:
+                        out.append(b)
+                        got += weight[b]
+                        if got >= n:
+                            return out
+        return out
+
+    def stale_pages(self, queued: int, skip: set[int]) -> int:
+        """The shared pages a queue call of ``queued`` pages would demote (:meth:`_demote_stale`) were ``skip`` taken
+        out first: those of the shared segments the clock then leaves behind. Why: a probed copy's build queues its
+        source again before admission's estimates, and that queueing may demote (``KVCacheManagerV2.probe_hit``)."""
+        limit, tags, weight = self._clock + queued - self._stale, self._tag, self._weight
+        n = 0
+        for key, bucket in self._by_key.items():
+            if key >> _SHARED_BIT:
+                for _, tag, blocks, at, clock in bucket:  # oldest first: a shared bucket's clocks never fall
+                    if clock >= limit:  # no segment from here on is stale
+                        break
+                    n += sum(weight[b] for b in itertools.islice(blocks, at, None) if tags[b] == tag and b not in skip)
+        return n
 
     def pop_pages(self, n: int) -> list[int]:
         """Whole entries in eviction order until they weigh at least ``n`` pages: the rows the page queue's pop of
