@@ -1269,6 +1269,34 @@ class KVCacheManagerV2:
             cache.history = target
         return 1
 
+    def schedule_decodes(self, requests: list[Request]) -> int:
+        """:meth:`schedule_decode` of each of ``requests`` in order until one answers 0 (that one changed nothing):
+        how many got their slot, the first ones.
+
+        Why one call for the step's decodes: the scheduler reserved them a call each, nearly every running request every
+        step, and the call with its attribute reads was a fifth of the reservation's cost (BENCHMARKS.md,
+        "perfchunk60"). The loop is :meth:`schedule_decode`'s body, its reads made once."""
+        caches, active, limit = self._caches, CacheState.ACTIVE, self.options.max_seq_len
+        reserve = self._reserve_split if self._arena is None else self._reserve_shared
+        for i, request in enumerate(requests):
+            cache = caches.get(request)
+            if cache is None or cache.state is not active or cache.committed != request.num_computed_tokens:
+                if not self.schedule_tokens(request, 1):
+                    return i
+                continue
+            target = cache.committed + 1
+            if target > limit:
+                return i
+            if target > cache.room and not reserve(cache, target):  # as schedule_decode's miss answers
+                if not self._fit_and_allocate(request, 1):
+                    return i
+                continue
+            if target > cache.capacity:
+                cache.capacity = target
+            if target > cache.history:
+                cache.history = target
+        return len(requests)
+
     def _fit_and_allocate(self, request: Request, want: int) -> int:
         """The miss path of :meth:`schedule_tokens` and :meth:`schedule_decode`: not all of ``want`` fits at once, so
         search for the most that does (:meth:`fit_tokens`) and allocate it; how many. Only a miss pays the call."""
