@@ -179,6 +179,7 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
 
 
 _SALT = attrgetter("salt")
+_ACTIVE = CacheState.ACTIVE  # (one global read, not two: commit reads it for every running request every step)
 _FIRST_TOKEN = itemgetter(slice(0, 8))  # a run's first block's packed bytes -> its first token's
 #: where events go out as they happen (no tie, or no events): a reusable no-op context
 _AS_IT_GOES = contextlib.nullcontext()
@@ -1921,7 +1922,7 @@ class KVCacheManagerV2:
     def commit(self, request: Request, num_tokens: int) -> None:
         """The next ``num_tokens`` scheduled tokens have their KV written: advance, key full blocks, slide windows."""
         cache = self._caches.get(request)
-        if cache is None or cache.state is not CacheState.ACTIVE:
+        if cache is None or cache.state is not _ACTIVE:
             cache = self._active(request)  # raises the usual error
         committed = cache.committed + num_tokens  # (a local: this runs for every running request every step)
         if num_tokens < 0 or committed > cache.history:
@@ -1929,8 +1930,8 @@ class KVCacheManagerV2:
                              f"{cache.history - cache.committed} are scheduled")
         cache.committed = request.num_computed_tokens = committed
         if committed >= cache.key_at:  # a block just filled up (never true with reuse off)
-            self._key_full_blocks(cache)
-        if self._sliding and cache.committed >= cache.slide_at:  # some window may have a block to let go
+            self._key_full_blocks(cache)  # (keys blocks: cache.committed stays)
+        if self._sliding and committed >= cache.slide_at:  # some window may have a block to let go
             self._release_window(cache)
 
     def block_table(self, request: Request, group: str) -> list[int]:

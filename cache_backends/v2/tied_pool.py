@@ -245,6 +245,35 @@ class TiedArena:
             weight[b] = 0
             free_ids.append(b)
 
+    def _make_room(self, need: int, detach: Callable[[str, list[int]], None],
+                   detach_mixed: Callable[[list[int], list[int]], None] | None) -> None:
+        """``need`` pages free for a take: the pages of whole cached blocks in eviction order where the free ones fall
+        short (:meth:`RowQueue.pop_pages`), detached per group, or given ``detach_mixed``, in one call with their groups
+        (``IndexError`` where not even those are enough)."""
+        free = len(self._free)
+        if need <= free:
+            return
+        if need > free + len(self.evictable):
+            raise IndexError(f"tied arena: {need} pages asked, {self.available} free or evictable")
+        evicted = self.evictable.pop_pages(need - free)
+        groups = list(map(self.group_of.__getitem__, evicted))  # (C passes: a take at a block boundary evicts)
+        cached, counted = self.cached, self.evicted
+        if detach_mixed is not None:
+            for g in dict.fromkeys(groups):
+                n = groups.count(g)
+                cached[g] -= n
+                counted[g] += n
+            detach_mixed(evicted, groups)
+        else:
+            by_group: dict[int, list[int]] = {}
+            for b, g in zip(evicted, groups, strict=True):
+                by_group.setdefault(g, []).append(b)
+            for g, blocks in by_group.items():
+                cached[g] -= len(blocks)
+                counted[g] += len(blocks)
+                detach(self.names[g], blocks)
+        self._let_go(evicted)
+
     def take_each(self, groups: Sequence[int], counts: Sequence[int],
                   detach: Callable[[str, list[int]], None],
                   detach_mixed: Callable[[list[int], list[int]], None] | None = None) -> list[list[int]]:
@@ -253,23 +282,7 @@ class TiedArena:
         given ``detach_mixed``, all in one call with their groups (``SharedPool.take_each``'s signature)."""
         if len(groups) != len(counts):
             raise ValueError(f"{len(counts)} counts for {len(groups)} groups")
-        need = sum(map(mul, map(self.k.__getitem__, groups), counts))  # (C passes: every take)
-        if need > self.available:
-            raise IndexError(f"tied arena: {need} pages asked, {self.available} free or evictable")
-        short = need - len(self._free)
-        if short > 0:
-            evicted = self.evictable.pop_pages(short)
-            by_group: dict[int, list[int]] = {}
-            for b in evicted:
-                by_group.setdefault(self.group_of[b], []).append(b)
-            for g, blocks in by_group.items():
-                self.cached[g] -= len(blocks)
-                self.evicted[g] += len(blocks)
-                if detach_mixed is None:
-                    detach(self.names[g], blocks)
-            if detach_mixed is not None:
-                detach_mixed(evicted, [self.group_of[b] for b in evicted])
-            self._let_go(evicted)
+        self._make_room(sum(map(mul, map(self.k.__getitem__, groups), counts)), detach, detach_mixed)
         out: list[list[int]] = []
         free_pages, free_ids = self._free, self._free_ids
         pages, weight, gen, ref, group_of = self.pages, self.weight, self.gen, self.ref, self.group_of
@@ -408,7 +421,24 @@ class TiedArena:
         evicted blocks detached in one call with their groups (``SharedPool.take_one_each``)."""
         # detached inside the take, before the evicted blocks' pages and ids are handed out again: a write-back
         # (``KVCacheManagerV2._detach``) reads an evicted block's pages, which afterwards belong to another block
-        return [piece[0] for piece in self.take_each(groups, [1] * len(groups), _no_detach, detach_mixed)]
+        k = self.k
+        self._make_room(sum(map(k.__getitem__, groups)), _no_detach, detach_mixed)
+        # take_each's loop with every count 1, without its lists per group (every decode's block boundary)
+        out: list[int] = []
+        free_pages, free_ids, used = self._free, self._free_ids, self.used
+        pages, weight, gen, ref, group_of = self.pages, self.weight, self.gen, self.ref, self.group_of
+        for g in groups:
+            n = k[g]
+            b = free_ids.pop()
+            pages[b] = tuple(free_pages[len(free_pages) - n:][::-1])
+            del free_pages[len(free_pages) - n:]
+            weight[b] = n
+            gen[b] += 1
+            ref[b] = 1
+            group_of[b] = g
+            used[g] += 1
+            out.append(b)
+        return out
 
     def incref_groups(self, groups: Sequence[int], pieces: Sequence[Sequence[int]]) -> None:
         """:meth:`incref_many` of ``pieces[i]`` for ``groups[i]``, for each ``i`` in order (a hit's claim of every
