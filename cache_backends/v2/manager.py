@@ -2674,7 +2674,8 @@ class KVCacheManagerV2:
         if self._tied_cuts is None:
             return self.pools.tensors[group], blocks
         pages = self._arena.pages  # type: ignore[union-attr]
-        return self.pools.tensors[self._tied_cuts[0][0]], [p for b in blocks for p in pages[b]]
+        # (C passes: a partial hit's copy reads every block's pages)
+        return self.pools.tensors[self._tied_cuts[0][0]], list(chain.from_iterable(map(pages.__getitem__, blocks)))
 
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""
