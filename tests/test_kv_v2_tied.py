@@ -409,26 +409,6 @@ def test_a_tied_release_that_meets_a_block_released_too_often_leaves_the_blocks_
     assert tied.used == [0, 1] and tied.cached == [1, 0]
 
 
-def test_a_tied_finish_s_release_sorts_its_blocks_by_owner_in_order_and_counts_those_before_an_error():
-    """``release_tables`` (a finish) lets go of each table tail first: blocks without a radix owner are freed, cached
-    ones queued, leaves before shared prefixes' blocks, each in release order (runs of one owner sorted together); a
-    block released more often than held raises, the blocks before it counted out of ``used`` (and into ``cached``
-    where owned), as the release block by block counted them."""
-    tied = TiedArena(["a", "b"], [3, 1], 24)
-    (a1, a2, a3, a4), (b1, b2) = tied.take_each(range(2), [4, 2], lambda n, x: None)
-    leaf, stem = _Run("leaf", False), _Run("stem", True)
-    for b, node in ((a1, stem), (a2, stem), (a3, leaf), (b1, stem), (b2, leaf)):
-        tied.node[b] = node
-    tied.release_tables([(0, [a1, a2, a3, a4]), (1, [b1, -1, b2])], 5)
-    assert tied.used == [0, 0] and tied.cached == [3, 2] and tied.pages[a4] == () and tied.check() == []
-    assert [b for _, got in tied.evictable.buckets() for b, _ in got] == [a3, b2, a2, b1, a1]  # leaves, then shared
-    (c1, c2, c3), _ = tied.take_each(range(2), [3, 0], lambda n, x: None)
-    tied.node[c2] = leaf
-    with pytest.raises(RuntimeError, match="released more often than held"):
-        tied.release_tables([(0, [c1, c1, c2, c3])], 0)  # tail first: c3 freed, c2 cached, c1 once, then c1 again
-    assert tied.used == [0, 0] and tied.cached == [4, 2] and tied.ref[c1] == tied.ref[c2] == tied.ref[c3] == 0
-
-
 def test_a_refreshed_row_of_a_page_queue_is_demoted_whole_when_it_goes_stale():
     """A finish refreshes a shared row of three pages; once stale it is demoted. Refreshed page by page (a clock a
     page), the demotion took the row's first page and left the other two (the row in two buckets, where a tie's queue

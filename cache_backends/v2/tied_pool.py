@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from operator import is_not, itemgetter, mul
+from operator import mul
 
 from cache_backends.v2 import group_pool
 from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue
 from cache_backends.v2.shared_pool import interleave
 
 _SHARED = 1 << _SHARED_BIT  # a queued block's tag carries it where the block is a shared prefix's
-_BLOCK, _OWNER = itemgetter(0), itemgetter(1)  # of a (block, radix owner) pair
 
 
 class RowQueue(EvictionQueue):
@@ -312,21 +311,28 @@ class TiedArena:
         ids below 0 before it, changes nothing here: those are skipped)."""
         by_table: list[tuple[list[int], list[int]]] = []  # each table's cached (leaves, shared), tail first
         gone: list[int] = []
-        ref = self.ref
+        ref, group_of, owner, used, cached = self.ref, self.group_of, self.node, self.used, self.cached
         for _, table in tables:  # table by table, then the cached ones interleaved: SharedPool.release_tables' loop
-            dead: list[int] = []  # held by nobody now, tail first
-            try:
-                for b in reversed(table):  # (this loop runs for every block of every finish: the least per block)
-                    if b < 0:
-                        continue
-                    n = ref[b]
-                    if n <= 0:
-                        raise RuntimeError(f"tied arena: block {b} released more often than held")
-                    ref[b] = n = n - 1
-                    if not n:
-                        dead.append(b)
-            finally:  # (counted as they went, an error's blocks before it included)
-                by_table.append(self._sorted_out(dead, gone))
+            leaves: list[int] = []
+            shared: list[int] = []
+            for b in reversed(table):  # (this loop runs for every block of every finish: locals, one ref read)
+                if b < 0:
+                    continue
+                n = ref[b]
+                if n <= 0:
+                    raise RuntimeError(f"tied arena: block {b} released more often than held")
+                ref[b] = n = n - 1
+                if n:
+                    continue
+                g = group_of[b]
+                used[g] -= 1
+                node = owner[b]
+                if node is None:
+                    gone.append(b)
+                else:
+                    cached[g] += 1
+                    (shared if getattr(node, "children", None) else leaves).append(b)
+            by_table.append((leaves, shared))
         self._let_go(gone)
         leaves = interleave([lv for lv, _ in by_table])
         shared = interleave([sh for _, sh in by_table])
@@ -334,36 +340,6 @@ class TiedArena:
             self.evictable.add_many(leaves, priority)
         if shared:
             self.evictable.add_many(shared, priority, True)
-
-    def _sorted_out(self, dead: list[int], gone: list[int]) -> tuple[list[int], list[int]]:
-        """Blocks held by nobody now (``dead``, in release order) leave their groups' used counts: those without a
-        radix owner go to ``gone`` (freed), the cached ones are counted cached and answered as (leaves, shared
-        prefixes' blocks), each in order.
-
-        Why in C passes, a Python step per radix run: a finish lets go of every block of its tables, and the
-        blocks of one run (a turn's history) share their owner (BENCHMARKS.md, "perfchunk60")."""
-        leaves: list[int] = []
-        shared: list[int] = []
-        if not dead:
-            return leaves, shared
-        used, cached = self.used, self.cached
-        groups = list(map(self.group_of.__getitem__, dead))
-        for g in dict.fromkeys(groups):
-            used[g] -= groups.count(g)
-        nodes = list(map(self.node.__getitem__, dead))
-        owned = list(map(is_not, nodes, itertools.repeat(None)))
-        if not any(owned):  # none cached (reuse off, or nothing keyed yet)
-            gone += dead
-            return leaves, shared
-        kept = list(itertools.compress(groups, owned))
-        for g in dict.fromkeys(kept):
-            cached[g] += kept.count(g)
-        for node, run in itertools.groupby(zip(dead, nodes, strict=True), _OWNER):  # (by identity: no __eq__)
-            if node is None:
-                gone += map(_BLOCK, run)
-            else:
-                (shared if getattr(node, "children", None) else leaves).extend(map(_BLOCK, run))
-        return leaves, shared
 
     def incref_many(self, group: int, blocks: Sequence[int]) -> None:
         """One more holder of each of ``blocks`` (used or cached blocks of ``group``): a prefix hit's claim."""
