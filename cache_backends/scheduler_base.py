@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import deque
-from operator import attrgetter
 from typing import Any
 
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
@@ -11,8 +10,6 @@ from cache_backends.request import SCHEDULING_POLICY_NAMES, Request, RequestStat
 
 #: Why-stalled reasons a stall message names before "and N more reasons": a small run names every request.
 STALL_REASONS_SHOWN = 8
-
-_CHUNK_DRAFTS = attrgetter("request.draft_token_ids")
 
 
 class SchedulerBase:
@@ -42,7 +39,10 @@ class SchedulerBase:
         budget or a block from a real token; it only takes free blocks the request would need for its next tokens
         anyway (drafts stay within its ``max_new_tokens`` and ``max_seq_len``: the proposer caps them).
         """
-        if not any(map(_CHUNK_DRAFTS, out.scheduled)):  # most steps: no drafts (one C pass, not a Python loop)
+        for chunk in out.scheduled:  # most steps no chunk has drafts: a lean pass first (half the loop below's cost)
+            if chunk.request.draft_token_ids:
+                break
+        else:
             return
         budget: int | None = None  # the step's leftover tokens, counted at the first chunk with drafts (most have none)
         for i, chunk in enumerate(out.scheduled):

@@ -431,13 +431,13 @@ class KVCacheV2Scheduler(SchedulerBase):
                 if k < len(decodes):
                     fast = decodes[:k]
                     order += [(r, 1) for r in decodes[k:]]
-                # each chunk is last step's where the request decoded then too (C passes: every decode, every step)
-                made = list(map(self._decode_chunks.get, fast))
-                if not all(made):  # a request's first decode (its prompt done, or resumed): a few a step
-                    for i in itertools.compress(range(len(made)), map(not_, made)):
-                        made[i] = ScheduledChunk(fast[i], 1)
-                self._decode_chunks = dict(zip(fast, made, strict=True))
-                chunks.update(self._decode_chunks)
+                # each chunk is last step's where the request decoded then too (a lookup, ~4x cheaper than a chunk)
+                last, made = self._decode_chunks.get, {}
+                for r in fast:
+                    c = last(r)
+                    made[r] = c if c is not None else ScheduledChunk(r, 1)
+                self._decode_chunks = made
+                chunks.update(made)
             else:
                 order += [(r, 1) for r in decodes]
                 self._decode_chunks = {}
