@@ -1275,8 +1275,8 @@ class KVCacheManagerV2:
         how many got their slot, the first ones.
 
         Why one call for the step's decodes: the scheduler reserved them a call each, nearly every running request every
-        step, and the call with its attribute reads was a fifth of the reservation's cost (BENCHMARKS.md,
-        "perfchunk60"). The loop is :meth:`schedule_decode`'s body, its reads made once."""
+        step, each call paying its frame and the manager's attribute reads again (BENCHMARKS.md, "perfchunk60"). The
+        loop is :meth:`schedule_decode`'s body, those reads made once."""
         caches, active, limit = self._caches, CacheState.ACTIVE, self.options.max_seq_len
         reserve = self._reserve_split if self._arena is None else self._reserve_shared
         for i, request in enumerate(requests):

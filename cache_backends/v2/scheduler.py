@@ -407,8 +407,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         # Decodes are reserved in one call after the scan that finds them, in running order as the loop below would
         # (the scan reads no state a reservation changes), until one does not fit or the budget is spent: that one and
         # every later decode go through the loop below. Why: a decode is nearly every running request every step; a
-        # second Python pass over them cost ~30 opcodes a request, a call to the manager each a fifth of the
-        # reservation's cost (BENCHMARKS.md, "perfchunk60")
+        # second Python pass over them cost ~30 opcodes a request, and a call to the manager each its frame and reads
+        # (BENCHMARKS.md, "perfchunk60")
         decodes = []
         for r in running:
             n = len(r.prompt_token_ids) + len(r.output_token_ids)  # r.num_tokens inlined: every request, every step
