@@ -924,3 +924,42 @@ def test_a_decode_s_reservation_is_schedule_tokens_of_one_token_up_to_max_seq_le
     got, want = run(True), run(False)
     assert got == want
     assert any(n == 0 for _, n, *_ in want) and sum(n for _, n, *_ in want) > 20
+
+
+@pytest.mark.parametrize("layers", [full_sliding_layers(window=8), split_sliding_layers(window=8), FULL])
+def test_the_step_s_decodes_reserved_in_one_call_are_schedule_decode_of_each_until_the_first_that_does_not_fit(layers):
+    # schedule_decodes (the scheduler's one call for a step's decodes) must answer how many of the first requests got
+    # their slot and leave every table, room, capacity and history as schedule_decode of each in order does, stopping at
+    # the first answer of 0 (that request, and every later one, untouched): at block boundaries, with the pools full
+    # and at max_seq_len
+    def run(batch: bool):
+        m = make_manager(layers, 9, T=4, max_seq_len=22)
+        rs = [Request(c, list(range(10 * i + 1, 10 * i + 4 + i)), 40) for i, c in enumerate("abc")]
+        for r in rs:
+            prefill(m, r)
+        seen = []
+        for _ in range(24):
+            live = [r for r in rs if m.has_cache(r)]
+            for r in live:
+                r.output_token_ids.append(next_token(r))  # the token the last forward sampled: one pending
+            if batch:
+                k = m.schedule_decodes(live)
+            else:
+                k = 0
+                while k < len(live) and m.schedule_decode(live[k]):
+                    k += 1
+            seen.append((k, [(r.req_id, {n: list(t) for n, t in m.cache(r).tables.items()}, m.cache(r).room,
+                              m.cache(r).capacity, m.cache(r).history) for r in live]))
+            for r in live[:k]:
+                write_kv(m, r, r.num_computed_tokens, 1)
+                m.commit(r, 1)
+            for r in live[k:k + 1]:  # the one that did not fit stops here; the later ones decode again next round
+                m.free(r)
+            for r in live[k + 1:]:
+                r.output_token_ids.pop()
+            m.check_invariants()
+        return seen
+
+    got, want = run(True), run(False)
+    assert got == want
+    assert any(0 < k < len(live) for k, live in want) and sum(k for k, _ in want) > 20

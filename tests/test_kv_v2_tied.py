@@ -117,6 +117,32 @@ def test_a_row_queue_evicts_the_rows_a_page_queue_evicts_and_counts_its_pages(op
         _same(pages, rows)
 
 
+@pytest.mark.parametrize("claim", [False, True])
+@pytest.mark.parametrize("taken, error, out", [([0, 3, 2], KeyError, [0]), ([2, 0, 0], KeyError, [2, 0]),
+                                               ([0, 4], None, [0, 4]), ([-1, 0], KeyError, []),
+                                               ([2, ROWS + 5, 0], IndexError, [2])])
+def test_a_row_queue_s_hit_that_stops_at_an_error_counts_the_pages_of_the_rows_it_took_out(taken, error, out, claim):
+    # A hit's take (remove_many, claim_many) stops at the first row not queued (a repeat, an id outside the queue): the
+    # rows before it are out and the length and shared count lose their pages, as the page queue's take of their pages
+    # does; a take without error loses every row's pages (counted from the tags read before it, in C passes)
+    pages, rows = _pair()
+    for queue, ids, priority, shared in ((pages, _pages([0, 1]), 0, False), (rows, [0, 1], 0, False),
+                                         (pages, _pages([2, 4]), 1, True), (rows, [2, 4], 1, True)):
+        queue.add_many(ids, priority, shared)
+    sides = [(rows, taken, ROWS)]
+    if error is not IndexError:  # (an id past the queue has no pages to take on the page queue's side)
+        sides.append((pages, [p for r in taken for p in (_pages([r]) if r >= 0 else [-1])], PAGES))
+    for queue, ids, n in sides:
+        if error is None:
+            (queue.claim_many(ids, [0] * n) if claim else queue.remove_many(ids))
+        else:
+            with pytest.raises(error):
+                (queue.claim_many(ids, [0] * n) if claim else queue.remove_many(ids))
+    if error is not IndexError:
+        _same(pages, rows)
+    assert len(rows) == 10 - sum(K[r] for r in out) and rows.num_shared == 6 - sum(K[r] for r in out if r in (2, 4))
+
+
 def _pages_rows(ref: list[int]) -> list[int]:
     return [r for r in range(ROWS) if ref[r] for _ in range(K[r])]
 

@@ -179,6 +179,7 @@ def _copy_pages(pages: Any, dst: list[int], src: list[int]) -> None:
 
 
 _SALT = attrgetter("salt")
+_ACTIVE = CacheState.ACTIVE  # (one global read, not two: commit reads it for every running request every step)
 _FIRST_TOKEN = itemgetter(slice(0, 8))  # a run's first block's packed bytes -> its first token's
 #: where events go out as they happen (no tie, or no events): a reusable no-op context
 _AS_IT_GOES = contextlib.nullcontext()
@@ -1273,6 +1274,34 @@ class KVCacheManagerV2:
             cache.history = target
         return 1
 
+    def schedule_decodes(self, requests: list[Request]) -> int:
+        """:meth:`schedule_decode` of each of ``requests`` in order until one answers 0 (that one changed nothing):
+        how many got their slot, the first ones.
+
+        Why one call for the step's decodes: the scheduler reserved them a call each, nearly every running request every
+        step, each call paying its frame and the manager's attribute reads again (BENCHMARKS.md, "perfchunk60"). The
+        loop is :meth:`schedule_decode`'s body, those reads made once."""
+        caches, active, limit = self._caches, CacheState.ACTIVE, self.options.max_seq_len
+        reserve = self._reserve_split if self._arena is None else self._reserve_shared
+        for i, request in enumerate(requests):
+            cache = caches.get(request)
+            if cache is None or cache.state is not active or cache.committed != request.num_computed_tokens:
+                if not self.schedule_tokens(request, 1):
+                    return i
+                continue
+            target = cache.committed + 1
+            if target > limit:
+                return i
+            if target > cache.room and not reserve(cache, target):  # as schedule_decode's miss answers
+                if not self._fit_and_allocate(request, 1):
+                    return i
+                continue
+            if target > cache.capacity:
+                cache.capacity = target
+            if target > cache.history:
+                cache.history = target
+        return len(requests)
+
     def _fit_and_allocate(self, request: Request, want: int) -> int:
         """The miss path of :meth:`schedule_tokens` and :meth:`schedule_decode`: not all of ``want`` fits at once, so
         search for the most that does (:meth:`fit_tokens`) and allocate it; how many. Only a miss pays the call."""
@@ -1960,7 +1989,7 @@ class KVCacheManagerV2:
     def commit(self, request: Request, num_tokens: int) -> None:
         """The next ``num_tokens`` scheduled tokens have their KV written: advance, key full blocks, slide windows."""
         cache = self._caches.get(request)
-        if cache is None or cache.state is not CacheState.ACTIVE:
+        if cache is None or cache.state is not _ACTIVE:
             cache = self._active(request)  # raises the usual error
         committed = cache.committed + num_tokens  # (a local: this runs for every running request every step)
         if num_tokens < 0 or committed > cache.history:
@@ -1968,8 +1997,8 @@ class KVCacheManagerV2:
                              f"{cache.history - cache.committed} are scheduled")
         cache.committed = request.num_computed_tokens = committed
         if committed >= cache.key_at:  # a block just filled up (never true with reuse off)
-            self._key_full_blocks(cache)
-        if self._sliding and cache.committed >= cache.slide_at:  # some window may have a block to let go
+            self._key_full_blocks(cache)  # (keys blocks: cache.committed stays)
+        if self._sliding and committed >= cache.slide_at:  # some window may have a block to let go
             self._release_window(cache)
 
     def block_table(self, request: Request, group: str) -> list[int]:
@@ -2712,7 +2741,8 @@ class KVCacheManagerV2:
         if self._tied_cuts is None:
             return self.pools.tensors[group], blocks
         pages = self._arena.pages  # type: ignore[union-attr]
-        return self.pools.tensors[self._tied_cuts[0][0]], [p for b in blocks for p in pages[b]]
+        # (C passes: a partial hit's copy reads every block's pages)
+        return self.pools.tensors[self._tied_cuts[0][0]], list(chain.from_iterable(map(pages.__getitem__, blocks)))
 
     def enable_kv_events(self, buffer: KvEventBuffer) -> None:
         """Record stored / removed / cleared prefix-cache blocks into ``buffer`` from now on."""

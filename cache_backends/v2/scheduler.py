@@ -381,6 +381,9 @@ class KVCacheV2Scheduler(SchedulerBase):
         # requests that joined the queue with a cached prefix / without one, first joins only, each weighing the
         # earlier ones down by _DECAY (the "short conversations" estimate: the recent joins)
         self._joined_hit = self._joined_cold = 0.0
+        # last step's decode chunks, request -> ScheduledChunk(request, 1): a decode's chunk is the same value step
+        # after step, so it is built once per run of decodes (a chunk per running request per step cost ~0.25 us)
+        self._decode_chunks: dict[Request, ScheduledChunk] = {}
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
@@ -401,27 +404,45 @@ class KVCacheV2Scheduler(SchedulerBase):
         # under pressure"): what is held is read before any decode below takes a block (an eviction may take a shared
         # one); None on a layout without windows
         held = m.held_back(SHARED_HOLD, _ANY_LENGTH) if len(running) > 1 else None
-        # Decodes are reserved in the scan that finds them, in running order as the loop below would (the scan reads
-        # no state a reservation changes), until one does not fit: that one and every later decode go through the loop
-        # below. Why: a decode is nearly every running request every step, and a second pass over them cost ~30 opcodes
-        # a request
-        fast = True
+        # Decodes are reserved in one call after the scan that finds them, in running order as the loop below would
+        # (the scan reads no state a reservation changes), until one does not fit or the budget is spent: that one and
+        # every later decode go through the loop below. Why: a decode is nearly every running request every step; a
+        # second Python pass over them cost ~30 opcodes a request, and a call to the manager each its frame and reads
+        # (BENCHMARKS.md, "perfchunk60")
+        decodes = []
         for r in running:
             n = len(r.prompt_token_ids) + len(r.output_token_ids)  # r.num_tokens inlined: every request, every step
             p = n - r.num_computed_tokens
             if n > longest:
                 longest = n
             if p == 1:
-                if fast and budget and r.state is running_state:
-                    if m.schedule_decode(r):  # (an answer of 0 changed nothing: the loop below asks again)
-                        budget -= 1
-                        chunks[r] = ScheduledChunk(r, 1)
-                        continue
-                    fast = False
-                order.append((r, 1))
+                if r.state is running_state:
+                    decodes.append(r)
+                else:  # (skipped by the loop below)
+                    order.append((r, 1))
             elif p > 1:
                 chunked.append((r, p))
         self._longest = longest
+        if decodes:
+            fast = decodes if len(decodes) <= budget else decodes[:budget]
+            k = m.schedule_decodes(fast)  # (the first that did not fit changed nothing: the loop below asks again)
+            if k:
+                budget -= k
+                if k < len(decodes):
+                    fast = decodes[:k]
+                    order += [(r, 1) for r in decodes[k:]]
+                # each chunk is last step's where the request decoded then too (a lookup, ~4x cheaper than a chunk)
+                last, made = self._decode_chunks.get, {}
+                for r in fast:
+                    c = last(r)
+                    made[r] = c if c is not None else ScheduledChunk(r, 1)
+                self._decode_chunks = made
+                chunks.update(made)
+            else:
+                order += [(r, 1) for r in decodes]
+                self._decode_chunks = {}
+        else:
+            self._decode_chunks = {}
         order += chunked
         # what held_back(SHARED_HOLD, longest) would test first: a hold only once a sequence outgrows a window
         hold = held if chunked and held is not None and longest > m.shortest_window else None

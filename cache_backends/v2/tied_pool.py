@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from operator import mul
 
 from cache_backends.v2 import group_pool
 from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue
 from cache_backends.v2.shared_pool import interleave
+
+_SHARED = 1 << _SHARED_BIT  # a queued block's tag carries it where the block is a shared prefix's
 
 
 class RowQueue(EvictionQueue):
@@ -90,16 +93,39 @@ class RowQueue(EvictionQueue):
 
     def _counted_out(self, blocks: Sequence[int], take: object) -> None:
         tags = self._tag
-        queued = [b for b in dict.fromkeys(blocks) if 0 <= b < len(tags) and tags[b] >= 0]
-        shared = [b for b in queued if tags[b] >> _SHARED_BIT & 1]
         n_len, n_shared = self._len, self.num_shared
+        try:  # every listed block's tag before the take, in one C pass (a hit's claim: every block it claims)
+            before = list(map(tags.__getitem__, blocks))
+        except (IndexError, TypeError):  # an id outside the queue (the caller's error): the take raises, counted below
+            before = None
+        if before is not None:
+            try:
+                take()  # type: ignore[operator]
+            except BaseException:
+                self._count_out(dict(zip(blocks, before, strict=True)), n_len, n_shared)
+                raise
+            # taken without error: every block was queued, once (the take raises on one that is not, a repeat
+            # included) and is out now: what the pass below counts, without the passes
+            weight = self._weight
+            self._len = n_len - sum(map(weight.__getitem__, blocks))
+            self.num_shared = n_shared - sum(itertools.compress(map(weight.__getitem__, blocks),
+                                                                map(_SHARED.__and__, before)))
+            return
+        tags_of = {b: tags[b] for b in blocks if 0 <= b < len(tags)}
         try:
             take()  # type: ignore[operator]
-        finally:  # (a KeyError leaves the blocks before the bad one out: count those)
-            out = [b for b in queued if tags[b] < 0]
-            gone_shared = [b for b in shared if tags[b] < 0]
-            self._len = n_len - self._pages(out)
-            self.num_shared = n_shared - self._pages(gone_shared)
+        finally:
+            self._count_out(tags_of, n_len, n_shared)
+
+    def _count_out(self, before: dict[int, int], n_len: int, n_shared: int) -> None:
+        """The length and shared count after a take that may have stopped at an error (a KeyError leaves the blocks
+        before the bad one out): lowered by the pages of those queued ``before`` (block -> tag, the take's blocks in
+        order) that are out now."""
+        tags = self._tag
+        queued = [b for b, tag in before.items() if 0 <= b < len(tags) and tag >= 0]
+        out = [b for b in queued if tags[b] < 0]
+        self._len = n_len - self._pages(out)
+        self.num_shared = n_shared - self._pages(b for b in out if before[b] >> _SHARED_BIT & 1)
 
     def count_shared(self, blocks: Sequence[int]) -> int:
         """The pages of ``blocks`` (queued) queued as shared prefixes' blocks."""
@@ -252,43 +278,59 @@ class TiedArena:
             weight[b] = 0
             free_ids.append(b)
 
+    def _make_room(self, need: int, detach: Callable[[str, list[int]], None],
+                   detach_mixed: Callable[[list[int], list[int]], None] | None) -> None:
+        """``need`` pages free for a take: the pages of whole cached blocks in eviction order where the free ones fall
+        short (:meth:`RowQueue.pop_pages`), detached per group, or given ``detach_mixed``, in one call with their groups
+        (``IndexError`` where not even those are enough)."""
+        free = len(self._free)
+        if need <= free:
+            return
+        if need > free + len(self.evictable):
+            raise IndexError(f"tied arena: {need} pages asked, {self.available} free or evictable")
+        evicted = self.evictable.pop_pages(need - free)
+        groups = list(map(self.group_of.__getitem__, evicted))  # (C passes: a take at a block boundary evicts)
+        cached, counted = self.cached, self.evicted
+        if detach_mixed is not None:
+            for g in dict.fromkeys(groups):
+                n = groups.count(g)
+                cached[g] -= n
+                counted[g] += n
+            detach_mixed(evicted, groups)
+        else:
+            by_group: dict[int, list[int]] = {}
+            for b, g in zip(evicted, groups, strict=True):
+                by_group.setdefault(g, []).append(b)
+            for g, blocks in by_group.items():
+                cached[g] -= len(blocks)
+                counted[g] += len(blocks)
+                detach(self.names[g], blocks)
+        self._let_go(evicted)
+
     def take_each(self, groups: Sequence[int], counts: Sequence[int],
                   detach: Callable[[str, list[int]], None],
                   detach_mixed: Callable[[list[int], list[int]], None] | None = None) -> list[list[int]]:
         """``counts[i]`` blocks for ``groups[i]`` each (``ref == 1``), each with its group's pages: free pages first,
         then the pages of whole cached blocks in eviction order (:meth:`RowQueue.pop_pages`), detached per group, or
         given ``detach_mixed``, all in one call with their groups (``SharedPool.take_each``'s signature)."""
-        need = sum(self.k[g] * c for g, c in zip(groups, counts, strict=True))
-        if need > self.available:
-            raise IndexError(f"tied arena: {need} pages asked, {self.available} free or evictable")
-        short = need - len(self._free)
-        if short > 0:
-            evicted = self.evictable.pop_pages(short)
-            by_group: dict[int, list[int]] = {}
-            for b in evicted:
-                by_group.setdefault(self.group_of[b], []).append(b)
-            for g, blocks in by_group.items():
-                self.cached[g] -= len(blocks)
-                self.evicted[g] += len(blocks)
-                if detach_mixed is None:
-                    detach(self.names[g], blocks)
-            if detach_mixed is not None:
-                detach_mixed(evicted, [self.group_of[b] for b in evicted])
-            self._let_go(evicted)
+        if len(groups) != len(counts):
+            raise ValueError(f"{len(counts)} counts for {len(groups)} groups")
+        self._make_room(sum(map(mul, map(self.k.__getitem__, groups), counts)), detach, detach_mixed)
         out: list[list[int]] = []
         free_pages, free_ids = self._free, self._free_ids
+        pages, weight, gen, ref, group_of = self.pages, self.weight, self.gen, self.ref, self.group_of
         for g, c in zip(groups, counts, strict=True):
             k = self.k[g]
             piece = []
-            for _ in range(c):
+            for _ in range(c):  # (every block a take hands out: locals)
                 b = free_ids.pop()
                 got = tuple(free_pages[len(free_pages) - k:][::-1])
                 del free_pages[len(free_pages) - k:]
-                self.pages[b] = got
-                self.weight[b] = k
-                self.gen[b] += 1
-                self.ref[b] = 1
-                self.group_of[b] = g
+                pages[b] = got
+                weight[b] = k
+                gen[b] += 1
+                ref[b] = 1
+                group_of[b] = g
                 piece.append(b)
             self.used[g] += c
             out.append(piece)
@@ -302,25 +344,26 @@ class TiedArena:
         ids below 0 before it, changes nothing here: those are skipped)."""
         by_table: list[tuple[list[int], list[int]]] = []  # each table's cached (leaves, shared), tail first
         gone: list[int] = []
-        ref, group_of, owner = self.ref, self.group_of, self.node
+        ref, group_of, owner, used, cached = self.ref, self.group_of, self.node, self.used, self.cached
         for _, table in tables:  # table by table, then the cached ones interleaved: SharedPool.release_tables' loop
             leaves: list[int] = []
             shared: list[int] = []
-            for b in table[::-1]:
+            for b in reversed(table):  # (this loop runs for every block of every finish: locals, one ref read)
                 if b < 0:
                     continue
-                if ref[b] <= 0:
+                n = ref[b]
+                if n <= 0:
                     raise RuntimeError(f"tied arena: block {b} released more often than held")
-                ref[b] -= 1
-                if ref[b]:
+                ref[b] = n = n - 1
+                if n:
                     continue
                 g = group_of[b]
-                self.used[g] -= 1
+                used[g] -= 1
                 node = owner[b]
                 if node is None:
                     gone.append(b)
                 else:
-                    self.cached[g] += 1
+                    cached[g] += 1
                     (shared if getattr(node, "children", None) else leaves).append(b)
             by_table.append((leaves, shared))
         self._let_go(gone)
@@ -334,12 +377,14 @@ class TiedArena:
     def incref_many(self, group: int, blocks: Sequence[int]) -> None:
         """One more holder of each of ``blocks`` (used or cached blocks of ``group``): a prefix hit's claim."""
         cached = []
+        ref, group_of = self.ref, self.group_of  # (locals: this loop runs for every block a hit claims)
         for b in blocks:
-            if self.group_of[b] != group:
+            if group_of[b] != group:
                 raise RuntimeError(f"group {self.names[group]}: block {b} is not one of its used or cached blocks")
-            if not self.ref[b]:
+            n = ref[b]
+            if not n:
                 cached.append(b)
-            self.ref[b] += 1
+            ref[b] = n + 1
         self.evictable.remove_many(cached)
         self.cached[group] -= len(cached)
         self.used[group] += len(cached)
@@ -409,7 +454,24 @@ class TiedArena:
         evicted blocks detached in one call with their groups (``SharedPool.take_one_each``)."""
         # detached inside the take, before the evicted blocks' pages and ids are handed out again: a write-back
         # (``KVCacheManagerV2._detach``) reads an evicted block's pages, which afterwards belong to another block
-        return [piece[0] for piece in self.take_each(groups, [1] * len(groups), _no_detach, detach_mixed)]
+        k = self.k
+        self._make_room(sum(map(k.__getitem__, groups)), _no_detach, detach_mixed)
+        # take_each's loop with every count 1, without its lists per group (every decode's block boundary)
+        out: list[int] = []
+        free_pages, free_ids, used = self._free, self._free_ids, self.used
+        pages, weight, gen, ref, group_of = self.pages, self.weight, self.gen, self.ref, self.group_of
+        for g in groups:
+            n = k[g]
+            b = free_ids.pop()
+            pages[b] = tuple(free_pages[len(free_pages) - n:][::-1])
+            del free_pages[len(free_pages) - n:]
+            weight[b] = n
+            gen[b] += 1
+            ref[b] = 1
+            group_of[b] = g
+            used[g] += 1
+            out.append(b)
+        return out
 
     def incref_groups(self, groups: Sequence[int], pieces: Sequence[Sequence[int]]) -> None:
         """:meth:`incref_many` of ``pieces[i]`` for ``groups[i]``, for each ``i`` in order (a hit's claim of every
