@@ -358,3 +358,18 @@ def test_simulate_says_a_forward_setting_from_the_config_file_does_nothing_and_d
     assert "field=max_matching_ngram_size" in r.err and "speculative decoding is off" in r.err
     plan = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--attention_backend", "flex")
     assert plan.code == 0 and "setting_ignored" not in plan.err
+
+
+def test_compare_says_the_v2_column_used_the_host_tier_the_log_calls_ignored(capsys):
+    """On a CPU --compare logs the routed V1 plan, whose setting_ignored says V1 has no host tier; the V2 column
+    built the user's 1 MiB tier and said nothing of it (host_tier null): it now names the tier and its setting."""
+    r = run_cli(capsys, "simulate", "tiny-gemma3", "--workload", "multi-turn", "--requests", "4", "--device", "cpu",
+                "--compare", "--host_cache_size", "1MiB")
+    assert r.code == 0, r.err
+    assert "field=kv_cache_config.host_cache_size" in r.err and "V1 has no host tier" in r.err
+    says = "KVCacheManagerV2 host tier: 1,048,576 B of host memory (kv_cache_config.host_cache_size=1,048,576 B)"
+    assert says in r.out
+    doc = run_cli(capsys, "simulate", "tiny-gemma3", "--workload", "multi-turn", "--requests", "4", "--device", "cpu",
+                  "--compare", "--host_cache_size", "1MiB", "--json").json()["results"]
+    assert doc["KVCacheManagerV2"]["host_tier"] == says.split("host tier: ")[1]
+    assert doc["KVCacheManager"]["host_tier"] is None
