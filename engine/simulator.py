@@ -426,7 +426,10 @@ def run_manager(routed: RunResult, name: str, v2: bool | None, budget: Budget, w
         name = type(manager).__name__
         base = {"scheduler": type(scheduler).__name__, "budget_bytes": kv.budget_bytes,
                 "pool_bytes": kv.pools.total_bytes, "capacity_tokens": kv.capacity_tokens,
-                "layer_groups": None if kv.arena else dict(kv.pools.num_blocks), "host_tier": kv.host_choice,
+                "layer_groups": None if kv.arena else dict(kv.pools.num_blocks),
+                # auto: why the tier was kept or not; a size the user gave: the tier (on a CPU --compare logs the
+                # routed V1 plan only, whose setting_ignored says V1 has none, while this column uses it)
+                "host_tier": kv.host_choice if kv.host_choice is not None or not kv.host_bytes else kv.host_tier_text(),
                 # --compare logs the routed plan's events only: each column says what the padding did to it
                 "padding": kv.layout.padding_note(kv.max_seq_len)}
         if kv.arena:

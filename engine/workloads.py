@@ -279,6 +279,19 @@ def planned_tokens(name: str, requests: int, params: dict[str, int], seed: int =
     return requests * (p["prompt_len"] + p["answer_len"])
 
 
+def fresh_segments(name: str, requests: int, params: dict[str, int]) -> int:
+    """The fresh token runs (each opened by its own marker token) the workload draws, computed without building it:
+    every prompt's own part, plus shared-prefix's group prefixes and mixed's system prompts; a conversation draws one
+    (its first turn), the later turns extending it."""
+    if name == "shared-prefix":
+        return -(-requests // params["group_size"]) + requests
+    if name == "multi-turn":
+        return -(-requests // params["turns"])
+    if name == "mixed":
+        return params["prefixes"] + requests
+    return requests
+
+
 def _unused_sharing(name: str, merged: dict[str, int], given: dict[str, int]) -> str | None:
     """Why ``mixed``'s sharing parameters the caller gave would do nothing (none shared: ``prefixes=0`` or
     ``shared_percent=0``, against a size for what is shared), or None. Not a silent no-op: one line naming both."""
@@ -333,6 +346,16 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, /, **pa
     count = requests if requests is not None else inspect.signature(factory).parameters["requests"].default
     if count > MAX_REQUESTS:
         raise ValueError(f"workload {name}: requests={count:,} is more than {MAX_REQUESTS:,}; lower --requests")
+    segments = fresh_segments(name, count, merged)
+    # the default grows (the ids are synthetic; their uniqueness is what the ideal hit rate rests on)
+    if "vocab" not in params and segments > merged["vocab"] - 1:
+        params = {**params, "vocab": segments + 1}
+    elif segments > merged["vocab"] - 1:  # a marker drawn twice lets unrelated prompts share a prefix by chance
+        raise ValueError(f"workload {name}: vocab={merged['vocab']:,} gives {merged['vocab'] - 1:,} distinct marker "
+                         f"tokens (id 0 is never drawn), fewer than its {segments:,} unrelated prompt segments, each "
+                         f"of which begins with its own: unrelated prompts would share a prefix by chance and the hit "
+                         f"rate could pass the ideal; give --workload-arg vocab={segments + 1} or more, or fewer "
+                         f"--requests")
     tokens = planned_tokens(name, count, params, seed)
     if tokens > MAX_WORKLOAD_TOKENS:
         sizes = ", ".join(f"{k}={v:,}" for k, v in {**workload_params(name), **params}.items() if k != "vocab")

@@ -18,6 +18,7 @@ from pipeline.events import is_value_event
 from pipeline.limits import short_text
 from pipeline.paths import flatten
 from pipeline.text import literal, one_line, table
+from pipeline.vllm_compat import different_meaning
 
 V2 = V2_FIELD
 HOST = "kv_cache_config.host_cache_size"
@@ -40,6 +41,10 @@ def resolve_field(name: str, aliases: dict[str, str] | None = None) -> str:
     by_leaf = [p for p in known if p.rsplit(".", 1)[-1] == name]
     if len(by_leaf) == 1:
         return by_leaf[0]
+    vllm = different_meaning(name.replace("-", "_"), lambda path: path)  # the nearest fields, not all 38
+    if vllm is not None:
+        raise ConfigError(f"explain: {name} is not an LlmArgs field: {vllm}; explain kvload's field instead",
+                          path=None)
     hint = did_you_mean(name, known + [p.rsplit(".", 1)[-1] for p in known]) or f"; fields: {', '.join(known)}"
     # quoted cut: the name is the user's, and over HTTP (/v1/kvload/explain?field=) any client's, whole it was 60 KB
     raise ConfigError(f"explain: {short_text(name, 80)} is not an LlmArgs field{hint}", path=None)

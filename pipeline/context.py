@@ -134,7 +134,8 @@ class LoadRequest:
     #: Whether the caller never reads or writes the KV pools (``kvload simulate`` replays decisions, not attention):
     #: they are then built on torch's ``meta`` device, shapes without memory, and no host-memory check applies, so a
     #: budget this machine could not hold (a GPU's) is simulated as given. The V2 host tier is sized as for pools on
-    #: a device, and unbacked too.
+    #: a device, and unbacked too. No model runs either: route_executor reports the forward pass's and sampling's
+    #: settings the user gave setting_ignored.
     pools_unbacked: bool = False
     #: (sequences, tokens): the budget the caller sets when the user sets none (``kvload simulate``: that many
     #: sequences' exact bytes in the routed layout), which ``pool_arena: "auto"`` is weighed on; None: no such default

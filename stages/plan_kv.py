@@ -229,7 +229,7 @@ class KvPlan:
                 lines.append(f"  note: the pools hold less than one sequence of max_seq_len {self.max_seq_len}; "
                              "longer requests will never be admitted")
             if self.manager == "v2" and self.host_bytes is not None:
-                lines.append(f"  host tier  {self.host_bytes:,} B of host memory ({self._host_origin()})")
+                lines.append(f"  host tier  {self.host_tier_text()}")
         if self.problem is not None:
             lines.append(f"  load/run would stop here: {self.problem}")
         return lines
@@ -243,6 +243,10 @@ class KvPlan:
         if mode == "replicate":
             kv += f" (each replicated on {h.get('kv_replicas')} ranks)"
         return f"{h.get('attention_heads_per_rank')} of {h.get('attention_heads')} query heads and {kv}"
+
+    def host_tier_text(self) -> str:
+        """The V2 host tier in one phrase: its bytes of host memory and what sized it."""
+        return f"{self.host_bytes or 0:,} B of host memory ({self._host_origin()})"
 
     def _host_origin(self) -> str:
         if self.host_choice is not None:  # auto, decided on the accelerator's costs

@@ -19,6 +19,19 @@ _V2_ONLY = {
     "kv_cache_config.max_page_padding": "V1 keeps one uniform pool, no arena of layer groups to cut into pages",
 }
 
+#: Settings of the forward pass and of sampling, each with what acts on it: a caller whose pools are unbacked
+#: (``kvload simulate``, ``engine.simulator.simulate``) runs no model, so a user who set one must hear it does nothing.
+_FORWARD_ONLY = {
+    "attention_backend": "kvload generate, serve and kvload.LLM attend through it",
+    "linear_backend": "kvload generate, serve and kvload.LLM compute the projections through it",
+    "max_draft_len": "drafts are verified by a forward pass; the replay commits one token per decode and step",
+    "max_matching_ngram_size": "it shapes the n-gram drafts of generation",
+    "speculation_max_batch_size": "it bounds the n-gram drafts of generation",
+    "generation_config": "it sets the sampling defaults of generation",
+    "override_generation_config": "it sets the sampling defaults of generation",
+    "weights_seed": "it seeds a preset's random weights",
+}
+
 
 class RouteExecutor:
     """Writes ``ctx.route``; the only stage that may change the tri-state after ``resolve_auto``."""
@@ -83,11 +96,21 @@ class RouteExecutor:
                                 reason="the KV pools are not sized for beams (beams share their blocks by forking, and "
                                        "prefix cache) and generate returns one sequence per prompt; it bounds "
                                        "LLM.beam_search's beam_width (and kvload serve's n with use_beam_search)"))
-        if ctx.args.max_draft_len == 0:
+        drafts_off = ctx.args.max_draft_len == 0
+        if drafts_off:
             for path in ("max_matching_ngram_size", "speculation_max_batch_size"):
                 if path in ctx.user_fields:
                     emit(SettingIgnored(field=path, value=getattr(ctx.args, path),
                                         reason="speculative decoding is off (max_draft_len=0)"))
+        if ctx.request is not None and ctx.request.pools_unbacked:
+            for path, user in ctx.user_fields.items():
+                key = path.split(".", 1)[0]
+                if key not in _FORWARD_ONLY or (drafts_off and key in ("max_draft_len", "max_matching_ngram_size",
+                                                                        "speculation_max_batch_size")):
+                    continue  # drafts off: max_draft_len 0 asks nothing, the other two are said just above
+                emit(SettingIgnored(field=path, value=user.value, reason=(
+                    f"a simulation replays the scheduler's and KV manager's decisions with no forward pass or "
+                    f"sampling; {_FORWARD_ONLY[key]}")))
         if not v2 and ctx.args.scheduling_policy == "priority" and "scheduling_policy" in ctx.user_fields:
             # it acts (admission order) but only in part: the user must hear which part cannot
             emit(SettingIgnored(field="scheduling_policy", value="priority",

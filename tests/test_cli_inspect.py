@@ -105,6 +105,24 @@ def test_explain_every_changed_field_by_default_and_names_in_any_spelling(capsys
     assert untouched["final"] == 2048 and [s["event"] for s in untouched["chain"]] == ["framework_default"]
 
 
+
+@pytest.mark.parametrize(("name", "nearest"), [
+    ("gpu_memory_utilization", "kv_cache_config.free_gpu_memory_fraction (or kv_cache_config.max_gpu_total_bytes)"),
+    ("gpu-memory-utilization", "kv_cache_config.free_gpu_memory_fraction (or kv_cache_config.max_gpu_total_bytes)"),
+    ("swap_space", "kv_cache_config.host_cache_size"),
+    ("num_gpu_blocks_override", "kv_cache_config.max_tokens"),
+])
+def test_explain_of_a_vllm_name_kvload_means_otherwise_names_the_nearest_fields(capsys, tmp_path, name, nearest):
+    """max_model_len is explained as max_seq_len; gpu_memory_utilization, which kvload refuses as another meaning,
+    got the list of all 38 fields: it now names the fields to explain instead, in one line, exit 2."""
+    log = plan_log(capsys, tmp_path, "tiny-llama")
+    r = run_cli(capsys, "explain", log, name)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(f"error: explain: {name} is not an LlmArgs field: vLLM's ")
+    assert f": {nearest}" in r.err and r.err.endswith("; explain kvload's field instead\n")
+    assert "fields: model" not in r.err
+
+
 # --- audit -----------------------------------------------------------------------------------
 
 

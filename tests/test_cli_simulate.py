@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.cli_support import run_cli
+from tests.cli_support import read_events, run_cli
 
 SMALL_SP = ("--requests", "8", "--workload-arg", "group_size=4", "--workload-arg", "prefix_len=64",
             "--workload-arg", "question_len=8", "--workload-arg", "answer_len=4")
@@ -316,3 +316,60 @@ def test_plan_compare_says_what_max_page_padding_did_to_the_v2_column(capsys, mo
     assert v2["padding"].startswith(says.removeprefix("KVCacheManagerV2: "))
     off = run_cli(capsys, "plan", model, "--device", "cpu", "--max_tokens", "16384", "--compare", "--json")
     assert off.json()["compare"]["managers"]["KVCacheManagerV2"]["padding"] is None  # 0: nothing to say
+
+
+SMALL_MIXED = ("simulate", "tiny-llama", "--workload", "mixed", "--requests", "6", "--device", "cpu", "--json")
+
+
+@pytest.mark.parametrize(("flags", "fields"), [
+    (("--attention_backend", "triton"), ["attention_backend"]),
+    (("--linear_backend", "cpu_kernel"), ["linear_backend"]),
+    (("--max_draft_len", "4", "--speculation_max_batch_size", "8"), ["max_draft_len", "speculation_max_batch_size"]),
+    (("--generation_config", "vllm"), ["generation_config"]),
+    (("--override_generation_config", '{"temperature": 0.5, "top_p": 0.9}'),
+     ["override_generation_config.temperature", "override_generation_config.top_p"]),
+])
+def test_simulate_says_each_setting_of_the_forward_pass_it_was_given_does_nothing(capsys, tmp_path, flags, fields):
+    """The replay runs no model: a setting only generation acts on is accepted, changes no figure, and is reported
+    setting_ignored once, in the log and the audit (on main it was taken in silence)."""
+    plain = run_cli(capsys, *SMALL_MIXED)
+    audit = tmp_path / "sim.jsonl"
+    r = run_cli(capsys, *SMALL_MIXED, *flags, "--audit-log", audit)
+    assert r.code == 0, r.err
+    drop = ("step_time_us_median", "step_time_us_p99", "step_time_us_mean", "kv_seconds", "wall_seconds")
+    figures = [{k: v for k, v in doc["results"]["KVCacheManager"].items() if k not in drop}
+               for doc in (plain.json(), r.json())]
+    assert figures[0] == figures[1]
+    ignored = [e for e in read_events(audit) if e["event"] == "setting_ignored"]
+    assert [e["field"] for e in ignored] == fields
+    assert all("no forward pass" in e["reason"] for e in ignored)
+    assert all(f"field={field}" in r.err for field in fields)
+
+
+def test_simulate_says_a_forward_setting_from_the_config_file_does_nothing_and_drafts_off_once(capsys, tmp_path):
+    """A --config file's attention_backend is the user's too; max_matching_ngram_size with drafts off keeps its one
+    'speculative decoding is off' line, and a plan (generate's settings shown) says nothing of them."""
+    config = tmp_path / "c.yaml"
+    config.write_text("attention_backend: flex\nmax_matching_ngram_size: 3\n", encoding="utf-8")
+    r = run_cli(capsys, *SMALL_MIXED, "--config", config)
+    assert r.code == 0, r.err
+    assert r.err.count("setting_ignored") == 2
+    assert "field=attention_backend value=flex" in r.err and "no forward pass" in r.err
+    assert "field=max_matching_ngram_size" in r.err and "speculative decoding is off" in r.err
+    plan = run_cli(capsys, "plan", "tiny-llama", "--device", "cpu", "--attention_backend", "flex")
+    assert plan.code == 0 and "setting_ignored" not in plan.err
+
+
+def test_compare_says_the_v2_column_used_the_host_tier_the_log_calls_ignored(capsys):
+    """On a CPU --compare logs the routed V1 plan, whose setting_ignored says V1 has no host tier; the V2 column
+    built the user's 1 MiB tier and said nothing of it (host_tier null): it now names the tier and its setting."""
+    r = run_cli(capsys, "simulate", "tiny-gemma3", "--workload", "multi-turn", "--requests", "4", "--device", "cpu",
+                "--compare", "--host_cache_size", "1MiB")
+    assert r.code == 0, r.err
+    assert "field=kv_cache_config.host_cache_size" in r.err and "V1 has no host tier" in r.err
+    says = "KVCacheManagerV2 host tier: 1,048,576 B of host memory (kv_cache_config.host_cache_size=1,048,576 B)"
+    assert says in r.out
+    doc = run_cli(capsys, "simulate", "tiny-gemma3", "--workload", "multi-turn", "--requests", "4", "--device", "cpu",
+                  "--compare", "--host_cache_size", "1MiB", "--json").json()["results"]
+    assert doc["KVCacheManagerV2"]["host_tier"] == says.split("host tier: ")[1]
+    assert doc["KVCacheManager"]["host_tier"] is None

@@ -6,9 +6,11 @@ import itertools
 
 import pytest
 
+from engine import workloads
 from engine.workloads import (
     WORKLOADS,
     default_budget_sequences,
+    fresh_segments,
     make_workload,
     planned_tokens,
     workload_params,
@@ -49,6 +51,47 @@ def test_multi_turn_gives_the_requests_asked_for_when_they_are_not_whole_convers
     assert default_budget_sequences(w) == -(-requests // 4)  # one per conversation, the short one too
     # a conversation of more turns than requests is its first turns: sized as built, not refused as one of 10**8
     assert len(make_workload("multi-turn", requests, **{**params, "turns": 10**8}).requests) == requests
+
+
+#: Small sizes of every workload, for the marker tests below.
+_SIZES = {"shared-prefix": {"group_size": 3, "prefix_len": 4, "question_len": 2, "answer_len": 1},
+          "multi-turn": {"turns": 3, "first_len": 4, "user_len": 2, "answer_len": 1},
+          "long-context": {"prompt_len": 3, "answer_len": 1}, "no-reuse": {"prompt_len": 3, "answer_len": 1},
+          "mixed-priority": {"prompt_len": 3, "answer_len": 1, "urgent_every": 2, "urgent_len": 2,
+                             "urgent_answer_len": 1},
+          "mixed": {"prompt_min": 2, "prompt_max": 6, "answer_min": 1, "answer_max": 2, "prefixes": 3, "prefix_len": 4}}
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_fresh_segments_counts_the_markers_a_workload_draws(name, monkeypatch):
+    """The count make_workload checks vocab against, computed without building, is what building draws."""
+    drawn = []
+    real = workloads._Segments.__call__
+    monkeypatch.setattr(workloads._Segments, "__call__", lambda self, n: drawn.append(n) or real(self, n))
+    for requests in (1, 2, 7, 10):
+        drawn.clear()
+        make_workload(name, requests, 0, **_SIZES[name])
+        assert fresh_segments(name, requests, {**workload_params(name), **_SIZES[name]}) == len(drawn)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_a_vocab_too_small_for_distinct_markers_is_refused_naming_the_least_that_fits(name):
+    """vocab=2 made every prompt's tokens all 1s: no-reuse hit 89% (V1) / 95% (V2) against an ideal of 0%. A vocab
+    whose ids cannot open each unrelated segment with its own marker is refused, naming the least that can."""
+    need = fresh_segments(name, 10, {**workload_params(name), **_SIZES[name]}) + 1
+    with pytest.raises(ValueError, match=rf"^workload {name}: vocab={need - 1} gives {need - 2} distinct marker .* "
+                                         rf"give --workload-arg vocab={need} or more, or fewer --requests$"):
+        make_workload(name, 10, 0, **_SIZES[name], vocab=need - 1)
+    w = make_workload(name, 10, 0, **_SIZES[name], vocab=need)
+    assert max(t for r in w.requests for t in r.prompt) < need
+
+
+def test_the_default_vocab_grows_past_32000_segments_so_markers_stay_distinct():
+    """On main the 32,000th unrelated prompt began with the first one's marker again (vocab 32,000 by default)."""
+    w = make_workload("no-reuse", 32_001, 0, prompt_len=2, answer_len=1)
+    assert len({r.prompt[0] for r in w.requests}) == 32_001
+    small = make_workload("no-reuse", 50, 0, prompt_len=16, answer_len=2)  # below 32,000: the ids as before
+    assert small == make_workload("no-reuse", 50, 0, prompt_len=16, answer_len=2, vocab=32_000)
 
 
 @pytest.mark.parametrize("name", ["long-context", "no-reuse"])
