@@ -2029,3 +2029,70 @@ def test_a_fork_or_a_partial_claim_on_a_slab_arena_takes_the_slabs_its_check_cou
     trace = _scan_trace(seed, False)
     assert isinstance(trace[-1], list) and trace[-1], trace[-1:]  # the run ended with its requests finished
     assert any(reclaimed), reclaimed
+
+
+def _suspended_copy_hit(seed: int):
+    """Tied cuts (a full group beside two windows, of one size or two) with a host tier: cached histories, some of
+    them still held by requests suspended to the host (their device pages written back only when evicted), and a
+    turn that extends one history past its partial last block: (manager, turn, its probe or None)."""
+    import random
+
+    rng = random.Random(seed)
+    w = rng.choice([4, 5, 8, 12])
+    layers = [LayerKV(0, "full", 4), LayerKV(1, "sliding", 4, window=w),
+              LayerKV(2, "sliding", 4, window=rng.choice([w, 16]))]
+    m = make_manager(layers, rng.randint(3, 9), host_cache_size=1 << 16)
+    stems = [[rng.randint(0, 3)] + [(i * 5 + j) % 13 for j in range(rng.randint(2, 30))] for i in range(3)]
+    prompts: list[list[int]] = []
+    for i in range(rng.randint(1, 8)):
+        r = Request(f"o{i}", rng.choice(stems + prompts) + [40 + i] * rng.randint(0, 9), 0,
+                    priority=rng.randint(0, 3))
+        if m.never_fits(r) is not None or m.fit_tokens_new(r, r.num_tokens) < r.num_tokens:
+            continue
+        prefill(m, r)
+        prompts.append(r.prompt_token_ids)
+        if rng.randint(0, 3):
+            m.free(r)
+        elif rng.random() < .7:
+            m.suspend(r)
+    if not prompts:
+        return m, None, None
+    r = Request("turn", rng.choice(prompts) + [44] * rng.randint(1, 9), rng.randint(1, 12),
+                priority=rng.randint(0, 3))
+    return (m, None, None) if m.never_fits(r) is not None else (m, r, m.probe_hit(r))
+
+
+def _host_state(m) -> tuple:
+    """The host tier's bookkeeping: bytes written, free and used slots, and the pages still to write back on eviction
+    (block -> the host slots of the suspended caches holding it)."""
+    h = m.host
+    return (h.bytes_stored, sorted((g, list(s)) for g, s in h._free.items()), repr(h._used),
+            sorted((g, sorted((b, [j for _, j in held]) for b, held in later.items()))
+                   for g, later in m._write_back.items()))
+
+
+@pytest.mark.parametrize("seed", [355, 632, 862, 1364])
+def test_a_refused_tied_copy_writes_back_what_its_eviction_takes_from_a_suspended_request(seed):
+    """A probed copy on tied cuts whose take evicts pages of a request suspended to the host tier: building it writes
+    those pages back to the host first (``_detach``), so ``refuse_hit``, which builds nothing, must write them back
+    too, and its estimates must be the built claim's: the host tier's slots and pending write-backs, the arena and
+    the tree end as create + resume + ``cancel_admission`` leave them (these seeds' takes write back)."""
+    m, r, probe = _suspended_copy_hit(seed)
+    assert m._tied_cuts is not None and probe is not None and probe.partial is not None
+    want = r.num_tokens - probe.tokens
+    hold = m.held_back(0.5, 10**6, probe)
+    asked = m.fit_tokens_new(r, want, probe.less(hold), probe.tokens)
+    stored = m.host.bytes_stored
+    built, r_built, probe_built = _suspended_copy_hit(seed)
+    built.admit_hit(probe_built, r_built)
+    admit(m, r)  # the same state, built as create + resume
+    assert m.host.bytes_stored > stored  # (the take wrote back a suspended request's evicted pages)
+    assert (m.held_back(0.5, 10**6), m.fit_tokens(r, want, hold)) == (hold, asked)
+    assert (_pool_state(built), _host_state(built)) == (_pool_state(m), _host_state(m))
+    m.cancel_admission(r)
+    refused, r_refused, probe_refused = _suspended_copy_hit(seed)
+    refused.refuse_hit(probe_refused, r_refused)
+    for manager in (m, refused, built):
+        manager.check_invariants()
+    assert (_pool_state(refused), _host_state(refused)) == (_pool_state(m), _host_state(m))
+    assert refused._tree.latent == m._tree.latent
