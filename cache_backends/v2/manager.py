@@ -1594,7 +1594,7 @@ class KVCacheManagerV2:
             arena = self._arena
             evicted_shared = 0
             if partial is not None:  # the cuts tied (_tail_probes): a copy's logical block of every group, in pages
-                weights, queue = self._weights, arena.evictable
+                queue = arena.evictable
                 srcs = [partial.blocks[name][0] for name in self._names]
                 held_srcs = list(compress(srcs, map(not_, map(arena.ref.__getitem__, srcs))))  # queued, the copy holds
                 # a copy that takes a window past a block boundary has the build slide it at once: the slid blocks
@@ -1620,9 +1620,8 @@ class KVCacheManagerV2:
                         skip = {*chain.from_iterable(cached_of), *held_srcs}
                     evicted_shared += queue.stale_pages(back, skip)
                 taken_groups = [t + 1 for t in taken_groups]
-                taken = [sum(taken_groups) if weights is None else sum(map(mul, taken_groups, weights))]
-            else:
-                taken = [sum(taken_groups) if self._weights is None else sum(map(mul, taken_groups, self._weights))]
+            weights = self._weights
+            taken = [sum(taken_groups) if weights is None else sum(map(mul, taken_groups, weights))]
             shared_taken = [arena.evictable.count_shared(list(chain.from_iterable(cached_of))) + evicted_shared]
         else:  # a pool per group: pool set i is group i
             if partial is not None:  # the copy's block, in use beside the claim's
