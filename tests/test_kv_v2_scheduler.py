@@ -366,6 +366,26 @@ COMPRESSED = [
 ]
 
 
+def _cached_histories(m, rng, stems: list[list[int]], n: int, priorities: int, extend: bool = False,
+                      suspend: bool = False) -> list[list[int]]:
+    """Up to ``n`` prompts on ``stems`` (with ``extend``, on earlier ones too) prefilled in ``m`` at random priorities
+    up to ``priorities``, most of them finished (their blocks cached), the rest left running (with ``suspend``, most
+    of those moved to the host tier): the prompts that fitted, in order. (The draws' order is the seeds' states.)"""
+    prompts: list[list[int]] = []
+    for i in range(n):
+        r = Request(f"o{i}", rng.choice(stems + prompts if extend else stems) + [40 + i] * rng.randint(0, 9), 0,
+                    priority=rng.randint(0, priorities))
+        if m.never_fits(r) is not None or m.fit_tokens_new(r, r.num_tokens) < r.num_tokens:
+            continue
+        prefill(m, r)
+        prompts.append(r.prompt_token_ids)
+        if rng.randint(0, 3):
+            m.free(r)
+        elif suspend and rng.random() < .7:
+            m.suspend(r)
+    return prompts
+
+
 def _probed_hit(seed: int, compressed: bool = False):
     """A manager holding cached histories (some branched, some still held by a running request) and a turn that hits
     one of them, from ``seed`` (the same seed, the same state): (manager, turn, its probe or None). ``compressed``:
@@ -377,15 +397,7 @@ def _probed_hit(seed: int, compressed: bool = False):
     layers = rng.choice(COMPRESSED if compressed else [FULL, full_sliding_layers(8), split_sliding_layers(8)])
     m = make_manager(layers, rng.randint(8, 30), enable_partial_reuse=rng.random() < .5)
     stems = [[rng.randint(0, 3)] + [(i * 5 + j) % 13 for j in range(rng.randint(4, 24))] for i in range(3)]
-    prompts = []
-    for i in range(rng.randint(1, 6)):
-        r = Request(f"o{i}", rng.choice(stems) + [40 + i] * rng.randint(0, 9), 0, priority=rng.randint(0, 2))
-        if m.never_fits(r) is not None or m.fit_tokens_new(r, r.num_tokens) < r.num_tokens:
-            continue
-        prefill(m, r)
-        prompts.append(r.prompt_token_ids)
-        if rng.randint(0, 3):
-            m.free(r)
+    prompts = _cached_histories(m, rng, stems, rng.randint(1, 6), 2)
     if not prompts:
         return m, None, None
     stem = rng.choice(prompts)
@@ -2043,18 +2055,7 @@ def _suspended_copy_hit(seed: int):
               LayerKV(2, "sliding", 4, window=rng.choice([w, 16]))]
     m = make_manager(layers, rng.randint(3, 9), host_cache_size=1 << 16)
     stems = [[rng.randint(0, 3)] + [(i * 5 + j) % 13 for j in range(rng.randint(2, 30))] for i in range(3)]
-    prompts: list[list[int]] = []
-    for i in range(rng.randint(1, 8)):
-        r = Request(f"o{i}", rng.choice(stems + prompts) + [40 + i] * rng.randint(0, 9), 0,
-                    priority=rng.randint(0, 3))
-        if m.never_fits(r) is not None or m.fit_tokens_new(r, r.num_tokens) < r.num_tokens:
-            continue
-        prefill(m, r)
-        prompts.append(r.prompt_token_ids)
-        if rng.randint(0, 3):
-            m.free(r)
-        elif rng.random() < .7:
-            m.suspend(r)
+    prompts = _cached_histories(m, rng, stems, rng.randint(1, 8), 3, extend=True, suspend=True)
     if not prompts:
         return m, None, None
     r = Request("turn", rng.choice(prompts) + [44] * rng.randint(1, 9), rng.randint(1, 12),
