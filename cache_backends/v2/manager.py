@@ -1258,29 +1258,15 @@ class KVCacheManagerV2:
         ones, that one token is within the sequence, so only ``max_seq_len`` bounds it (no length read). That one
         token is pending is the caller's word, not checked: for a request with none it would reserve a slot past its
         tokens (``schedule_tokens`` answers 0), and a commit would then count a token the request does not have."""
-        cache = self._caches.get(request)
-        if cache is None or cache.state is not CacheState.ACTIVE or cache.committed != request.num_computed_tokens:
-            return self.schedule_tokens(request, 1)
-        target = cache.committed + 1
-        if target > self.options.max_seq_len:
-            return 0
-        if target > cache.room:  # some group needs a block (else the tables already hold the slot)
-            reserve = self._reserve_split if self._arena is None else self._reserve_shared
-            if not reserve(cache, target):  # it does not fit now: as schedule_tokens' search would answer for one
-                return self._fit_and_allocate(request, 1)
-        if target > cache.capacity:
-            cache.capacity = target
-        if target > cache.history:
-            cache.history = target
-        return 1
+        return self.schedule_decodes([request])
 
     def schedule_decodes(self, requests: list[Request]) -> int:
         """:meth:`schedule_decode` of each of ``requests`` in order until one answers 0 (that one changed nothing):
         how many got their slot, the first ones.
 
         Why one call for the step's decodes: the scheduler reserved them a call each, nearly every running request every
-        step, each call paying its frame and the manager's attribute reads again (BENCHMARKS.md, "perfchunk60"). The
-        loop is :meth:`schedule_decode`'s body, those reads made once."""
+        step, each call paying its frame and the manager's attribute reads again (BENCHMARKS.md, "perfchunk60"); the
+        manager's attributes are read once for them all."""
         caches, active, limit = self._caches, CacheState.ACTIVE, self.options.max_seq_len
         reserve = self._reserve_split if self._arena is None else self._reserve_shared
         for i, request in enumerate(requests):
@@ -1292,7 +1278,8 @@ class KVCacheManagerV2:
             target = cache.committed + 1
             if target > limit:
                 return i
-            if target > cache.room and not reserve(cache, target):  # as schedule_decode's miss answers
+            # some group needs a block (else the tables hold the slot); none now: schedule_tokens' search for one
+            if target > cache.room and not reserve(cache, target):
                 if not self._fit_and_allocate(request, 1):
                     return i
                 continue
