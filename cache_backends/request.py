@@ -69,6 +69,9 @@ class Request:
     #: tokens its first admission reused (None: never preempted)
     lost_tokens: int = 0
     first_reused_tokens: int | None = None
+    #: V2's prefix lookups: the leading token ids packed as block keys encode them (``hashing.pack_tokens``), kept
+    #: between lookups (a waiting request is looked up every step); still right later, as tokens are only appended
+    packed_ids: bytes = attrs.field(default=b"", init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         # its own copy (see above); here, not an attrs converter: a converter makes attrs check every attribute

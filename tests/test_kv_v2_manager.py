@@ -963,3 +963,22 @@ def test_the_step_s_decodes_reserved_in_one_call_are_schedule_decode_of_each_unt
     got, want = run(True), run(False)
     assert got == want
     assert any(0 < k < len(live) for k, live in want) and sum(k for k, _ in want) > 20
+
+
+@pytest.mark.parametrize("memo", [None, {}])
+def test_a_lookup_after_the_request_grew_reads_its_new_tokens(memo):
+    """A waiting request looked up, then run (its answer grown) and sent back to wait is looked up over its whole
+    sequence: the token ids a lookup keeps packed on the request are packed again where the sequence outgrew them,
+    and a block that differs from the cached run's stops the hit there (in a cache-aware pass's memo too)."""
+    m = make_manager(FULL, 32)
+    cached = Request("cached", [*range(1, 18)], 1)
+    prefill(m, cached)  # 16 tokens in 4 whole blocks of 4
+    m.free(cached)
+    same, other = Request("same", [1, 2, 3, 4, 5], 8), Request("other", [1, 2, 3, 4, 5], 8)
+    assert [m.cached_prefix(r, memo)[0] for r in (same, other)] == [4, 4]  # a block before the last token
+    same.output_token_ids += [6, 7, 8, 9, 10, 11, 12, 13]  # as the driver appends a running request's tokens
+    other.output_token_ids += [6, 7, 8, 99, 10, 11, 12, 13]
+    memo = None if memo is None else {}  # a new pass
+    assert [m.cached_prefix(r, memo)[0] for r in (same, other)] == [12, 8]
+    probe = m.probe_hit(same)
+    assert probe is not None and probe.tokens == 12
