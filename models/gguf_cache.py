@@ -172,6 +172,9 @@ def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None 
     except Timeout:
         raise ModelError(f"gave up after {LOCK_TIMEOUT_S:.0f} s waiting for another process converting "
                          f"{checkpoint.gguf_path} (lock {lock.lock_file})") from None
+    except OSError as exc:  # the lock file cannot be created (no inode left): said as the directories above are
+        raise ModelError(f"cannot write the GGUF conversion cache under {root} ({exc.strerror or exc}); "
+                         "set KVLOAD_CACHE to a writable directory") from None
     try:
         if (target / MARKER).is_file():  # the process we waited for finished it
             return target
@@ -249,7 +252,8 @@ def _write_failure(exc: Exception) -> str | None:
     if isinstance(exc, OSError):
         return exc.strerror or first_line(exc)
     if type(exc).__name__ == "SafetensorError":
-        found = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", first_line(exc))
+        line = first_line(exc)  # "... I/O error: REASON (os error N)", with ' at path "..."' after it in some versions
+        found = re.search(r"I/O error: (.+?) \(os error \d+\)", line) or re.search(r"I/O error: (.+)$", line)
         return found.group(1) if found else None
     return None
 

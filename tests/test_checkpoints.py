@@ -155,7 +155,7 @@ def test_a_failed_conversion_leaves_no_directory(fake_gguf, monkeypatch, tmp_pat
     assert gguf_cache.cached_conversion(ckpt) is None
 
 
-@pytest.mark.parametrize("refusal", ["safetensors", "os"])
+@pytest.mark.parametrize("refusal", ["safetensors", "safetensors at path", "os"])
 def test_a_full_disk_mid_conversion_names_the_cache_and_leaves_no_directory(fake_gguf, monkeypatch, tmp_path, refusal):
     # safetensors wraps the OS's ENOSPC in its own error: the CLI said "load_weights: SafetensorError: Error while
     # serializing: I/O error: No space left on device (os error 28)", exit 2, naming neither the cache nor the fix
@@ -169,8 +169,9 @@ def test_a_full_disk_mid_conversion_names_the_cache_and_leaves_no_directory(fake
 
     def full(ckpt, out, tokenizer=None):
         (out / "model.safetensors").write_bytes(b"half")
-        if refusal == "safetensors":
-            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        if refusal.startswith("safetensors"):  # newer safetensors name the file after the OS's words
+            at = f' at path "{out}/.tmpIdpyu7"' if refusal.endswith("at path") else ""
+            raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error 28){at}")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(gguf_cache, "_write_conversion", full)
@@ -208,6 +209,18 @@ def test_a_conversion_past_the_file_size_limit_is_one_line_in_a_real_process(tmp
                          "directory"), line
     assert not [p.name for p in cache.iterdir() if "SmolLM2" in p.name]  # no conversion, no half-written temporary
     assert r.stdout == ""
+
+
+def test_a_lock_file_that_cannot_be_created_says_which_setting_to_change(fake_gguf, tmp_path):
+    # a cache with no inode left took its directories and then refused the lock file: "load_weights: OSError: [Errno
+    # 28] No space left on device: '.../x.lock'", where the directories' refusal names the setting to change
+    ckpt, calls = fake_gguf
+    lock = tmp_path / "cache" / gguf_cache.STATE / "locks" / f"{gguf_cache.cache_dir(ckpt).name}.lock"
+    lock.mkdir(parents=True)  # the lock's open fails (EISDIR) as a file no inode is left for does (ENOSPC)
+    with pytest.raises(ModelError, match=r"^cannot write the GGUF conversion cache under .*cache \(Is a directory\); "
+                                         r"set KVLOAD_CACHE to a writable directory$"):
+        gguf_cache.convert_gguf(ckpt)
+    assert calls == []
 
 
 def test_an_unwritable_cache_says_which_setting_to_change(fake_gguf, monkeypatch, tmp_path):
