@@ -484,9 +484,11 @@ def _hosted_init(backend: str, watch: Callable[[], None]) -> None:
 
 def shutdown() -> None:
     """Destroy the process group this module started (run at exit), and the rendezvous store rank 0 hosted."""
+    global _met
     server = _groups.pop("server", None)
     _groups.clear()
     _peers.clear()
+    _met = False  # a group formed later is met anew (a process that runs commands in turn: tests, a notebook)
     try:
         import torch.distributed as dist
     except ImportError:
