@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.user_paths import expand_user
-from pipeline.errors import ModelError, first_line
+from pipeline.errors import ModelError, OutputError, first_line
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -172,6 +172,9 @@ def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None 
     except Timeout:
         raise ModelError(f"gave up after {LOCK_TIMEOUT_S:.0f} s waiting for another process converting "
                          f"{checkpoint.gguf_path} (lock {lock.lock_file})") from None
+    except OSError as exc:  # the lock file cannot be created (no inode left): said as the directories above are
+        raise ModelError(f"cannot write the GGUF conversion cache under {root} ({exc.strerror or exc}); "
+                         "set KVLOAD_CACHE to a writable directory") from None
     try:
         if (target / MARKER).is_file():  # the process we waited for finished it
             return target
@@ -212,14 +215,23 @@ def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], N
     say(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to float32 safetensors in {target} "
         "(once per file; later loads read the converted copy)")
     try:
-        tokenizer_saved = _write_conversion(checkpoint, tmp, tokenizer)
-        (tmp / MARKER).write_text(json.dumps({
-            "source": str(gguf),
-            "sha256": content_key(gguf),
-            "transformers": _transformers_version(),
-            "dtype": "float32",
-            "tokenizer": tokenizer_saved,
-        }, indent=2))
+        try:
+            tokenizer_saved = _write_conversion(checkpoint, tmp, tokenizer)
+            (tmp / MARKER).write_text(json.dumps({
+                "source": str(gguf),
+                "sha256": content_key(gguf),
+                "transformers": _transformers_version(),
+                "dtype": "float32",
+                "tokenizer": tokenizer_saved,
+            }, indent=2))
+        except Exception as exc:
+            reason = _write_failure(exc)
+            if reason is None:
+                raise
+            # a full disk said "load_weights: SafetensorError: Error while serializing: I/O error: ..." (exit 2, as bad
+            # input), naming neither the cache nor what to change
+            raise OutputError(f"cannot write the GGUF conversion cache at {target} ({reason}); nothing was kept: free "
+                              "space there or set KVLOAD_CACHE to another directory") from None
         try:
             tmp.rename(target)
         except OSError as exc:
@@ -231,6 +243,19 @@ def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], N
     size = sum(p.stat().st_size for p in target.iterdir() if p.is_file())
     say(f"converted {gguf.name} in {time.perf_counter() - start:.1f} s ({size / 1e6:.0f} MB)")
     return target
+
+
+def _write_failure(exc: Exception) -> str | None:
+    """The OS's reason when ``exc`` is a write the OS refused (a full disk, a file size limit), else None: an
+    ``OSError``, or safetensors' ``SafetensorError`` wrapping one ("I/O error: No space left on device (os error
+    28)")."""
+    if isinstance(exc, OSError):
+        return exc.strerror or first_line(exc)
+    if type(exc).__name__ == "SafetensorError":
+        line = first_line(exc)  # "... I/O error: REASON (os error N)", with ' at path "..."' after it in some versions
+        found = re.search(r"I/O error: (.+?) \(os error \d+\)", line) or re.search(r"I/O error: (.+)$", line)
+        return found.group(1) if found else None
+    return None
 
 
 def gguf_tokenizer(checkpoint: Checkpoint) -> Any:

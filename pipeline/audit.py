@@ -568,8 +568,12 @@ class JsonlSink:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, replace: bool = True, flag: str = "audit log",
-                 key: object = ...) -> None:
+                 key: object = ..., wait: Callable[[], bool] | None = None) -> None:
         self.path = Path(path)
+        # while wait() is true the records stay in memory and no temporary exists: a rank under torchrun before the
+        # ranks met (pipeline.ranks.peers_met), when a SIGKILL would leave a temporary no other rank knows to remove
+        self._wait = wait
+        self._early: list[dict[str, Any]] = []
         self.replace = replace
         self.flag = flag
         self._chain = Chain(audit_key() if key is ... else key)  # type: ignore[arg-type]
@@ -590,6 +594,9 @@ class JsonlSink:
             self._tmp, fd = _create_temp(self.path, self.flag)
             self._file = os.fdopen(fd, "w", encoding="utf-8")
         self._hold({**header_record(), "chain": self._chain.kind})
+        early, self._early, self._wait = self._early, [], None
+        for record in early:
+            self._hold(record)
 
     def _hold(self, record: dict[str, Any]) -> None:
         """Write the record held back, then hold this one (the last record is sealed at close)."""
@@ -617,6 +624,9 @@ class JsonlSink:
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self._file is None:
+            if self._wait is not None and self._wait():
+                self._early.append(record)
+                return
             self._open()
         self._hold(record)
 
@@ -626,6 +636,7 @@ class JsonlSink:
             return
         if self._file is None:
             if not ok:
+                self._early.clear()
                 return
             self._open()
         with deferred():

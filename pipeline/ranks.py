@@ -183,6 +183,9 @@ _peers: dict[int, tuple[int, int, tuple[str, tuple[str, ...]] | None]] = {}
 #: The file this process writes through a temporary beside it (its ``--audit-log``, absolute) and the temporaries
 #: that were beside it before this process wrote (:func:`note_output`); told to the other ranks with its identity.
 _output: tuple[str, tuple[str, ...]] | None = None
+#: Whether this process's object group formed and the ranks told each other who they are (:func:`_gather_processes`):
+#: from then on the ranks on this machine know this one's output, to remove its temporary should it be SIGKILLed.
+_met = False
 
 
 def note_output(path: str | os.PathLike[str]) -> None:
@@ -195,6 +198,13 @@ def note_output(path: str | os.PathLike[str]) -> None:
     global _output
     full = os.path.abspath(path)  # the ranks on this machine may run elsewhere than this process's directory
     _output = (full, tuple(sorted(temporaries(full))))
+
+
+def peers_met() -> bool:
+    """Whether the ranks have met (the object group formed, each told the others its identity and :func:`note_output`):
+    a rank creates its audit temporary only then (``JsonlSink(..., wait=...)``), since a rank SIGKILLed before it is
+    known to no other, and a temporary it had made would stay."""
+    return _met
 
 
 def remove_lost_peers_temporaries() -> None:
@@ -257,6 +267,8 @@ def _gather_processes(rank: int, group: Any) -> None:
     for other, who in enumerate(everyone):
         if other != rank and mine is not None and who is not None and tuple(who[:2]) == mine[:2]:
             _peers[other] = (int(who[2]), int(who[3]), who[4])
+    global _met
+    _met = True
 
 
 def _lost_peer() -> None:
@@ -472,9 +484,11 @@ def _hosted_init(backend: str, watch: Callable[[], None]) -> None:
 
 def shutdown() -> None:
     """Destroy the process group this module started (run at exit), and the rendezvous store rank 0 hosted."""
+    global _met
     server = _groups.pop("server", None)
     _groups.clear()
     _peers.clear()
+    _met = False  # a group formed later is met anew (a process that runs commands in turn: tests, a notebook)
     try:
         import torch.distributed as dist
     except ImportError:
@@ -485,5 +499,5 @@ def shutdown() -> None:
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "note_output",
-           "object_group", "rank_audit_path", "ranks_from_env", "remove_lost_peers_temporaries", "shutdown",
-           "timeout_s"]
+           "object_group", "peers_met", "rank_audit_path", "ranks_from_env", "remove_lost_peers_temporaries",
+           "shutdown", "timeout_s"]

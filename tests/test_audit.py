@@ -461,3 +461,36 @@ def test_a_record_holding_a_lone_surrogate_is_written_once_and_the_log_verifies(
     r = run_cli(capsys, "audit", path, "--verify")
     assert r.code == 0, r.err
     assert "chain   sha256 chain intact" in r.out
+
+
+def test_a_sink_told_to_wait_creates_no_temporary_until_then_and_writes_the_same_file(tmp_path):
+    """A rank under torchrun holds its records in memory until the ranks met (``wait``): SIGKILLed before, it leaves
+    no temporary that no other rank knows of. Once it may write, the file is the one a sink that never waited writes;
+    a failed run that never got there leaves nothing, and one that ends still waiting publishes all it held."""
+    from pipeline.audit import JsonlSink
+
+    records = [dict(e) for e in pipeline.plan("tiny-llama", log=False).audit.events]
+    plain, held, failed, never = (tmp_path / d for d in ("plain", "held", "failed", "never"))
+    for folder in (plain, held, failed, never):
+        folder.mkdir()
+    with JsonlSink(plain / "a.jsonl") as sink:
+        for record in records:
+            sink(record)
+    waiting = [True]
+    with JsonlSink(held / "a.jsonl", wait=lambda: waiting[0]) as sink:
+        for record in records[:5]:
+            sink(record)
+        assert list(held.iterdir()) == []  # no temporary while it waits
+        waiting[0] = False
+        for record in records[5:]:
+            sink(record)
+        assert [p.name.endswith(".tmp") for p in held.iterdir()] == [True]
+    assert (held / "a.jsonl").read_bytes() == (plain / "a.jsonl").read_bytes()
+    with pytest.raises(RuntimeError), JsonlSink(failed / "a.jsonl", wait=lambda: True) as sink:
+        sink(records[0])
+        raise RuntimeError("the run failed before the ranks met")
+    assert list(failed.iterdir()) == []
+    with JsonlSink(never / "a.jsonl", wait=lambda: True) as sink:  # ended before the ranks met (no collective ran)
+        for record in records:
+            sink(record)
+    assert (never / "a.jsonl").read_bytes() == (plain / "a.jsonl").read_bytes()

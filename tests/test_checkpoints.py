@@ -155,6 +155,74 @@ def test_a_failed_conversion_leaves_no_directory(fake_gguf, monkeypatch, tmp_pat
     assert gguf_cache.cached_conversion(ckpt) is None
 
 
+@pytest.mark.parametrize("refusal", ["safetensors", "safetensors at path", "os"])
+def test_a_full_disk_mid_conversion_names_the_cache_and_leaves_no_directory(fake_gguf, monkeypatch, tmp_path, refusal):
+    # safetensors wraps the OS's ENOSPC in its own error: the CLI said "load_weights: SafetensorError: Error while
+    # serializing: I/O error: No space left on device (os error 28)", exit 2, naming neither the cache nor the fix
+    import errno
+
+    from safetensors import SafetensorError
+
+    from pipeline.errors import OutputError
+
+    ckpt, _ = fake_gguf
+
+    def full(ckpt, out, tokenizer=None):
+        (out / "model.safetensors").write_bytes(b"half")
+        if refusal.startswith("safetensors"):  # newer safetensors name the file after the OS's words
+            at = f' at path "{out}/.tmpIdpyu7"' if refusal.endswith("at path") else ""
+            raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error 28){at}")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gguf_cache, "_write_conversion", full)
+    with pytest.raises(OutputError) as caught:
+        gguf_cache.convert_gguf(ckpt)
+    assert str(caught.value) == (f"cannot write the GGUF conversion cache at {gguf_cache.cache_dir(ckpt)} (No space "
+                                 "left on device); nothing was kept: free space there or set KVLOAD_CACHE to another "
+                                 "directory")
+    assert caught.value.exit_code == 1  # a failure mid-run, not bad input
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [gguf_cache.STATE]
+
+
+@needs_smollm2
+@pytest.mark.slow  # dequantizes SmolLM2-135M until the file size limit stops it (~40 s on two busy cores)
+def test_a_conversion_past_the_file_size_limit_is_one_line_in_a_real_process(tmp_path):
+    """The kernel refusing the conversion's writes (RLIMIT_FSIZE, as a full disk or a quota does), from the CLI."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.cli_support import ENV, REPO
+
+    def small_files() -> None:  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))  # the float32 weights are ~540 MB
+
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "kvload", "generate", "smollm2-135m", "--prompt-ids", "1,2",
+                        "--max_new_tokens", "1"], capture_output=True, text=True, preexec_fn=small_files,
+                       timeout=600, cwd=REPO,
+                       env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KVLOAD_CACHE": str(cache)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.splitlines()[-1]
+    assert line.startswith(f"error: cannot write the GGUF conversion cache at {cache}/SmolLM2-135M-Instruct."), line
+    assert line.endswith(" (File too large); nothing was kept: free space there or set KVLOAD_CACHE to another "
+                         "directory"), line
+    assert not [p.name for p in cache.iterdir() if "SmolLM2" in p.name]  # no conversion, no half-written temporary
+    assert r.stdout == ""
+
+
+def test_a_lock_file_that_cannot_be_created_says_which_setting_to_change(fake_gguf, tmp_path):
+    # a cache with no inode left took its directories and then refused the lock file: "load_weights: OSError: [Errno
+    # 28] No space left on device: '.../x.lock'", where the directories' refusal names the setting to change
+    ckpt, calls = fake_gguf
+    lock = tmp_path / "cache" / gguf_cache.STATE / "locks" / f"{gguf_cache.cache_dir(ckpt).name}.lock"
+    lock.mkdir(parents=True)  # the lock's open fails (EISDIR) as a file no inode is left for does (ENOSPC)
+    with pytest.raises(ModelError, match=r"^cannot write the GGUF conversion cache under .*cache \(Is a directory\); "
+                                         r"set KVLOAD_CACHE to a writable directory$"):
+        gguf_cache.convert_gguf(ckpt)
+    assert calls == []
+
+
 def test_an_unwritable_cache_says_which_setting_to_change(fake_gguf, monkeypatch, tmp_path):
     ckpt, _ = fake_gguf
     blocker = tmp_path / "a-file"

@@ -304,6 +304,57 @@ def test_a_rank_sigkilled_under_torchrun_leaves_no_audit_temporary_but_one_from_
     assert planted.read_text() == "left by an earlier run\n"
 
 
+#: rank 1's ``sitecustomize`` (every process of a rank writes its pid and start time in PIDS): it SIGKILLs itself as it
+#: enters ``init_process_group``, before the group forms: no other rank knows it yet
+_RANK_1_SIGKILLED_BEFORE_THE_GROUP = """
+import os
+import signal
+if os.environ.get("RANK") is not None:
+    with open("/proc/self/stat") as f:
+        start = f.read().rsplit(")", 1)[1].split()[19]
+    with open(os.path.join(PIDS, f"{os.environ['RANK']}.{os.getpid()}"), "w") as f:
+        f.write(start)
+if os.environ.get("RANK") == "1":
+    import torch.distributed
+
+    def init_process_group(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.distributed.init_process_group = init_process_group
+"""
+
+
+@pytest.mark.slow  # torchrun starts two ranks of a tiny model (~20 s on two busy cores)
+def test_a_rank_sigkilled_before_the_group_forms_leaves_no_audit_temporary(tmp_path):
+    # audittmp60's limit: a rank killed before the ranks met left its .a.rank1.jsonl.<hex>.tmp (no rank knew of it to
+    # remove it). A rank under torchrun keeps its audit records in memory until the group forms, so there is none yet
+    import os
+    import signal
+
+    from tests.tp_support import REPO
+
+    pids, inject, out = tmp_path / "pids", tmp_path / "inject", tmp_path / "out"
+    for folder in (pids, inject, out):
+        folder.mkdir()
+    (inject / "sitecustomize.py").write_text(f"PIDS = {str(pids)!r}\n" + _RANK_1_SIGKILLED_BEFORE_THE_GROUP)
+    r = torchrun("-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3,4,5", "--max_new_tokens", "2",
+                 "--max_tokens", "1024", "--tp_size", "2", "--audit-log", str(out / "a.jsonl"), nproc=2,
+                 env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"})
+    assert r.returncode != 0, r.stderr[-3000:]
+    started = {tuple(map(int, p.name.split("."))): p.read_text() for p in pids.iterdir()}  # (rank, pid): start
+    assert sorted({rank for rank, _ in started}) == [0, 1], r.stderr[-3000:]
+    for (rank, pid), start in started.items():  # every process of a rank ended: none outlived torchrun
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        if fields[19] == start and fields[0] not in "ZX":  # that process (not a later one given its pid), alive
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"rank {rank}'s process {pid} outlived torchrun")
+    assert "exitcode  : -9" in r.stderr, r.stderr[-3000:]  # torchrun's summary: rank 1 was SIGKILLed
+    assert sorted(p.name for p in out.iterdir()) == [], r.stderr[-3000:]
+
+
 def test_a_failed_rank_removes_only_what_ranks_gone_from_its_machine_left_since_they_took_note(tmp_path, monkeypatch):
     # the rules of the cleanup above, on four ranks told as the object group forms: rank 1 (this machine) died, rank 2
     # (this machine) lives, rank 3 died on another machine (another boot id) writing into a shared folder. Only rank
