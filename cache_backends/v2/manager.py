@@ -192,7 +192,9 @@ def _first_packed(request: Request) -> bytes:
     """``pack_tokens(_tokens(request, 0, 1))`` (``b""`` for a request without tokens) in one call: every lookup of a
     waiting request starts with it, every step it waits."""
     packed = request.packed_ids
-    return packed[:8] if packed else pack_tokens((request.prompt_token_ids or request.output_token_ids)[:1])
+    if not packed:  # kept: a waiting request ruled out by it is asked again at every relook (_packed renews it)
+        packed = request.packed_ids = pack_tokens((request.prompt_token_ids or request.output_token_ids)[:1])
+    return packed[:8]
 
 
 def _packed(request: Request, end: int) -> bytes:

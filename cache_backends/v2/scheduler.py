@@ -212,8 +212,6 @@ from cache_backends.scheduler_base import SchedulerBase
 from cache_backends.v2.manager import HitProbe, KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
-_STATE, _QUEUED_AT, _HINT = attrgetter("state"), attrgetter("queued_at"), attrgetter("cached_hint")
-_PROMPT = attrgetter("prompt_token_ids")
 
 #: Cache-aware admission under "fcfs" (module docstring): how many waiting requests at the queue's front are ranked
 #: by their cached prefix (SGLang ranks by longest prefix match only while its queue holds at most 128), after how
@@ -629,24 +627,27 @@ class KVCacheV2Scheduler(SchedulerBase):
         if len(waiting) < 2 or self.manager.reuse_off_reason is not None:
             return list(waiting)
         now, m = self._steps, self.manager
-        # The window's requests are read in C passes (states, arrival steps, hints); Python work is done only for the
-        # few that need it: those joining the window, those with a hint to look up, those aged. Why: under pressure
-        # the window is full of requests that never had a hit and rank 0 step after step; a Python pass over them
-        # was a fifth of V2's KV work on tiny-gemma3 ``mixed`` at a quarter of the budget (BENCHMARKS.md).
+        # The window's requests are read in one-attribute passes (states, arrival steps, hints); Python work is done
+        # only for the few that need it: those joining the window, those with a hint to look up, those aged. Why:
+        # under pressure the window is full of requests that never had a hit and rank 0 step after step; a pass doing
+        # all of it per request was a fifth of V2's KV work on tiny-gemma3 ``mixed`` at a quarter of the budget. Each
+        # pass reads its attribute in a comprehension, not ``map(attrgetter(...))``: on CPython 3.11 a comprehension's
+        # attribute load of a slotted class is specialized, twice as fast as attrgetter's generic lookup
+        # (BENCHMARKS.md "ca61").
         window = list(itertools.islice(waiting, LPM_WINDOW))
-        states = list(map(_STATE, window))
+        states = [r.state for r in window]
         if states.count(RequestState.WAITING) != len(window):
             window = list(itertools.compress(window, map(is_, states, itertools.repeat(RequestState.WAITING))))
         n = len(window)
         tail = list(itertools.islice(waiting, LPM_WINDOW, None))
         if not n:
             return tail
-        queued = list(map(_QUEUED_AT, window))
+        queued = [r.queued_at for r in window]
         if min(queued) < 0:  # joined the window: its clock of waiting starts now, or earlier by the wait it carries
             for i in itertools.compress(range(n), map(lt, queued, itertools.repeat(0))):
                 window[i].queued_at = queued[i] = now - (self._carry_of(window[i]) if self._carried else 0)
         ranks = [0] * n  # 0: never had a hit (or its first lookup found none)
-        hinted = list(itertools.compress(range(n), list(map(_HINT, window))))  # a hint to look up, in window order
+        hinted = [i for i, r in enumerate(window) if r.cached_hint]  # a hint to look up, in window order
         # the pass's lookups share their walks: the prompts on a system prompt walk the same path (manager docstring);
         # and 0 without a lookup where no cached run starts with the request's first token (manager.may_find_prefix:
         # the lookup's own cheap miss, for all of them at once). Only for several lookups: for one, both cost more
@@ -673,11 +674,11 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # stale hit"); 1: a prefix others share may come back, cached again by the first of them admitted
                 ranks[i] = hit if hit >= floor else 1
         if relook:  # those whose lookup found none, again: the miss may have been momentary
-            waited = map(le, queued, itertools.repeat(now - LPM_RELOOK_WAIT))
             # a prompt of LPM_BRANCH_HIT tokens or fewer finds no hit that ranks: not looked up (on mixed traffic most
             # misses are such prompts; their lookups were a tenth of V2's KV work under pressure, BENCHMARKS.md)
-            long = map(lt, itertools.repeat(floors[True]), map(len, map(_PROMPT, window)))
-            again = list(itertools.compress(range(n), map(and_, map(and_, map(not_, ranks), waited), long)))
+            since, floor = now - LPM_RELOOK_WAIT, floors[True]
+            again = [i for i, (k, q, r) in enumerate(zip(ranks, queued, window, strict=True))
+                     if not k and q <= since and len(r.prompt_token_ids) > floor]
             # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
             for i in itertools.compress(again, m.may_find_prefix([window[i] for i in again]) if again else ()):
                 hit, branch = m.cached_prefix(window[i], memo)
@@ -725,6 +726,8 @@ class KVCacheV2Scheduler(SchedulerBase):
             aged = [r for _, r in ranked]
             for i in itertools.compress(range(n), mask):
                 ranks[i] = -1
+        if cold == n and not aged:  # (under pressure, most steps) no hit and none aged: arrival order
+            return window + tail
         hits = [(ranks[i], window[i]) for i in itertools.compress(range(n), map(gt, ranks, itertools.repeat(0)))]
         hits.sort(key=itemgetter(0), reverse=True)  # stable: equal ranks stay in arrival order
         return (aged + [r for _, r in hits] + list(itertools.compress(window, map(not_, ranks)))  # rank 0 in order
