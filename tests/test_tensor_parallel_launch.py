@@ -237,6 +237,30 @@ def test_the_python_api_refuses_a_size_the_heads_do_not_take_before_starting_any
     assert not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
 
 
+def test_a_size_transformers_plan_cannot_load_is_refused_before_any_rank_starts(capsys, monkeypatch):
+    # tiny-llama's 2 KV heads on 4 ranks: the heads take it (replicated) but transformers' plan cannot load it; the
+    # commands that load weights started 4 ranks that each failed at load_weights (~20 s), now one line at once
+    import kvload
+    from kvload import llm_ranks
+    from kvload.cli import launch
+    from pipeline.errors import ModelError
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append((self.argv, self.world)) or 0)
+    monkeypatch.setattr(llm_ranks.SpawnedRanks, "start", lambda self: started.append(self.world))
+    why = ("tensor_parallel_size=4: transformers' tensor-parallel plan for LlamaForCausalLM cannot split its 2 KV "
+           "heads over 4 ranks")
+    for command in ("generate", "serve"):
+        r = run_cli(capsys, command, "tiny-llama", "-tp", "4", "--max_tokens", "4096")
+        assert (r.code, r.one_error_line, r.out) == (2, True, ""), r.err
+        assert why in r.err and "loading weights needs one that divides the KV heads (1, 2)" in r.err
+    with pytest.raises(ModelError, match=why):
+        kvload.LLM("tiny-llama", tensor_parallel_size=4, kv_cache_config={"max_tokens": 1024}, log=False)
+    assert started == []
+    assert run_cli(capsys, "run", "tiny-llama", "-tp", "4", "--max_tokens", "4096").code == 0  # run loads none
+    assert started == [(["run", "tiny-llama", "-tp", "4", "--max_tokens", "4096"], 4)]
+
+
 @pytest.mark.slow  # two ranks load tiny-llama and generate (~20 s on two busy cores)
 def test_a_stop_signal_to_one_rank_alone_names_that_rank(tmp_path):
     # SIGTERM to rank 1 alone (`kill PID`, a process manager), not to the command: the rank ends by it and the others
