@@ -34,6 +34,13 @@ class CheckParallel:
                 f"tensor_parallel_size={tp} but {ranks.world_size} ranks were launched (WORLD_SIZE); launch "
                 f"exactly tensor_parallel_size ranks (torchrun --nproc-per-node {tp}) or set --tp_size "
                 f"{ranks.world_size}")
+        devices = cuda_devices() if tp > 1 and str(ctx.args.device).startswith("cuda") else 0
+        here = _env_int("LOCAL_WORLD_SIZE", tp)  # the ranks on this machine (torchrun's; all of them otherwise)
+        if 0 < devices < here:  # each rank takes cuda:LOCAL_RANK: rank 1 on a one-GPU machine met "invalid device
+            # ordinal" in torch.cuda.set_device, after the other ranks had started (vLLM refuses this world size too)
+            raise RankError(
+                f"tensor_parallel_size={tp}: each rank runs on its own CUDA device (rank N on cuda:N), and this "
+                f"machine has {devices}; accepted here: {', '.join(str(t) for t in _sizes(ctx, devices))}")
         ctx.heads = heads
         if ctx.request.load_weights and heads.mode == "replicate":
             # transformers' plans shard k_proj by columns and never replicate a KV head: refused here, where the
@@ -75,3 +82,35 @@ def check_plan_matches_pools(ctx: Context) -> None:
                          if heads.kv_heads % t == 0 and heads.attention_heads % t == 0)
     raise ModelError(f"tensor_parallel_size={tp}: transformers' tensor-parallel plan for {arch} {why}; plan and run "
                      f"accept this size, loading weights needs one that divides the KV heads ({accepted})")
+
+
+def cuda_devices() -> int:
+    """The CUDA devices torch sees on this machine (0 without torch, a driver or a device)."""
+    from stages.resolve_auto import cuda_available
+
+    if not cuda_available():
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return default
+
+
+def _sizes(ctx: Context, most: int) -> list[int]:
+    """The tensor-parallel sizes up to ``most`` the checkpoint's heads take (1 always)."""
+    from pipeline.errors import KvloadError
+
+    sizes = []
+    for t in range(1, most + 1):
+        try:
+            ctx.spec.head_sharding(t)
+        except KvloadError:
+            continue
+        sizes.append(t)
+    return sizes
