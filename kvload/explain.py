@@ -287,6 +287,7 @@ def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
     defaults, warnings, outcome."""
     models = audit.of("model_resolved")
     routes = audit.of("executor_routed")
+    joined = audit.of("rank_joined")
     snapshot = audit.of("user_fields_snapshotted")
     finished = audit.of("pipeline_finished")
     failed = audit.of("stage_failed")
@@ -306,6 +307,7 @@ def summarize(audit: AuditLog, source: str = "") -> dict[str, Any]:
         "user_fields": snapshot[-1]["fields"] if snapshot else {},
         "hf_overrides": [_payload(e) for e in audit.of("hf_config_overridden")],
         "route": _payload(routes[-1]) if routes else None,
+        "rank": _payload(joined[-1]) if joined else None,
         "route_fallbacks": [_payload(e) for e in audit.of("route_fallback")],
         "auto_resolutions": autos,
         "model_defaults": {
@@ -370,7 +372,7 @@ READ_EVENTS = frozenset({
     "model_default_applied", "model_default_skipped", "field_derived", "source_conflict", "setting_ignored",
     "max_seq_len_beyond_positions", "hf_config_overridden", "kv_host_tier_chosen", "kv_host_tier_sized",
     "kv_budget_computed",
-    "kv_manager_built", "args_parsed",
+    "kv_manager_built", "args_parsed", "rank_joined",
 })
 
 
@@ -415,6 +417,23 @@ def _route_line(route: dict[str, Any] | None) -> list[str]:
     return [f"route   {route['kv_manager']} + {route['scheduler']}", f"        {route['reason']}"]
 
 
+def _rank_line(joined: dict[str, Any] | None) -> list[str]:
+    """Tensor parallel's line: which rank wrote the log and the heads each rank holds (none with one rank)."""
+    if joined is None or joined.get("tensor_parallel_size", 1) <= 1:
+        return []
+    tp, world, heads = joined["tensor_parallel_size"], joined.get("world_size", 1), joined.get("heads") or {}
+    if heads.get("mode") == "latent":
+        held = f"{heads.get('attention_heads_per_rank')} of {heads.get('attention_heads')} query heads and the MLA " \
+               "latent whole per rank"
+    else:
+        shared = f" (each replicated on {heads.get('kv_replicas')} ranks)" if heads.get("mode") == "replicate" else ""
+        held = (f"{heads.get('attention_heads_per_rank')} of {heads.get('attention_heads')} query heads and "
+                f"{heads.get('kv_heads_per_rank')} of {heads.get('kv_heads')} KV heads per rank{shared}")
+    who = (f"this log is rank {joined.get('rank')}'s of {world} (every rank writes its own: <stem>.rankN<suffix>)"
+           if world > 1 else "planned in one process: rank 0's view")
+    return [f"ranks   tensor parallel {tp}, {held}; {who}"]
+
+
 def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None) -> str:
     """The readable ``kvload audit`` report."""
     outcome = summary["outcome"]
@@ -435,6 +454,7 @@ def render_summary(summary: dict[str, Any], check: dict[str, Any] | None = None)
     if summary.get("hf_overrides"):  # the user's too: config keys set before the model was read
         lines.append(f"config  hf_overrides: {_override_changes(summary['hf_overrides'])}")
     lines += _route_line(summary["route"])
+    lines += _rank_line(summary.get("rank"))
 
     lines += ["", "auto resolutions:"]
     if summary["auto_resolutions"]:

@@ -67,6 +67,7 @@ from pipeline.errors import (
 )
 from pipeline.events import SettingIgnored
 from pipeline.limits import MAX_INT, plain_scalar, short
+from pipeline.ranks import ranks_from_env
 from pipeline.thread_end import EndingThread
 from pipeline.vllm_compat import reasoning_parser as vllm_reasoning_parser
 from stages import load_stages
@@ -430,7 +431,9 @@ class LLM:
             ranks.start()
         self._ranks = ranks
         publisher = None
-        if events is not None and events.publishes:
+        # under torchrun every rank runs the script: rank 0 publishes (vLLM's one publisher per engine), as serve's;
+        # rank 1 binding the same endpoint failed, and with it the LLM on that rank
+        if events is not None and events.publishes and ranks_from_env().is_first:
             from kvload.serve.kv_publisher import ZmqKvEventPublisher
 
             try:  # a taken port fails before the load

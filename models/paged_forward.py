@@ -179,9 +179,18 @@ def absorbed_weights(module: Any) -> torch.Tensor | None:
     weight = getattr(proj, "weight", None)
     heads, nope = getattr(module, "num_heads", None), getattr(module, "qk_nope_head_dim", None)
     dv, rank = getattr(module, "v_head_dim", None), getattr(module, "kv_lora_rank", None)
-    if (not isinstance(proj, torch.nn.Linear) or getattr(proj, "bias", None) is not None
-            or not isinstance(weight, torch.Tensor) or not weight.is_floating_point()
-            or None in (heads, nope, dv, rank) or tuple(weight.shape) != (heads * (nope + dv), rank)):
+    if not isinstance(proj, torch.nn.Linear) or getattr(proj, "bias", None) is not None or None in (heads, nope, dv,
+                                                                                                 rank):
+        return None
+    to_local = getattr(weight, "to_local", None)
+    if callable(to_local):  # tensor parallel: a DTensor (torch refuses its view under inference mode), sharded by
+        weight = to_local()  # heads when the plan splits it: this rank's rows are its query heads' (q_b_proj's split)
+        local = weight.shape[0] // (nope + dv) if weight.ndim == 2 else 0
+        if local < 1 or heads % local:
+            return None
+        heads = local
+    if (not isinstance(weight, torch.Tensor) or not weight.is_floating_point()
+            or tuple(weight.shape) != (heads * (nope + dv), rank)):
         return None
     return weight.view(heads, nope + dv, rank)
 

@@ -12,7 +12,7 @@ import os
 
 from pipeline.bus import Emit
 from pipeline.context import Context
-from pipeline.errors import RankError
+from pipeline.errors import ModelError, RankError
 from pipeline.events import RankJoined, RanksLaunched
 from pipeline.ranks import LAUNCHER_ENV, ranks_from_env
 
@@ -34,7 +34,19 @@ class CheckParallel:
                 f"tensor_parallel_size={tp} but {ranks.world_size} ranks were launched (WORLD_SIZE); launch "
                 f"exactly tensor_parallel_size ranks (torchrun --nproc-per-node {tp}) or set --tp_size "
                 f"{ranks.world_size}")
+        devices = cuda_devices() if tp > 1 and str(ctx.args.device).startswith("cuda") else 0
+        here = _env_int("LOCAL_WORLD_SIZE", tp)  # the ranks on this machine (torchrun's; all of them otherwise)
+        if 0 < devices < here:  # each rank takes cuda:LOCAL_RANK: rank 1 on a one-GPU machine met "invalid device
+            # ordinal" in torch.cuda.set_device, after the other ranks had started (vLLM refuses this world size too)
+            raise RankError(
+                f"tensor_parallel_size={tp}: each rank runs on its own CUDA device (rank N on cuda:N), and this "
+                f"machine has {devices}; accepted here: {', '.join(str(t) for t in _sizes(ctx, devices))}")
         ctx.heads = heads
+        if ctx.request.load_weights and heads.mode == "replicate":
+            # transformers' plans shard k_proj by columns and never replicate a KV head: refused here, where the
+            # launchers (the CLI's, kvload.LLM's) check the size before starting any rank, not after N ranks loaded
+            # (a shard that divides, the usual case, is checked at load_weights: no transformers import here)
+            check_plan_matches_pools(ctx)
         emit(RankJoined(rank=ranks.rank, world_size=ranks.world_size, local_rank=ranks.local_rank,
                         tensor_parallel_size=tp, heads=heads.to_dict()))
         if ranks.distributed and os.environ.get(LAUNCHER_ENV) == "kvload":  # the CLI started the ranks, not torchrun
@@ -50,3 +62,55 @@ def require_all_ranks(ctx: Context, what: str) -> None:
         raise RankError(f"tensor_parallel_size={tp}: {what} needs all {tp} ranks, and this process runs alone; "
                         f"launch it with torchrun --nproc-per-node {tp}, or from the command line, where kvload run, "
                         f"generate and serve start the {tp} ranks themselves (plan shows one rank's view without them)")
+
+
+def check_plan_matches_pools(ctx: Context) -> None:
+    """``ModelError`` when transformers' TP plan would compute other KV heads per rank than the pools hold."""
+    heads, tp = ctx.heads, ctx.args.tensor_parallel_size
+    if heads is None or heads.mode == "latent":  # the latent is whole; MLA plans leave the attention whole
+        return
+    from models.weights import plan_kv_heads_per_rank  # transformers' config classes: torch, seconds
+
+    computed = plan_kv_heads_per_rank(ctx.hf_config, tp)
+    if computed == heads.kv_heads_per_rank:
+        return
+    arch = ctx.model.architecture if ctx.model is not None else "the model"
+    why = (f"cannot split its {heads.kv_heads} KV heads over {tp} ranks (it shards k_proj/v_proj by columns and "
+           "does not replicate heads)" if computed is None else
+           f"computes {computed} KV heads per rank, the pools hold {heads.kv_heads_per_rank}")
+    accepted = ", ".join(str(t) for t in range(1, heads.kv_heads + 1)
+                         if heads.kv_heads % t == 0 and heads.attention_heads % t == 0)
+    raise ModelError(f"tensor_parallel_size={tp}: transformers' tensor-parallel plan for {arch} {why}; plan and run "
+                     f"accept this size, loading weights needs one that divides the KV heads ({accepted})")
+
+
+def cuda_devices() -> int:
+    """The CUDA devices torch sees on this machine (0 without torch, a driver or a device)."""
+    from stages.resolve_auto import cuda_available
+
+    if not cuda_available():
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return default
+
+
+def _sizes(ctx: Context, most: int) -> list[int]:
+    """The tensor-parallel sizes up to ``most`` the checkpoint's heads take (1 always)."""
+    from pipeline.errors import KvloadError
+
+    sizes = []
+    for t in range(1, most + 1):
+        try:
+            ctx.spec.head_sharding(t)
+        except KvloadError:
+            continue
+        sizes.append(t)
+    return sizes

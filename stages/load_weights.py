@@ -17,13 +17,13 @@ from typing import Any
 from cache_backends.layout import cannot_generate
 from models.compile_cache import use_kvload_compile_cache
 from models.gguf_cache import cache_root
-from models.weights import has_tokenizer, load_tokenizer, load_weights, plan_kv_heads_per_rank, save_random_model
+from models.weights import has_tokenizer, load_tokenizer, load_weights, save_random_model
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import ConfigError, GenerationError, KvBuildError, ModelError
 from pipeline.events import SettingIgnored, WeightsLoaded
 from pipeline.limits import int_text
-from stages.check_parallel import require_all_ranks
+from stages.check_parallel import check_plan_matches_pools, require_all_ranks
 from stages.plan_kv import device_problem
 
 
@@ -151,24 +151,6 @@ def check_prompt_room(ctx: Context) -> None:
     user = ctx.user_fields.get("max_seq_len")
     raise ConfigError(f"max_seq_len: {detail}", path="max_seq_len", detail=detail,
                       source=user.source if user is not None else None)
-
-
-def check_plan_matches_pools(ctx: Context) -> None:
-    """``ModelError`` when transformers' TP plan would compute other KV heads per rank than the pools hold."""
-    heads, tp = ctx.heads, ctx.args.tensor_parallel_size
-    if heads is None or heads.mode == "latent":  # the latent is whole; MLA plans leave the attention whole
-        return
-    computed = plan_kv_heads_per_rank(ctx.hf_config, tp)
-    if computed == heads.kv_heads_per_rank:
-        return
-    arch = ctx.model.architecture if ctx.model is not None else "the model"
-    why = (f"cannot split its {heads.kv_heads} KV heads over {tp} ranks (it shards k_proj/v_proj by columns and "
-           "does not replicate heads)" if computed is None else
-           f"computes {computed} KV heads per rank, the pools hold {heads.kv_heads_per_rank}")
-    accepted = ", ".join(str(t) for t in range(1, heads.kv_heads + 1)
-                         if heads.kv_heads % t == 0 and heads.attention_heads % t == 0)
-    raise ModelError(f"tensor_parallel_size={tp}: transformers' tensor-parallel plan for {arch} {why}; plan and run "
-                     f"accept this size, loading weights needs one that divides the KV heads ({accepted})")
 
 
 @contextlib.contextmanager

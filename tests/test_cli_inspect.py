@@ -154,6 +154,20 @@ def test_audit_summary_names_model_route_autos_defaults_and_warnings(capsys, tmp
         assert needle in text
 
 
+def test_audit_summary_says_which_rank_wrote_a_tensor_parallel_log_and_the_heads_each_holds(capsys, tmp_path):
+    # a TP run's log records rank_joined; the summary said nothing of the ranks (one process: no line)
+    log = plan_log(capsys, tmp_path, "tiny-llama", "--tp_size", "4")
+    r = run_cli(capsys, "audit", log)
+    assert r.code == 0, r.err
+    assert ("ranks   tensor parallel 4, 1 of 4 query heads and 1 of 2 KV heads per rank (each replicated on 2 ranks); "
+            "planned in one process: rank 0's view") in r.out.splitlines()
+    doc = run_cli(capsys, "audit", log, "--json").json()
+    assert (doc["rank"]["rank"], doc["rank"]["tensor_parallel_size"], doc["rank"]["heads"]["mode"]) == (0, 4,
+                                                                                                          "replicate")
+    one = plan_log(capsys, tmp_path, "tiny-llama", name="one.jsonl")
+    assert "ranks   " not in run_cli(capsys, "audit", one).out
+
+
 def test_audit_lists_warnings(capsys, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("max_batch_size: 4\n")

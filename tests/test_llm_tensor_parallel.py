@@ -682,3 +682,42 @@ def test_a_rank_that_raises_alone_mid_generation_among_four_is_named_and_the_oth
         "still in it: RuntimeError: rank two broke on its own; this LLM cannot run any more"), got
     assert got["took"] < DIST_TIMEOUT_S / 2, got  # a bound, not a speed: the collective timeout was not waited out
     assert got["left"] == [], got
+
+
+def test_under_torchrun_rank_0_alone_publishes_the_kv_events_of_an_llm(tmp_path):
+    # each rank runs the script, so each built the ZeroMQ publisher: rank 1's bind of the same endpoint failed, and
+    # with it that rank's LLM; now rank 0 publishes, as serve does (vLLM's one publisher per engine)
+    import msgspec
+    import zmq
+
+    from tests.tp_support import free_port, torchrun
+
+    port = free_port()
+    script = tmp_path / "events.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        import kvload
+        with kvload.LLM("tiny-llama", tensor_parallel_size=2, kv_cache_config={{"max_tokens": 1024}}, log=False,
+                        kv_events_config={{"enable_kv_cache_events": True, "endpoint": "tcp://*:{port}"}}) as llm:
+            time.sleep(1.0)  # a SUB socket hears only what is sent after it joined
+            out = llm.generate([list(range(1, 70))], kvload.SamplingParams(max_tokens=2, temperature=0))
+            time.sleep(0.5)  # the publisher's thread sends it
+            print("rank", os.environ["RANK"], out[0].outputs[0].token_ids)
+    """))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        r = torchrun(str(script))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert sorted(line.split()[1] for line in r.stdout.splitlines() if line.startswith("rank")) == ["0", "1"]
+        batches = []
+        while sub.poll(2000):
+            batches.append(msgspec.msgpack.decode(sub.recv_multipart()[2]))
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    stored = [e for b in batches for e in b["events"] if e["type"] == "BlockStored"]
+    assert [e["token_ids"] for e in stored] == [list(range(1, 65))]  # two 32-token blocks, once: one publisher
+    assert {b["data_parallel_rank"] for b in batches} == {0}

@@ -237,6 +237,55 @@ def test_the_python_api_refuses_a_size_the_heads_do_not_take_before_starting_any
     assert not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
 
 
+def test_a_size_transformers_plan_cannot_load_is_refused_before_any_rank_starts(capsys, monkeypatch):
+    # tiny-llama's 2 KV heads on 4 ranks: the heads take it (replicated) but transformers' plan cannot load it; the
+    # commands that load weights started 4 ranks that each failed at load_weights (~20 s), now one line at once
+    import kvload
+    from kvload import llm_ranks
+    from kvload.cli import launch
+    from pipeline.errors import ModelError
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append((self.argv, self.world)) or 0)
+    monkeypatch.setattr(llm_ranks.SpawnedRanks, "start", lambda self: started.append(self.world))
+    why = ("tensor_parallel_size=4: transformers' tensor-parallel plan for LlamaForCausalLM cannot split its 2 KV "
+           "heads over 4 ranks")
+    for command in ("generate", "serve"):
+        r = run_cli(capsys, command, "tiny-llama", "-tp", "4", "--max_tokens", "4096")
+        assert (r.code, r.one_error_line, r.out) == (2, True, ""), r.err
+        assert why in r.err and "loading weights needs one that divides the KV heads (1, 2)" in r.err
+    with pytest.raises(ModelError, match=why):
+        kvload.LLM("tiny-llama", tensor_parallel_size=4, kv_cache_config={"max_tokens": 1024}, log=False)
+    assert started == []
+    assert run_cli(capsys, "run", "tiny-llama", "-tp", "4", "--max_tokens", "4096").code == 0  # run loads none
+    assert started == [(["run", "tiny-llama", "-tp", "4", "--max_tokens", "4096"], 4)]
+
+
+def test_more_ranks_than_cuda_devices_is_refused_before_any_rank_starts(capsys, monkeypatch):
+    # vLLM's -tp 2 on a one-GPU machine: rank N runs on cuda:N, so rank 1 met torch's "invalid device ordinal" once
+    # every rank had started; now one line naming the setting and the devices (the count is faked: no GPU here)
+    import kvload
+    from kvload import llm_ranks
+    from kvload.cli import launch
+    from pipeline.errors import RankError
+    from stages import check_parallel
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append((self.argv, self.world)) or 0)
+    monkeypatch.setattr(llm_ranks.SpawnedRanks, "start", lambda self: started.append(self.world))
+    monkeypatch.setattr(check_parallel, "cuda_devices", lambda: 1, raising=False)
+    why = ("tensor_parallel_size=2: each rank runs on its own CUDA device (rank N on cuda:N), and this machine has 1; "
+           "accepted here: 1")
+    r = run_cli(capsys, "serve", "tiny-llama", "-tp", "2", "--device", "cuda", "--max_tokens", "4096")
+    assert (r.code, r.one_error_line, r.out, r.err.strip()) == (2, True, "", f"error: {why}")
+    with pytest.raises(RankError, match=re.escape(why)):
+        kvload.LLM("tiny-llama", tensor_parallel_size=2, device="cuda", kv_cache_config={"max_tokens": 1024}, log=False)
+    assert started == []
+    monkeypatch.setattr(check_parallel, "cuda_devices", lambda: 2)
+    assert run_cli(capsys, "serve", "tiny-llama", "-tp", "2", "--device", "cuda", "--max_tokens", "4096").code == 0
+    assert started == [(["serve", "tiny-llama", "-tp", "2", "--device", "cuda", "--max_tokens", "4096"], 2)]
+
+
 @pytest.mark.slow  # two ranks load tiny-llama and generate (~20 s on two busy cores)
 def test_a_stop_signal_to_one_rank_alone_names_that_rank(tmp_path):
     # SIGTERM to rank 1 alone (`kill PID`, a process manager), not to the command: the rank ends by it and the others

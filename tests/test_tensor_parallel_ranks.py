@@ -144,6 +144,19 @@ def test_deepseek_v4_under_tensor_parallel_generates_one_process_s_tokens_and_re
     assert r0["reused"] == r1["reused"] == [0, 256]  # the second prompt reads two 128-token units of the first
 
 
+def test_deepseek_v3_under_tensor_parallel_generates_one_process_s_tokens_and_reuses_its_prefix(ranks):
+    # its MLA layers fold kv_b_proj's weight into the queries; under TP that weight is a DTensor, whose view torch
+    # refused under inference mode: every generate failed with "Cannot set version_counter for inference tensor"
+    from tests.tp_support import V3_PROMPTS
+
+    r0, r1 = scenario(ranks, "deepseek_v3")
+    with pipeline.load("tiny-deepseek-v3", load_weights=True, kv_cache_config={"max_tokens": 1024},
+                       log=False) as alone:
+        outs = [alone.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in V3_PROMPTS]
+    assert r0["greedy"] == r1["greedy"] == [o.token_ids for o in outs]
+    assert r0["reused"] == r1["reused"] == [0, 64]
+
+
 def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):
     from tests.cli_support import run_cli
 

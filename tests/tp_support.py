@@ -240,6 +240,21 @@ def deepseek_v4(out: Path, rank: int) -> dict[str, Any]:
         return {"greedy": [o.token_ids for o in outs], "reused": [o.reused_prompt_tokens for o in outs]}
 
 
+#: DeepSeek V3 under TP: two prompts, the second sharing the first's first 64 tokens (two 32-token blocks)
+V3_PROMPTS = [[(5 * i) % 500 + 1 for i in range(70)], [(5 * i) % 500 + 1 for i in range(64)] + [2, 7, 1, 8]]
+
+
+def deepseek_v3(out: Path, rank: int) -> dict[str, Any]:
+    """DeepSeek V3 under TP (transformers' plan shards kv_b_proj by heads, the MLA latent is whole on every rank):
+    greedy tokens of two prompts run one after the other, the second reusing the first's prefix."""
+    import pipeline
+
+    with pipeline.load("tiny-deepseek-v3", load_weights=True, tensor_parallel_size=2,
+                       kv_cache_config={"max_tokens": 1024}, log=False) as loaded:
+        outs = [loaded.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in V3_PROMPTS]
+        return {"greedy": [o.token_ids for o in outs], "reused": [o.reused_prompt_tokens for o in outs]}
+
+
 #: the prompts and width of the beam search run on every rank (and in one process, by the test)
 BEAM_PROMPTS, BEAM_WIDTH = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3]], 3
 
@@ -299,7 +314,7 @@ def compare_cli(out: Path, rank: int) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "agree": agree, "disagree": disagree, "geometry": geometry, "budget": budget, "block_tables": block_tables,
-    "generate": generate, "compare_cli": compare_cli, "deepseek_v4": deepseek_v4,
+    "generate": generate, "compare_cli": compare_cli, "deepseek_v4": deepseek_v4, "deepseek_v3": deepseek_v3,
 }
 
 

@@ -80,7 +80,8 @@ def _resolved_size(ns: argparse.Namespace) -> int:
         # read once for this process: the command's own request takes this tree, not a second read of a file that
         # may have changed in between (and each rank reads the file itself; agree_ranks compares what they resolved)
         ns.config_read = read_yaml(ns.config)
-    request = _request(ns, kv_events_reader=False)
+    # generate and serve load weights: check_parallel then refuses a size transformers' plan cannot load, too
+    request = _request(ns, load_weights=ns.command in ("generate", "serve"), kv_events_reader=False)
     request.config = copy.deepcopy(request.config)  # the stages may normalise the tree the command gets after
     result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel()],
                      log=False)
