@@ -132,10 +132,17 @@ def head_sharding(cfg: Any, tp_size: int, arch: str = "model") -> HeadSharding:
 
 
 def _accepted(heads: int, n_kv: int | None) -> str:
-    """The tensor-parallel sizes a model accepts, for error messages."""
+    """The tensor-parallel sizes a model accepts, for error messages; those that replicate KV heads said apart:
+    transformers' plans never replicate one, so loading weights (generate, serve, ``kvload.LLM``) refuses them
+    (``stages.check_parallel.check_plan_matches_pools``), and a message listing them bare sent users to one."""
     ok = [t for t in range(1, heads + 1)
           if heads % t == 0 and (n_kv is None or n_kv % t == 0 or t % n_kv == 0)]
-    return ", ".join(map(str, ok))
+    text = ", ".join(map(str, ok))
+    only = [t for t in ok if n_kv is not None and n_kv % t]
+    if only:
+        text += (f" ({', '.join(map(str, only))} only to plan and run: loading weights needs a size that divides the "
+                 f"{n_kv} KV heads)")
+    return text
 
 
 def layers_from_config(cfg: Any, arch: str = "model", tp_size: int = 1) -> list[LayerKV]:

@@ -233,7 +233,8 @@ def test_the_python_api_refuses_a_size_the_heads_do_not_take_before_starting_any
     with pytest.raises(ModelError) as caught:
         kvload.LLM("tiny-llama", tensor_parallel_size=3, kv_cache_config={"max_tokens": 1024}, log=False)
     assert str(caught.value) == ("tensor_parallel_size=3: LlamaForCausalLM has 4 attention heads, which do not divide "
-                                 "by 3 ranks; accepted: 1, 2, 4")
+                                 "by 3 ranks; accepted: 1, 2, 4 (4 only to plan and run: loading weights needs a "
+                                 "size that divides the 2 KV heads)")
     assert not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
 
 

@@ -56,7 +56,9 @@ def test_kv_heads_shard_replicate_or_stay_whole(name, tp, mode, kv_per_rank):
     ("qwen2.5-7b-instruct", 8, "Qwen2ForCausalLM has 28 attention heads, which do not divide by 8 ranks; "
                                "accepted: 1, 2, 4, 28"),
     ("qwen2.5-7b-instruct", 7, "has 4 KV heads: 7 ranks neither divide them nor are a multiple of them; "
-                               "accepted: 1, 2, 4, 28"),
+                               r"accepted: 1, 2, 4, 28 \(28 only to plan and run: loading weights needs a size that "
+                               "divides the 4 KV heads\\)$"),
+    ("llama-3.1-8b-instruct", 3, r"accepted: 1, 2, 4, 8, 16, 32 \(16, 32 only to plan and run: "),
 ])
 def test_other_combinations_are_refused_in_one_line(name, tp, message):
     with pytest.raises(ModelError, match=message) as info:
