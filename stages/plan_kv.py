@@ -240,8 +240,9 @@ class KvPlan:
         if mode == "latent":
             return "the MLA latent whole on every rank"
         kv = f"{h.get('kv_heads_per_rank')} of {h.get('kv_heads')} KV heads per rank"
-        if mode == "replicate":
-            kv += f" (each replicated on {h.get('kv_replicas')} ranks)"
+        if mode == "replicate":  # planned; transformers' plans never replicate a KV head, so a load refuses it
+            kv += (f" (each replicated on {h.get('kv_replicas')} ranks: plan and run only, generate and serve refuse "
+                   "it as transformers' plans never replicate a KV head)")
         return f"{h.get('attention_heads_per_rank')} of {h.get('attention_heads')} query heads and {kv}"
 
     def host_tier_text(self) -> str:

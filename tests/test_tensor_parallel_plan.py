@@ -172,6 +172,8 @@ def test_loading_weights_refuses_kv_heads_transformers_cannot_replicate(checkpoi
     check_plan_matches_pools(ok.context)
     one = pipeline.plan(str(checkpoint_dir(name="one", num_key_value_heads=1)), tensor_parallel_size=2, log=False)
     assert one.kv.heads["mode"] == "replicate"  # plan accepts it: the pools replicate the head
+    # and says that a load will not (generate and serve refuse it before any rank starts)
+    assert any("plan and run only, generate and serve refuse it" in line for line in one.kv.render())
     with pytest.raises(ModelError, match="cannot split its 1 KV heads over 2 ranks .* divides the KV heads \\(1\\)"):
         check_plan_matches_pools(one.context)
 
