@@ -1770,9 +1770,9 @@ class KVCacheManagerV2:
         arena, tree, index = self._arena, self._tree, self._share_index
         last, source = probe.last, probe.partial
         assert isinstance(arena, TiedArena) and last is not None and source is not None
-        queue = arena.evictable
-        for blocks, refs, _ in probe.claimed:
-            queue.remove_many(list(compress(blocks, map(not_, refs))))
+        queue, k = arena.evictable, arena.k
+        for (blocks, refs, _), i in zip(probe.claimed, index, strict=True):  # (a group's blocks weigh its k pages)
+            queue.remove_weighing(list(compress(blocks, map(not_, refs))), k[i])
         held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
         srcs = [source.blocks[name][0] for name in self._names]
         arena.incref_each(index, srcs)
