@@ -167,6 +167,25 @@ def test_a_row_queue_takes_out_one_group_s_rows_by_their_weight_as_the_page_queu
     _same(pages, rows)
 
 
+@pytest.mark.parametrize("between", [[], [5], [5, 7]])
+def test_a_row_queue_requeues_a_refused_history_again_as_the_page_queue_does(between):
+    # a head refused step after step requeues the same history (leaves, a shared prefix): from the second time each
+    # list is the whole of one segment, moved to its bucket's young end (counted in pages), with rows queued between
+    # the refusals or not; the stale threshold is low, so a requeue's queueing demotes too
+    pages, rows = _pair()
+    for queue, ids in ((pages, _pages), (rows, list)):
+        queue.add_many(ids([3, 1]), 0)
+        queue.add_many(ids([0, 2, 9]), 0, True)
+        queue.add_many(ids([6, 4, 8]), 1, True)
+    _same(pages, rows)
+    for step in range(4):
+        for queue, ids in ((pages, _pages), (rows, list)):
+            queue.requeue(ids([1, 0]), ids([4, 6]), 1)
+            if between:  # queued after one refusal, taken out (a hit) after the next
+                queue.add_many(ids(between), 1) if step % 2 == 0 else queue.remove_many(ids(between))
+        _same(pages, rows)
+
+
 @pytest.mark.parametrize("n", range(1, 13))
 def test_a_row_queue_pops_as_many_rows_at_once_as_it_pops_one_at_a_time(n):
     # pop_pages pops at once the rows that go whatever they weigh (knowing the heaviest): the same rows, length and

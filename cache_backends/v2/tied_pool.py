@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from operator import mul
 
 from cache_backends.v2 import group_pool
-from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue
+from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue, _key_of
 from cache_backends.v2.shared_pool import interleave
 
 _SHARED = 1 << _SHARED_BIT  # a queued block's tag carries it where the block is a shared prefix's
@@ -149,7 +149,28 @@ class RowQueue(EvictionQueue):
         return self._pages(b for b in blocks if tags[b] >> _SHARED_BIT & 1)
 
     def requeue(self, leaves: list[int], shared: list[int], priority: int) -> None:
-        """:meth:`EvictionQueue.requeue`: ``leaves`` and ``shared`` out, then queued again, weighed in pages."""
+        """:meth:`EvictionQueue.requeue`: ``leaves`` and ``shared`` out, then queued again, weighed in pages; each list
+        the whole of one segment (the last refusal's) moved to its bucket's young end whole, as there. Why: a refused
+        hit on the tied arena took its history out and queued it again entry by entry every step it was refused."""
+        leaf_seg = self._whole_segment(leaves, _key_of(priority, False))
+        shared_seg = self._whole_segment(shared, _key_of(priority, True))
+        if leaf_seg is not None and shared_seg is not None:  # EvictionQueue.requeue's moves, counted in pages
+            leaf_pages, shared_pages = self._pages(leaves), self._pages(shared)
+            if shared_seg:
+                shared_seg[0] = 0  # (out: a demotion meanwhile passes it by as taken out)
+                self._len -= shared_pages
+                self.num_shared -= shared_pages
+            if leaf_seg:
+                leaf_seg[0] = 0
+                self._len -= leaf_pages
+                self._to_young_end(leaf_seg, len(leaves))
+                self._pending = leaf_pages
+                self._queued(leaf_pages, False)
+            if shared_seg:
+                self._to_young_end(shared_seg, len(shared))
+                self._pending = shared_pages
+                self._queued(shared_pages, True)
+            return
         self.remove_many(leaves + shared)
         if leaves:
             self.add_many(leaves, priority)
