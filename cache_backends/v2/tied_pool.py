@@ -240,6 +240,15 @@ class RowQueue(EvictionQueue):
             # (tiny-gemma3 mixed at a quarter of the budget: up to 130), a pop call each
             m = 1 if heaviest is None else -(-(n - got) // heaviest)
             before = self.num_shared
+            if m == 1:  # one entry (most pops: a decode's boundary), without the batch's passes
+                (b,) = pop_many(1)
+                w = weight[b]
+                out.append(b)
+                got += w
+                self._len -= w - 1
+                if self.num_shared != before:
+                    self.num_shared -= w - 1
+                continue
             batch = pop_many(m)  # (counted one page off the length an entry, and off num_shared a shared one)
             pages = sum(map(weight.__getitem__, batch))
             self._len -= pages - m
