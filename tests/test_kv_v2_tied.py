@@ -33,7 +33,7 @@ def _pages(rows: list[int]) -> list[int]:
 
 def _pair() -> tuple[EvictionQueue, RowQueue]:
     pages = EvictionQueue([0] * PAGES)
-    rows = RowQueue([0] * ROWS, list(K), PAGES)
+    rows = RowQueue([0] * ROWS, list(K), PAGES, max(K))  # (the heaviest row: pop_pages pops entries at once)
     pages._stale = rows._stale = PAGES // 2  # (stale demotions within a short run: both at the same threshold)
     return pages, rows
 
@@ -57,7 +57,7 @@ def _same(pages: EvictionQueue, rows: RowQueue) -> None:
     assert _as_rows(pages.buckets()) == [(key, [b for b, _ in got]) for key, got in rows.buckets()]
 
 
-_op = st.tuples(st.sampled_from(["queue", "hit", "claim", "pop", "requeue", "refresh", "peek"]),
+_op = st.tuples(st.sampled_from(["queue", "hit", "claim", "weigh", "pop", "requeue", "refresh", "peek"]),
                 st.lists(st.integers(0, ROWS - 1), max_size=5, unique=True), st.integers(0, 2), st.booleans(),
                 st.integers(1, PAGES))
 
@@ -83,6 +83,12 @@ def test_a_row_queue_evicts_the_rows_a_page_queue_evicts_and_counts_its_pages(op
                 pages.claim_many(_pages(taken), ref_p)
                 rows.claim_many(taken, ref_r)
                 assert [ROW_OF[b] for b in range(PAGES) if ref_p[b]] == _pages_rows(ref_r)
+            queued.difference_update(taken)
+        elif what == "weigh":  # one logical group's rows out, each of its weight (a hit's claim, a refused copy)
+            w = 3 if shared else 1
+            taken = [r for r in picked if r in queued and K[r] == w]
+            pages.remove_many(_pages(taken))
+            rows.remove_weighing(taken, w)
             queued.difference_update(taken)
         elif what == "pop":
             if not len(pages):
@@ -141,6 +147,56 @@ def test_a_row_queue_s_hit_that_stops_at_an_error_counts_the_pages_of_the_rows_i
     if error is not IndexError:
         _same(pages, rows)
     assert len(rows) == 10 - sum(K[r] for r in out) and rows.num_shared == 6 - sum(K[r] for r in out if r in (2, 4))
+
+
+@pytest.mark.parametrize("taken, error", [([0, 4], None), ([4, 2, 0], None), ([2, 6, 0], KeyError), ([2, 2], KeyError)])
+def test_a_row_queue_takes_out_one_group_s_rows_by_their_weight_as_the_page_queue_does(taken, error):
+    # remove_weighing (a hit's claim of one logical group, a refused copy): the rows of one weight out, the length and
+    # the shared count losing their pages from the queue's own counts of rows (no pass over their weights), up to the
+    # first row not queued where the take stops
+    pages, rows = _pair()
+    for queue, ids, priority, shared in ((pages, _pages([0, 1]), 0, False), (rows, [0, 1], 0, False),
+                                         (pages, _pages([2, 4]), 1, True), (rows, [2, 4], 1, True)):
+        queue.add_many(ids, priority, shared)
+    for take in (lambda: pages.remove_many(_pages(taken)), lambda: rows.remove_weighing(taken, 3)):
+        if error is None:
+            take()
+        else:
+            with pytest.raises(error):
+                take()
+    _same(pages, rows)
+
+
+@pytest.mark.parametrize("between", [[], [5], [5, 7]])
+def test_a_row_queue_requeues_a_refused_history_again_as_the_page_queue_does(between):
+    # a head refused step after step requeues the same history (leaves, a shared prefix): from the second time each
+    # list is the whole of one segment, moved to its bucket's young end (counted in pages), with rows queued between
+    # the refusals or not; the stale threshold is low, so a requeue's queueing demotes too
+    pages, rows = _pair()
+    for queue, ids in ((pages, _pages), (rows, list)):
+        queue.add_many(ids([3, 1]), 0)
+        queue.add_many(ids([0, 2, 9]), 0, True)
+        queue.add_many(ids([6, 4, 8]), 1, True)
+    _same(pages, rows)
+    for step in range(4):
+        for queue, ids in ((pages, _pages), (rows, list)):
+            queue.requeue(ids([1, 0]), ids([4, 6]), 1)
+            if between:  # queued after one refusal, taken out (a hit) after the next
+                queue.add_many(ids(between), 1) if step % 2 == 0 else queue.remove_many(ids(between))
+        _same(pages, rows)
+
+
+@pytest.mark.parametrize("n", range(1, 13))
+def test_a_row_queue_pops_as_many_rows_at_once_as_it_pops_one_at_a_time(n):
+    # pop_pages pops at once the rows that go whatever they weigh (knowing the heaviest): the same rows, length and
+    # shared pages as one at a time, also where one pop takes leaves and a shared prefix's rows of other weights
+    _, rows = _pair()
+    rows.add_many([1, 3], 0)  # a page each
+    rows.add_many([0, 2], 0, True)  # three each, shared
+    one = copy.deepcopy(rows)
+    one._heaviest = None  # (not known: a row at a time)
+    assert rows.pop_pages(min(n, len(rows))) == one.pop_pages(min(n, len(one)))
+    assert (len(rows), rows.num_shared, rows.buckets()) == (len(one), one.num_shared, one.buckets())
 
 
 def _pages_rows(ref: list[int]) -> list[int]:

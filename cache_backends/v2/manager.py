@@ -416,6 +416,13 @@ class KVCacheManagerV2:
         self._cycle_of = [list(cycles).index((g.tokens_per_block, g.window)) for g in self._groups]
         #: per life cycle (the order of :meth:`cycle_growth`'s lists): whether its groups slide a window
         self.cycle_windowed: tuple[bool, ...] = tuple(g.window is not None for g, _ in self._cycles)
+        # cycle_headroom's one pass where every cycle has one block span and the windowed ones one block cap (Gemma 2
+        # and 3: a full and a sliding cycle): (span, cap, windowed per cycle); None where it does not apply
+        spans_of = {g.tokens_per_block for g, _ in self._cycles}
+        caps_of = {g.max_blocks_per_sequence for g, _ in self._cycles} - {None}
+        self._one_span_cap: tuple[int, int, tuple[bool, ...]] | None = (
+            (spans_of.pop(), caps_of.pop(), tuple(g.max_blocks_per_sequence is not None for g, _ in self._cycles))
+            if len(self._cycles) > 1 and len(spans_of) == 1 and len(caps_of) == 1 else None)
         self._span_first = [next(g.name for g in self._groups if g.tokens_per_block == tpb) for tpb in spans]
         # per pool set: (a group of each life cycle in it, the pages a block of each of the set's groups in that
         # cycle holds, together: how many of them share the cycle, each block weighed by _pages_per_block)
@@ -1781,9 +1788,9 @@ class KVCacheManagerV2:
         arena, tree, index = self._arena, self._tree, self._share_index
         last, source = probe.last, probe.partial
         assert isinstance(arena, TiedArena) and last is not None and source is not None
-        queue = arena.evictable
-        for blocks, refs, _ in probe.claimed:
-            queue.remove_many(list(compress(blocks, map(not_, refs))))
+        queue, k = arena.evictable, arena.k
+        for (blocks, refs, _), i in zip(probe.claimed, index, strict=True):  # (a group's blocks weigh its k pages)
+            queue.remove_weighing(list(compress(blocks, map(not_, refs))), k[i])
         held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
         srcs = [source.blocks[name][0] for name in self._names]
         arena.incref_each(index, srcs)
@@ -1902,6 +1909,26 @@ class KVCacheManagerV2:
                 if worst > now:
                     total += -(-(now + ceil(ratio * (worst - now))) // tpb) + now // -tpb
             return [total]
+        if self._one_span_cap is not None:
+            # every cycle one block span, the capped ones one cap: each request's blocks now and after growing counted
+            # once for all cycles, in the same pass (no (now, target) pairs read again by a generator per cycle).
+            # Why: under pressure this runs every step the head is refused, over every running request (Gemma 3 27B
+            # multi-turn at a quarter of the budget: the generators were 3.7% of V2's CPU; BENCHMARKS.md "perf61")
+            tpb, cap, capped = self._one_span_cap
+            full = win = 0  # blocks an uncapped cycle grows by; a capped one
+            for r in requests:
+                cache = caches[r]
+                now = cache.capacity
+                worst = cache.worst
+                if worst < 0:  # once per request (as above)
+                    worst = cache.worst = min(r.max_total_tokens, limit)
+                if worst > now:
+                    t = -(-(now + ceil(ratio * (worst - now))) // tpb)
+                    n0 = -(-now // tpb)
+                    full += t - n0
+                    if n0 < cap:  # past the cap a window's blocks stay as many
+                        win += (t if t < cap else cap) - n0
+            return [win if c else full for c in capped]
         spans: list[tuple[int, int]] = []  # (tokens held now, tokens after growing ``ratio`` of the way)
         for r in requests:
             cache = caches[r]

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from operator import mul
 
 from cache_backends.v2 import group_pool
-from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue
+from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue, _key_of
 from cache_backends.v2.shared_pool import interleave
 
 _SHARED = 1 << _SHARED_BIT  # a queued block's tag carries it where the block is a shared prefix's
@@ -40,7 +40,7 @@ _SHARED = 1 << _SHARED_BIT  # a queued block's tag carries it where the block is
 class RowQueue(EvictionQueue):
     """An :class:`EvictionQueue` whose entry ``b`` weighs ``weight[b]`` pages in its length, shared count and clock."""
 
-    def __init__(self, priority: list[int], weight: list[int], pages: int) -> None:
+    def __init__(self, priority: list[int], weight: list[int], pages: int, heaviest: int | None = None) -> None:
         super().__init__(priority)
         if len(weight) != len(priority):
             raise ValueError(f"{len(weight)} weights for {len(priority)} entries")
@@ -48,6 +48,8 @@ class RowQueue(EvictionQueue):
         # the page queue's threshold: pools' worth of pages (read as EvictionQueue reads it: when built)
         self._stale = group_pool.STALE_POOLS * pages
         self._pending = 0  # the pages of the entries the call in progress queues (read by _queued)
+        # no entry weighs more (None: not known): pop_pages pops as many entries at once as must go in any case
+        self._heaviest = heaviest
 
     def _pages(self, blocks: Iterable[int]) -> int:
         return sum(map(self._weight.__getitem__, blocks))
@@ -86,6 +88,20 @@ class RowQueue(EvictionQueue):
     def remove_many(self, blocks: Sequence[int]) -> None:
         """:meth:`EvictionQueue.remove_many`, the length and shared count lowered by the pages taken out."""
         self._counted_out(blocks, lambda: super(RowQueue, self).remove_many(blocks))
+
+    def remove_weighing(self, blocks: Sequence[int], weight: int) -> None:
+        """:meth:`remove_many` of ``blocks`` that each weigh ``weight`` pages (one logical group's, ids of its blocks):
+        :meth:`EvictionQueue.remove_many` counts one off the length (and the shared count) an entry it takes out, even
+        where it stops at an error, so the pages are those counts times ``weight``, with no pass over the blocks' tags
+        and weights. Why: a hit's claim and a refused copy take a history's blocks out group by group, every step a
+        waiting turn is refused under pressure (Gemma 3 27B multi-turn at a quarter of the budget: the passes of
+        :meth:`_counted_out` were 3.3% of V2's CPU; BENCHMARKS.md "perf61")."""
+        n_len, n_shared = self._len, self.num_shared
+        try:
+            EvictionQueue.remove_many(self, blocks)
+        finally:
+            self._len = n_len - (n_len - self._len) * weight
+            self.num_shared = n_shared - (n_shared - self.num_shared) * weight
 
     def claim_many(self, blocks: Sequence[int], ref: list[int]) -> None:
         """:meth:`EvictionQueue.claim_many`, the length and shared count lowered by the pages taken out."""
@@ -133,7 +149,28 @@ class RowQueue(EvictionQueue):
         return self._pages(b for b in blocks if tags[b] >> _SHARED_BIT & 1)
 
     def requeue(self, leaves: list[int], shared: list[int], priority: int) -> None:
-        """:meth:`EvictionQueue.requeue`: ``leaves`` and ``shared`` out, then queued again, weighed in pages."""
+        """:meth:`EvictionQueue.requeue`: ``leaves`` and ``shared`` out, then queued again, weighed in pages; each list
+        the whole of one segment (the last refusal's) moved to its bucket's young end whole, as there. Why: a refused
+        hit on the tied arena took its history out and queued it again entry by entry every step it was refused."""
+        leaf_seg = self._whole_segment(leaves, _key_of(priority, False))
+        shared_seg = self._whole_segment(shared, _key_of(priority, True))
+        if leaf_seg is not None and shared_seg is not None:  # EvictionQueue.requeue's moves, counted in pages
+            leaf_pages, shared_pages = self._pages(leaves), self._pages(shared)
+            if shared_seg:
+                shared_seg[0] = 0  # (out: a demotion meanwhile passes it by as taken out)
+                self._len -= shared_pages
+                self.num_shared -= shared_pages
+            if leaf_seg:
+                leaf_seg[0] = 0
+                self._len -= leaf_pages
+                self._to_young_end(leaf_seg, len(leaves))
+                self._pending = leaf_pages
+                self._queued(leaf_pages, False)
+            if shared_seg:
+                self._to_young_end(shared_seg, len(shared))
+                self._pending = shared_pages
+                self._queued(shared_pages, True)
+            return
         self.remove_many(leaves + shared)
         if leaves:
             self.add_many(leaves, priority)
@@ -196,16 +233,30 @@ class RowQueue(EvictionQueue):
             raise IndexError("no evictable block" if not self._len else f"{n} pages asked, {self._len} evictable")
         out: list[int] = []
         got = 0
-        weight, pop_one = self._weight, super().pop_many
-        while got < n:  # an entry at a time: a take evicts a row or a few (each weighs its family's cuts)
+        weight, pop_many, heaviest = self._weight, super().pop_many, self._heaviest
+        while got < n:
+            # the entries that go whatever they weigh: the first m - 1 of them weigh less than the pages still asked,
+            # so popped at once they are the next m popped one at a time. Why: a prompt's take evicts tens of entries
+            # (tiny-gemma3 mixed at a quarter of the budget: up to 130), a pop call each
+            m = 1 if heaviest is None else -(-(n - got) // heaviest)
             before = self.num_shared
-            (b,) = pop_one(1)  # (counted one page off the length, and off num_shared where shared)
-            w = weight[b]
-            out.append(b)
-            got += w
-            self._len -= w - 1
-            if self.num_shared != before:
-                self.num_shared -= w - 1
+            if m == 1:  # one entry (most pops: a decode's boundary), without the batch's passes
+                (b,) = pop_many(1)
+                w = weight[b]
+                out.append(b)
+                got += w
+                self._len -= w - 1
+                if self.num_shared != before:
+                    self.num_shared -= w - 1
+                continue
+            batch = pop_many(m)  # (counted one page off the length an entry, and off num_shared a shared one)
+            pages = sum(map(weight.__getitem__, batch))
+            self._len -= pages - m
+            shared = before - self.num_shared
+            if shared:  # the last ``shared`` popped: a pop takes every leaf bucket's entries before a shared one's
+                self.num_shared -= (pages if shared == m else sum(map(weight.__getitem__, batch[m - shared:]))) - shared
+            out += batch
+            got += pages
         return out
 
 
@@ -241,7 +292,7 @@ class TiedArena:
         self.weight = [0] * n  # pages of a used or cached block (what the queue weighs it)
         self._free = list(range(num_pages - 1, -1, -1))  # stacks: pop() hands out low ids first
         self._free_ids = list(range(n - 1, -1, -1))
-        self.evictable = RowQueue(self.priority, self.weight, num_pages)
+        self.evictable = RowQueue(self.priority, self.weight, num_pages, max(self.k, default=1))
         self.used = [0] * len(self.names)
         self.cached = [0] * len(self.names)
         self.evicted = [0] * len(self.names)
@@ -385,7 +436,7 @@ class TiedArena:
             if not n:
                 cached.append(b)
             ref[b] = n + 1
-        self.evictable.remove_many(cached)
+        self.evictable.remove_weighing(cached, self.k[group])  # (every block of a group weighs its k pages)
         self.cached[group] -= len(cached)
         self.used[group] += len(cached)
 
@@ -522,7 +573,7 @@ class TiedArena:
         self._let_go(queued)
         for b in queued:
             self.node[b] = None
-        self.evictable = RowQueue(self.priority, self.weight, self.num_pages)
+        self.evictable = RowQueue(self.priority, self.weight, self.num_pages, max(self.k, default=1))
         self.cached[:] = [0] * len(self.names)
 
     def cut_tables(self, group: int, table: Sequence[int]) -> list[list[int]]:
