@@ -81,8 +81,8 @@ def spawn_size(model: Any, config_file: Any, llm_args: Mapping[str, Any]) -> int
     except Exception:
         overrides = dict(llm_args)
     request = api_request(model, config_file, True, overrides, "kvload.LLM()")  # refused as LLM's own would be
-    result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel()],
-                     log=False)
+    result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(),
+                              CheckParallel(starts_ranks=True)], log=False)
     size = int(result.args.tensor_parallel_size)
     return size if size > 1 else 0
 

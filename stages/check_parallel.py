@@ -23,6 +23,12 @@ class CheckParallel:
     name = "check_parallel"
     error = RankError
 
+    def __init__(self, starts_ranks: bool = False) -> None:
+        #: the launchers' (the CLI's, kvload.LLM's): this process is about to start the ranks on this machine's CUDA
+        #: devices. Else only a launched rank checks the devices: ``plan`` in one process plans rank 0's view of a
+        #: size this machine need not have (an 8-GPU target, planned on a one-GPU workstation)
+        self.starts_ranks = starts_ranks
+
     def run(self, ctx: Context, emit: Emit) -> None:
         """Validate the tensor-parallel size; record this rank and the heads it holds."""
         if ctx.ranks is None:
@@ -34,7 +40,8 @@ class CheckParallel:
                 f"tensor_parallel_size={tp} but {ranks.world_size} ranks were launched (WORLD_SIZE); launch "
                 f"exactly tensor_parallel_size ranks (torchrun --nproc-per-node {tp}) or set --tp_size "
                 f"{ranks.world_size}")
-        devices = cuda_devices() if tp > 1 and str(ctx.args.device).startswith("cuda") else 0
+        runs = self.starts_ranks or ranks.distributed  # the ranks take this machine's devices (not a plan's view)
+        devices = cuda_devices() if runs and tp > 1 and str(ctx.args.device).startswith("cuda") else 0
         here = _env_int("LOCAL_WORLD_SIZE", tp)  # the ranks on this machine (torchrun's; all of them otherwise)
         if 0 < devices < here:  # each rank takes cuda:LOCAL_RANK: rank 1 on a one-GPU machine met "invalid device
             # ordinal" in torch.cuda.set_device, after the other ranks had started (vLLM refuses this world size too)

@@ -287,6 +287,19 @@ def test_more_ranks_than_cuda_devices_is_refused_before_any_rank_starts(capsys, 
     assert started == [(["serve", "tiny-llama", "-tp", "2", "--device", "cuda", "--max_tokens", "4096"], 2)]
 
 
+def test_plan_on_a_machine_with_fewer_cuda_devices_than_ranks_plans_rank_0_s_view(capsys, monkeypatch):
+    # plan starts no rank: tp 8 planned on a one-GPU workstation for an 8-GPU target is rank 0's view (the module's
+    # docstring), not the launchers' "this machine has 1" (the count is faked: no GPU here)
+    import kvload
+    from stages import check_parallel
+
+    monkeypatch.setattr(check_parallel, "cuda_devices", lambda: 1)
+    r = run_cli(capsys, "plan", "tiny-llama", "-tp", "2", "--device", "cuda", "--max_tokens", "4096", "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["args"]["tensor_parallel_size"] == 2
+    assert kvload.plan("tiny-llama", tensor_parallel_size=2, device="cuda", log=False).args.tensor_parallel_size == 2
+
+
 @pytest.mark.slow  # two ranks load tiny-llama and generate (~20 s on two busy cores)
 def test_a_stop_signal_to_one_rank_alone_names_that_rank(tmp_path):
     # SIGTERM to rank 1 alone (`kill PID`, a process manager), not to the command: the rank ends by it and the others

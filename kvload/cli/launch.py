@@ -83,8 +83,8 @@ def _resolved_size(ns: argparse.Namespace) -> int:
     # generate and serve load weights: check_parallel then refuses a size transformers' plan cannot load, too
     request = _request(ns, load_weights=ns.command in ("generate", "serve"), kv_events_reader=False)
     request.config = copy.deepcopy(request.config)  # the stages may normalise the tree the command gets after
-    result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(), CheckParallel()],
-                     log=False)
+    result = execute(request, [ParseArgs(), SnapshotUserFields(), ApplyModelDefaults(), ResolveAuto(),
+                              CheckParallel(starts_ranks=True)], log=False)
     size = result.args.tensor_parallel_size
     return size if size > 1 else 0
 
