@@ -982,3 +982,21 @@ def test_a_lookup_after_the_request_grew_reads_its_new_tokens(memo):
     assert [m.cached_prefix(r, memo)[0] for r in (same, other)] == [12, 8]
     probe = m.probe_hit(same)
     assert probe is not None and probe.tokens == 12
+
+
+def test_a_request_keeps_its_packed_tokens_only_while_it_waits():
+    """The token ids a lookup packs stay on a waiting request (looked up every step it waits), not on a running one
+    nor a finished one: 8 bytes a token of every running request's sequence held for its whole run otherwise."""
+    m = make_manager(FULL, 32)
+    cached = Request("cached", [*range(1, 18)], 1)
+    prefill(m, cached)
+    m.free(cached)
+    r = Request("r", [*range(1, 14)], 4)
+    assert m.cached_prefix_tokens(r) == 12
+    assert len(r.packed_ids) >= 8 * 12  # kept for its next lookups
+    admit(m, r)
+    assert r.packed_ids == b"" and r.num_computed_tokens == 12
+    waiting = Request("w", [*range(1, 14)], 4)
+    assert m.cached_prefix_tokens(waiting) == 12 and waiting.packed_ids
+    m.free(waiting)  # finished before it was admitted (an abort)
+    assert waiting.packed_ids == b""
