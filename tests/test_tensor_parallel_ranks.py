@@ -133,28 +133,22 @@ def test_weights_shard_by_transformers_plan_and_greedy_output_equals_one_process
     assert r0["beams"] == r1["beams"] == want
 
 
-def test_deepseek_v4_under_tensor_parallel_generates_one_process_s_tokens_and_reuses_its_prefix(ranks):
-    from tests.tp_support import V4_PROMPTS
-
-    r0, r1 = scenario(ranks, "deepseek_v4")
-    with pipeline.load("tiny-deepseek-v4", load_weights=True, kv_cache_config={"max_tokens": 4096},
-                       log=False) as alone:
-        outs = [alone.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in V4_PROMPTS]
-    assert r0["greedy"] == r1["greedy"] == [o.token_ids for o in outs]
-    assert r0["reused"] == r1["reused"] == [0, 256]  # the second prompt reads two 128-token units of the first
-
-
-def test_deepseek_v3_under_tensor_parallel_generates_one_process_s_tokens_and_reuses_its_prefix(ranks):
+@pytest.mark.parametrize(("name", "preset", "prompts", "max_tokens", "reused"), [
+    ("deepseek_v4", "tiny-deepseek-v4", "V4_PROMPTS", 4096, [0, 256]),  # two 128-token units of the first prompt
     # its MLA layers fold kv_b_proj's weight into the queries; under TP that weight is a DTensor, whose view torch
     # refused under inference mode: every generate failed with "Cannot set version_counter for inference tensor"
-    from tests.tp_support import V3_PROMPTS
+    ("deepseek_v3", "tiny-deepseek-v3", "V3_PROMPTS", 1024, [0, 64]),
+])
+def test_deepseek_under_tensor_parallel_generates_one_process_s_tokens_and_reuses_its_prefix(ranks, name, preset,
+                                                                                            prompts, max_tokens,
+                                                                                            reused):
+    from tests import tp_support
 
-    r0, r1 = scenario(ranks, "deepseek_v3")
-    with pipeline.load("tiny-deepseek-v3", load_weights=True, kv_cache_config={"max_tokens": 1024},
-                       log=False) as alone:
-        outs = [alone.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in V3_PROMPTS]
+    r0, r1 = scenario(ranks, name)
+    with pipeline.load(preset, load_weights=True, kv_cache_config={"max_tokens": max_tokens}, log=False) as alone:
+        outs = [alone.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in getattr(tp_support, prompts)]
     assert r0["greedy"] == r1["greedy"] == [o.token_ids for o in outs]
-    assert r0["reused"] == r1["reused"] == [0, 64]
+    assert r0["reused"] == r1["reused"] == reused
 
 
 def test_torchrun_generate_prints_what_one_process_prints(tmp_path, capsys):
