@@ -8,6 +8,7 @@ what each rank recorded.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -250,9 +251,9 @@ def test_a_rank_that_dies_mid_generation_is_one_line_on_the_rank_left(tmp_path):
     assert "by peer" in line or "Broken pipe" in line, line
 
 
-#: rank 2's ``sitecustomize`` (every process of a rank writes its pid and start time in PIDS): its second broadcast
-#: (generation's second token) SIGKILLs it, mid-run: nothing of its own cleanup runs
-_RANK_2_SIGKILLED = """
+#: the first lines of every rank's ``sitecustomize`` in the tests below: each process of a rank writes its pid and
+#: start time in PIDS (read by :func:`_torchrun_killing_a_rank`)
+_NOTE_PIDS = """
 import os
 import signal
 if os.environ.get("RANK") is not None:
@@ -260,6 +261,11 @@ if os.environ.get("RANK") is not None:
         start = f.read().rsplit(")", 1)[1].split()[19]
     with open(os.path.join(PIDS, f"{os.environ['RANK']}.{os.getpid()}"), "w") as f:
         f.write(start)
+"""
+
+#: rank 2's ``sitecustomize`` after :data:`_NOTE_PIDS`: its second broadcast (generation's second token) SIGKILLs it,
+#: mid-run: nothing of its own cleanup runs
+_RANK_2_SIGKILLED = """
 if os.environ.get("RANK") == "2":
     import pipeline.ranks
 
@@ -280,47 +286,23 @@ def test_a_rank_sigkilled_under_torchrun_leaves_no_audit_temporary_but_one_from_
     # SIGKILL runs nothing in the killed rank, and torchrun cannot remove its unpublished audit log (kvload's own
     # launcher does): its .a.rank2.jsonl.<hex>.tmp stayed beside the audit log. The ranks left on its machine remove
     # it before exiting with their error; a temporary of that name there before the run is none of this run's: it stays
-    import os
-    import signal
-
-    from tests.tp_support import REPO, four_kv_head_llama
+    from tests.tp_support import four_kv_head_llama
 
     ckpt = four_kv_head_llama(tmp_path / "ckpt")  # four KV heads, so that four ranks load its weights
-    pids, inject, out = tmp_path / "pids", tmp_path / "inject", tmp_path / "out"
-    for folder in (pids, inject, out):
-        folder.mkdir()
-    (inject / "sitecustomize.py").write_text(f"PIDS = {str(pids)!r}\n" + _RANK_2_SIGKILLED)
+    out = tmp_path / "out"
+    out.mkdir()
     planted = out / ".a.rank2.jsonl.0123456789ab.tmp"
     planted.write_text("left by an earlier run\n")
-    r = torchrun("-m", "kvload", "generate", str(ckpt), "--prompt-ids", "1,2,3,4,5", "--max_new_tokens", "8",
-                 "--max_tokens", "4096", "--tp_size", "4", "--audit-log", str(out / "a.jsonl"), nproc=4,
-                 env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"})
-    assert r.returncode != 0, r.stderr[-3000:]
-    started = {tuple(map(int, p.name.split("."))): p.read_text() for p in pids.iterdir()}  # (rank, pid): start
-    assert sorted({rank for rank, _ in started}) == [0, 1, 2, 3], r.stderr[-3000:]
-    for (rank, pid), start in started.items():  # every process of a rank ended: none outlived torchrun
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        if fields[19] == start and fields[0] not in "ZX":  # that process (not a later one given its pid), alive
-            os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"rank {rank}'s process {pid} outlived torchrun")
-    assert "exitcode  : -9" in r.stderr, r.stderr[-3000:]  # torchrun's summary: rank 2 was SIGKILLed
+    r = _torchrun_killing_a_rank(tmp_path, _RANK_2_SIGKILLED, "-m", "kvload", "generate", str(ckpt), "--prompt-ids",
+                                 "1,2,3,4,5", "--max_new_tokens", "8", "--max_tokens", "4096", "--tp_size", "4",
+                                 "--audit-log", str(out / "a.jsonl"), nproc=4)
     assert sorted(p.name for p in out.iterdir()) == [planted.name], r.stderr[-3000:]
     assert planted.read_text() == "left by an earlier run\n"
 
 
-#: rank 1's ``sitecustomize`` (every process of a rank writes its pid and start time in PIDS): it SIGKILLs itself as it
-#: enters ``init_process_group``, before the group forms: no other rank knows it yet
+#: rank 1's ``sitecustomize`` after :data:`_NOTE_PIDS`: it SIGKILLs itself as it enters ``init_process_group``, before
+#: the group forms: no other rank knows it yet
 _RANK_1_SIGKILLED_BEFORE_THE_GROUP = """
-import os
-import signal
-if os.environ.get("RANK") is not None:
-    with open("/proc/self/stat") as f:
-        start = f.read().rsplit(")", 1)[1].split()[19]
-    with open(os.path.join(PIDS, f"{os.environ['RANK']}.{os.getpid()}"), "w") as f:
-        f.write(start)
 if os.environ.get("RANK") == "1":
     import torch.distributed
 
@@ -331,25 +313,22 @@ if os.environ.get("RANK") == "1":
 """
 
 
-@pytest.mark.slow  # torchrun starts two ranks of a tiny model (~20 s on two busy cores)
-def test_a_rank_sigkilled_before_the_group_forms_leaves_no_audit_temporary(tmp_path):
-    # audittmp60's limit: a rank killed before the ranks met left its .a.rank1.jsonl.<hex>.tmp (no rank knew of it to
-    # remove it). A rank under torchrun keeps its audit records in memory until the group forms, so there is none yet
+def _torchrun_killing_a_rank(tmp_path: Path, kill: str, *args: str, nproc: int) -> subprocess.CompletedProcess:
+    """torchrun of ``args`` on ``nproc`` ranks, each with :data:`_NOTE_PIDS` then ``kill`` as its ``sitecustomize``:
+    the run failed, every rank started, a rank was SIGKILLed and no process of a rank outlived torchrun."""
     import os
     import signal
 
     from tests.tp_support import REPO
 
-    pids, inject, out = tmp_path / "pids", tmp_path / "inject", tmp_path / "out"
-    for folder in (pids, inject, out):
+    pids, inject = tmp_path / "pids", tmp_path / "inject"
+    for folder in (pids, inject):
         folder.mkdir()
-    (inject / "sitecustomize.py").write_text(f"PIDS = {str(pids)!r}\n" + _RANK_1_SIGKILLED_BEFORE_THE_GROUP)
-    r = torchrun("-m", "kvload", "generate", "tiny-llama", "--prompt-ids", "1,2,3,4,5", "--max_new_tokens", "2",
-                 "--max_tokens", "1024", "--tp_size", "2", "--audit-log", str(out / "a.jsonl"), nproc=2,
-                 env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"})
+    (inject / "sitecustomize.py").write_text(f"PIDS = {str(pids)!r}\n" + _NOTE_PIDS + kill)
+    r = torchrun(*args, nproc=nproc, env={"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"})
     assert r.returncode != 0, r.stderr[-3000:]
     started = {tuple(map(int, p.name.split("."))): p.read_text() for p in pids.iterdir()}  # (rank, pid): start
-    assert sorted({rank for rank, _ in started}) == [0, 1], r.stderr[-3000:]
+    assert sorted({rank for rank, _ in started}) == list(range(nproc)), r.stderr[-3000:]
     for (rank, pid), start in started.items():  # every process of a rank ended: none outlived torchrun
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -358,7 +337,19 @@ def test_a_rank_sigkilled_before_the_group_forms_leaves_no_audit_temporary(tmp_p
         if fields[19] == start and fields[0] not in "ZX":  # that process (not a later one given its pid), alive
             os.kill(pid, signal.SIGKILL)
             pytest.fail(f"rank {rank}'s process {pid} outlived torchrun")
-    assert "exitcode  : -9" in r.stderr, r.stderr[-3000:]  # torchrun's summary: rank 1 was SIGKILLed
+    assert "exitcode  : -9" in r.stderr, r.stderr[-3000:]  # torchrun's summary: a rank was SIGKILLed
+    return r
+
+
+@pytest.mark.slow  # torchrun starts two ranks of a tiny model (~20 s on two busy cores)
+def test_a_rank_sigkilled_before_the_group_forms_leaves_no_audit_temporary(tmp_path):
+    # audittmp60's limit: a rank killed before the ranks met left its .a.rank1.jsonl.<hex>.tmp (no rank knew of it to
+    # remove it). A rank under torchrun keeps its audit records in memory until the group forms, so there is none yet
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _torchrun_killing_a_rank(tmp_path, _RANK_1_SIGKILLED_BEFORE_THE_GROUP, "-m", "kvload", "generate", "tiny-llama",
+                                 "--prompt-ids", "1,2,3,4,5", "--max_new_tokens", "2", "--max_tokens", "1024",
+                                 "--tp_size", "2", "--audit-log", str(out / "a.jsonl"), nproc=2)
     assert sorted(p.name for p in out.iterdir()) == [], r.stderr[-3000:]
 
 
