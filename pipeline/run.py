@@ -15,8 +15,9 @@ from pipeline.context import Context, LoadRequest, ModelInfo, Route
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.limits import short_text
 from pipeline.logs import StructlogSubscriber
-from pipeline.ranks import rank_audit_path, ranks_from_env
+from pipeline.ranks import note_output, peers_met, rank_audit_path, ranks_from_env, remove_lost_peers_temporaries
 from pipeline.runner import Pipeline, Stage
+from pipeline.signals import deferred
 
 
 @attrs.define
@@ -159,7 +160,10 @@ def execute(
         if config_file and same_file(audit_log, config_file):  # the log replaced the YAML this call had just read
             raise ConfigError(f"audit_log {audit_log}: is the config_file this call reads; give the audit log a "
                               "file of its own")
-        sink = JsonlSink(rank_audit_path(audit_log, ranks), flag="audit_log")
+        path = rank_audit_path(audit_log, ranks)
+        if ranks.distributed:  # as the CLI's --audit-log: the ranks on this machine remove it should this one be
+            note_output(path)  # SIGKILLed, and none exists before they met (a rank killed earlier is known to none)
+        sink = JsonlSink(path, flag="audit_log", wait=_not_met if ranks.distributed else None)
     subs: list[Subscriber] = [audit]
     if log:
         subs.append(StructlogSubscriber())
@@ -173,6 +177,9 @@ def execute(
     except BaseException as exc:
         if sink is not None:
             sink.close(ok=False)
+            if ranks.distributed:  # a rank SIGKILLed beside this one (its cause, often) left its temporary for it
+                with deferred():  # torchrun's SIGTERM to the ranks left must not cut this short
+                    remove_lost_peers_temporaries()
         if isinstance(exc, KvloadError):  # the events up to stage_failed, for a caller asking why (no file is left)
             exc.audit = audit  # type: ignore[attr-defined]
         raise
@@ -180,6 +187,11 @@ def execute(
         sink.close(ok=True)
         bus.unsubscribe(sink)
     return result_type(args=ctx.args, route=ctx.route, model=ctx.model, audit=audit, context=ctx, bus=bus)
+
+
+def _not_met() -> bool:
+    """Whether the ranks have not met yet: an audit sink keeps its records in memory until they have."""
+    return not peers_met()
 
 
 __all__ = ["RunResult", "execute"]

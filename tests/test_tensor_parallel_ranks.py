@@ -353,6 +353,20 @@ def test_a_rank_sigkilled_before_the_group_forms_leaves_no_audit_temporary(tmp_p
     assert sorted(p.name for p in out.iterdir()) == [], r.stderr[-3000:]
 
 
+@pytest.mark.slow  # torchrun starts two ranks of a tiny model (~20 s on two busy cores)
+def test_an_llm_rank_sigkilled_before_the_group_forms_leaves_no_audit_temporary(tmp_path):
+    # the Python API's audit_log= under torchrun, as the CLI's --audit-log above: a rank killed before the ranks met
+    # left its .a.rank1.jsonl.<hex>.tmp (the API neither noted its output nor waited for the ranks to meet)
+    script = tmp_path / "load.py"
+    script.write_text("import sys\n\nimport kvload\n\nkvload.LLM('tiny-llama', tensor_parallel_size=2, "
+                      "audit_log=sys.argv[1], kv_cache_config={'max_tokens': 1024}, log=False)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _torchrun_killing_a_rank(tmp_path, _RANK_1_SIGKILLED_BEFORE_THE_GROUP, str(script), str(out / "a.jsonl"),
+                                 nproc=2)
+    assert sorted(p.name for p in out.iterdir()) == [], r.stderr[-3000:]
+
+
 def test_a_failed_rank_removes_only_what_ranks_gone_from_its_machine_left_since_they_took_note(tmp_path, monkeypatch):
     # the rules of the cleanup above, on four ranks told as the object group forms: rank 1 (this machine) died, rank 2
     # (this machine) lives, rank 3 died on another machine (another boot id) writing into a shared folder. Only rank
