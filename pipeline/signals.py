@@ -24,7 +24,8 @@ its own), so it is raised once the main thread is out of the finalizer. C code t
 so with whatever its numpy import raised) reports nothing: a thread of kvload's sees the stop's exception held by
 nobody but this module, with no stop taken, and sends the signal again, so the command stops within a fraction of a
 second with the first signal's line and status (it had gone on as if never stopped, or failed on the half-imported
-numpy: a rank under torchrun, which sends one SIGTERM, ran on until its SIGKILL 30 s later).
+numpy: a rank under torchrun, which sends one SIGTERM, ran on until its SIGKILL 30 s later). A failure it caused
+before that is reported as the stop (:func:`dropped_stop`).
 """
 
 from __future__ import annotations
@@ -233,6 +234,13 @@ def stopping(replacing: Mapping[int, Any] | None = None) -> bool:
     _state["raised"] = None  # the stop reached the command (and this module lets its exception go)
     _take(replacing)
     return True
+
+
+def dropped_stop() -> KeyboardInterrupt | None:
+    """The exception of a stop signal that code which drops every error cleared before the command saw it (torch's
+    start-up), for a failure that came of it (numpy half-imported) to be reported as that stop; None if there is
+    none. The command takes it (:func:`stopping`) as it reports it."""
+    return _state["raised"] if _dropped() is not None else None
 
 
 def release_sigterm() -> None:
