@@ -20,7 +20,12 @@ A stop signal whose exception Python swallows is sent again. The handler raises 
 that is a finalizer (a ``__del__``, a generator closed by the garbage collector, a weakref callback) Python only
 reports it to :func:`sys.unraisablehook` ("Exception ignored in ...") and goes on: the command ran to its end and
 exited 0 as if never stopped. While armed, kvload's hook has that signal sent to the process again (from a thread of
-its own), so it is raised once the main thread is out of the finalizer.
+its own), so it is raised once the main thread is out of the finalizer. C code that clears it (torch's start-up does
+so with whatever its numpy import raised) reports nothing: a thread of kvload's sees the stop's exception held by
+nobody but this module, with no stop taken, and sends the signal again, so the command stops within a fraction of a
+second with the first signal's line and status (it had gone on as if never stopped, or failed on the half-imported
+numpy: a rank under torchrun, which sends one SIGTERM, ran on until its SIGKILL 30 s later). A failure it caused
+before that is reported as the stop (:func:`dropped_stop`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ _HANDLED = (signal.SIGTERM, signal.SIGHUP)
 _HELD = {signal.SIGINT, *_HANDLED}
 #: Seconds after a stop was taken during which another stop signal repeats it (raises nothing)
 REPEAT_S = 3.0
+#: Seconds between two looks of the watcher (:func:`_watch`) at a stop's exception not yet taken; it resends a
+#: dropped one on its second look (one look could fall between the handler's store of the exception and its raise)
+_WATCH_S = 0.05
 
 
 class Terminated(KeyboardInterrupt):
@@ -63,8 +71,9 @@ class HungUp(Terminated):
 #: (``time.monotonic()``; ``None``: none); ``ends_process``: :func:`ends_process` was called.
 #: ``exit_taken``: the ``taken`` of the stop a process that ends with its command exits on. ``raised``: the stop's
 #: exception until the command took it (:func:`stopping`); one only this module still holds was dropped unseen.
+#: ``watcher``: ``(pid, lock)`` of :func:`_watch`'s thread in process ``pid``, woken by releasing ``lock``.
 _state: dict[str, Any] = {"armed": False, "previous": {}, "unraisable": None, "taken": None, "ends_process": False,
-                          "exit_taken": 0.0, "raised": None}
+                          "exit_taken": 0.0, "raised": None, "watcher": None}
 
 
 def _stop_exception(signum: int) -> KeyboardInterrupt:
@@ -91,12 +100,49 @@ def _swallowed_stop(unraisable: Any) -> None:
     (_state["unraisable"] or sys.__unraisablehook__)(unraisable)
 
 
+def _dropped() -> int | None:
+    """The signal of the stop whose exception was dropped unseen (held by :data:`_state` alone: code that drops every
+    error cleared it, and the command never took it); None if there is none."""
+    exc = _state["raised"]
+    if exc is None or sys.getrefcount(exc) > 3:  # (this dict's reference, this local's, the call's)
+        return None
+    return exc.signal_number if isinstance(exc, Terminated) else signal.SIGINT
+
+
+def _watch(wake: Any) -> None:
+    """The watcher's thread: from each stop raised (``wake`` released) until it is taken or the command is over, the
+    stop's signal sent again while its exception is dropped (its handler, :func:`_repeated_stop`, raises it anew)."""
+    while True:
+        wake.acquire()
+        looks = 0
+        while _state["armed"] and _state["raised"] is not None:
+            time.sleep(_WATCH_S)
+            signum = _dropped()
+            looks = looks + 1 if signum is not None else 0
+            if looks >= 2:
+                looks = 0
+                os.kill(os.getpid(), signum)
+
+
+def _start_watcher() -> None:
+    """:func:`_watch`'s thread, once per process, before any stop: a thread started from a signal's handler could
+    wait forever on a lock of ``threading``'s the interrupted main thread holds."""
+    if _state["watcher"] is None or _state["watcher"][0] != os.getpid():  # none yet, or it stayed in a forked parent
+        wake = threading.Lock()
+        wake.acquire()
+        threading.Thread(target=_watch, args=(wake,), name="stop-watcher", daemon=True).start()
+        _state["watcher"] = (os.getpid(), wake)
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
     """SIGINT, SIGTERM and SIGHUP while armed: the stop is taken and its exception raised where the main thread is."""
     if _state["armed"]:
         _take()
-        # kept here, in no local of this frame (its traceback holds the frame): see _repeated_stop
+        # kept here, in no local of this frame (its traceback holds the frame): see _dropped
         _state["raised"] = _stop_exception(signum)
+        if _state["watcher"] is not None:
+            with contextlib.suppress(RuntimeError):  # (released already: a wake-up is pending)
+                _state["watcher"][1].release()
         raise _state["raised"]
     # released (the command is over) but not yet swapped out: act as the handler kvload replaced would, never
     # raising into atexit callbacks or finalizers
@@ -114,9 +160,10 @@ def _repeated_stop(signum: int, frame: Any) -> None:
     taken = _state["taken"]
     if not _state["armed"]:
         return
-    if _state["raised"] is not None and sys.getrefcount(_state["raised"]) <= 2:  # (this dict's reference, the call's)
+    if _dropped() is not None:
         # the stop's exception is gone and the command never took it: code that drops every error cleared it (torch's
         # C start-up does so with whatever its numpy import raised); nobody is stopping, so this one is a first stop
+        # (sent by the watcher, or by the user)
         _state["taken"] = None
         _raise_terminated(signum, frame)
     if taken is None or time.monotonic() - taken > REPEAT_S:
@@ -160,6 +207,7 @@ def handle_sigterm() -> None:
     SIGHUP or SIGINT stays ignored: ``nohup kvload ...`` and a job started with ``&`` asked for that."""
     if threading.current_thread() is threading.main_thread():
         _state["taken"] = _state["raised"] = None
+        _start_watcher()
         if not _state["armed"]:
             # what this command replaces, only: a signal skipped (ignored since an earlier command) keeps no handler
             # of that command's to be put back when this one returns
@@ -186,6 +234,13 @@ def stopping(replacing: Mapping[int, Any] | None = None) -> bool:
     _state["raised"] = None  # the stop reached the command (and this module lets its exception go)
     _take(replacing)
     return True
+
+
+def dropped_stop() -> KeyboardInterrupt | None:
+    """The exception of a stop signal that code which drops every error cleared before the command saw it (torch's
+    start-up), for a failure that came of it (numpy half-imported) to be reported as that stop; None if there is
+    none. The command takes it (:func:`stopping`) as it reports it."""
+    return _state["raised"] if _dropped() is not None else None
 
 
 def release_sigterm() -> None:

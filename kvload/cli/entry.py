@@ -19,7 +19,7 @@ from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import short_text
 
 # at import: main's first line is in its try
-from pipeline.signals import Terminated, handle_sigterm, release_sigterm, stopping
+from pipeline.signals import Terminated, dropped_stop, handle_sigterm, release_sigterm, stopping
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -96,6 +96,9 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         ok = code == 0
         return code
     except KvloadError as exc:
+        stop = dropped_stop()  # a stop torch's start-up cleared, failing the command before it was sent again
+        if stop is not None:
+            return _stopped(stop, said, ns)
         _end_line()
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
@@ -112,6 +115,9 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         _say(f"the output was closed before it was all written (broken pipe){_unwritten(ns)}", said)
         return 141
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
+        stop = dropped_stop()  # (as for KvloadError: numpy's ImportError where torch dropped the stop)
+        if stop is not None:
+            return _stopped(stop, said, ns)
         from pipeline.ranks import lost_rank_message
 
         _end_line()
