@@ -695,14 +695,16 @@ def test_under_torchrun_rank_0_alone_publishes_the_kv_events_of_an_llm(tmp_path)
     port = free_port()
     script = tmp_path / "events.py"
     script.write_text(textwrap.dedent(f"""
-        import os, time
+        import os, sys, time
         import kvload
         with kvload.LLM("tiny-llama", tensor_parallel_size=2, kv_cache_config={{"max_tokens": 1024}}, log=False,
                         kv_events_config={{"enable_kv_cache_events": True, "endpoint": "tcp://*:{port}"}}) as llm:
             time.sleep(1.0)  # a SUB socket hears only what is sent after it joined
             out = llm.generate([list(range(1, 70))], kvload.SamplingParams(max_tokens=2, temperature=0))
             time.sleep(0.5)  # the publisher's thread sends it
-            print("rank", os.environ["RANK"], out[0].outputs[0].token_ids)
+            # one write: print() writes each piece apart when unbuffered (PYTHONUNBUFFERED=1), and the two ranks'
+            # pieces interleaved on the shared pipe ("rankrank 1  0 [...]")
+            sys.stdout.write(f"rank {{os.environ['RANK']}} {{out[0].outputs[0].token_ids}}\\n")
     """))
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
