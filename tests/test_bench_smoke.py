@@ -116,7 +116,14 @@ def test_step_cost_bench_runs_both_sides_at_the_asked_fraction_of_the_default_bu
     base = simulate("tiny-llama", wl, **bench_step_cost.CPU).budget.bytes
     a, b = bench_step_cost._at_budget("tiny-llama", wl, 0.25, ({"x": 1}, {"y": 2}))
     assert a == {"x": 1, "max_gpu_total_bytes": base // 4} and b == {"y": 2, "max_gpu_total_bytes": base // 4}
-    assert bench_step_cost._at_budget("tiny-llama", wl, None, ({"x": 1}, {})) == ({"x": 1}, {})
+    # no --budget: still the same bytes for both (the default's); left to their own defaults, V2 on a sliding-window
+    # model got a third of V1's bytes (its layout's), and the CPU figure compared V2 queueing with V1 not
+    wl = make_workload("mixed", 8, 0)
+    base = simulate("tiny-gemma3", wl, **bench_step_cost.CPU).budget.bytes
+    sides = ({"use_kv_cache_manager_v2": False}, {"use_kv_cache_manager_v2": True})
+    a, b = bench_step_cost._at_budget("tiny-gemma3", wl, None, sides)
+    assert a["max_gpu_total_bytes"] == b["max_gpu_total_bytes"] == base
+    assert simulate("tiny-gemma3", wl, kv_cache_config=sides[1], **bench_step_cost.CPU).budget.bytes < base
 
 
 def test_step_cost_bench_counts_opcodes_or_times_whole_runs_instead_of_the_median_step():
