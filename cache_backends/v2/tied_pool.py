@@ -371,18 +371,25 @@ class TiedArena:
         free_pages, free_ids = self._free, self._free_ids
         pages, weight, gen, ref, group_of = self.pages, self.weight, self.gen, self.ref, self.group_of
         for g, c in zip(groups, counts, strict=True):
+            if not c:
+                out.append([])
+                continue
             k = self.k[g]
-            piece = []
-            for _ in range(c):  # (every block a take hands out: locals)
-                b = free_ids.pop()
-                got = tuple(free_pages[len(free_pages) - k:][::-1])
-                del free_pages[len(free_pages) - k:]
-                pages[b] = got
+            # the c blocks' ids and pages cut off the free lists' ends in one slice each, as c pops would take them
+            # (last first; a block's k pages last first): a prompt's take is hundreds of blocks
+            piece = free_ids[-c:]
+            del free_ids[-c:]
+            piece.reverse()
+            n = c * k
+            got = free_pages[-n:]
+            del free_pages[-n:]
+            got.reverse()
+            for b, t in zip(piece, zip(*[iter(got)] * k, strict=True), strict=True):  # (k pages a block, tuples in C)
+                pages[b] = t
                 weight[b] = k
                 gen[b] += 1
                 ref[b] = 1
                 group_of[b] = g
-                piece.append(b)
             self.used[g] += c
             out.append(piece)
         return out
