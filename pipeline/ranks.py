@@ -414,7 +414,9 @@ def close_rank_audit(sink: JsonlSink, ranks: Ranks, *, ok: bool) -> None:
     what the ranks SIGKILLed beside it (its cause, often) left beside their audit logs
     (:func:`remove_lost_peers_temporaries`)."""
     sink.close(ok=ok)
-    if not ok and ranks.distributed:  # one process alone has no peers of its own (kvload.LLM's are its ranks')
+    # a rank only: a process that is none may know peers all the same (a kvload.LLM's ranks, whose group it hosts),
+    # and what they left is no part of this run
+    if not ok and ranks.distributed:
         from pipeline.signals import deferred
 
         with deferred():  # torchrun's SIGTERM to the ranks left must not cut this short
