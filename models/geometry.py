@@ -120,7 +120,7 @@ def head_sharding(cfg: Any, tp_size: int, arch: str = "model") -> HeadSharding:
     what = f"tensor_parallel_size={tp_size}: {arch}"
     if heads % tp_size:
         raise ModelError(f"{what} has {heads} attention heads, which do not divide by {tp_size} ranks; "
-                         f"accepted: {_accepted(heads, None if latent else n_kv)}")
+                         f"accepted: {accepted_sizes(heads, None if latent else n_kv)}")
     if latent:
         return HeadSharding(tp_size, heads, 1, "latent", 1)
     if n_kv % tp_size == 0:
@@ -128,14 +128,16 @@ def head_sharding(cfg: Any, tp_size: int, arch: str = "model") -> HeadSharding:
     if tp_size % n_kv == 0:
         return HeadSharding(tp_size, heads, n_kv, "replicate", 1)
     raise ModelError(f"{what} has {n_kv} KV heads: {tp_size} ranks neither divide them nor are a multiple of them; "
-                     f"accepted: {_accepted(heads, n_kv)}")
+                     f"accepted: {accepted_sizes(heads, n_kv)}")
 
 
-def _accepted(heads: int, n_kv: int | None) -> str:
-    """The tensor-parallel sizes a model accepts, for error messages; those that replicate KV heads said apart:
+def accepted_sizes(heads: int, n_kv: int | None, most: int | None = None) -> str:
+    """The tensor-parallel sizes (up to ``most``) that ``heads`` query heads and ``n_kv`` KV heads (None: an MLA
+    latent) accept, as :func:`head_sharding` rules, for error messages; those that replicate KV heads said apart:
     transformers' plans never replicate one, so loading weights (generate, serve, ``kvload.LLM``) refuses them
     (``stages.check_parallel.check_plan_matches_pools``), and a message listing them bare sent users to one."""
-    ok = [t for t in range(1, heads + 1)
+    top = heads if most is None else min(heads, most)
+    ok = [t for t in range(1, top + 1)
           if heads % t == 0 and (n_kv is None or n_kv % t == 0 or t % n_kv == 0)]
     text = ", ".join(map(str, ok))
     only = [t for t in ok if n_kv is not None and n_kv % t]

@@ -16,12 +16,15 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
 from pipeline.errors import RankError, RankLostError
 from pipeline.limits import short_text
+
+if TYPE_CHECKING:
+    from pipeline.audit import JsonlSink
 
 #: Seconds a collective waits for the other ranks before failing (weights load between two of them).
 TIMEOUT_ENV = "KVLOAD_DIST_TIMEOUT_S"
@@ -390,6 +393,41 @@ def rank_audit_path(path: str | os.PathLike[str], ranks: Ranks) -> str:
     return os.fspath(p.with_name(f"{p.stem}.rank{ranks.rank}{p.suffix}"))
 
 
+def rank_audit_sink(path: str | os.PathLike[str], ranks: Ranks, *, flag: str, replace: bool = True) -> JsonlSink:
+    """This rank's sink for the audit log asked for at ``path`` (the CLI's ``--audit-log``, the API's ``audit_log``):
+    its file (:func:`rank_audit_path`) refused now, naming ``flag``, when it cannot be written (or, unless ``replace``,
+    exists). With several ranks it is noted first (:func:`note_output`: should this rank be SIGKILLed, the ranks on
+    this machine remove its temporary) and its records wait in memory until the ranks met (:func:`peers_met`: a rank
+    killed before is known to none of them, and a temporary it had made would stay). Close it with
+    :func:`close_rank_audit`."""
+    from pipeline.audit import JsonlSink, check_output_path
+
+    target = rank_audit_path(path, ranks)  # rank N writes <stem>.rankN<suffix>
+    check_output_path(target, flag, replace=replace)
+    if ranks.distributed:  # before its temporary exists
+        note_output(target)
+    return JsonlSink(target, replace=replace, flag=flag, wait=_not_met if ranks.distributed else None)
+
+
+def close_rank_audit(sink: JsonlSink, ranks: Ranks, *, ok: bool) -> None:
+    """Publish (``ok``) or discard the sink :func:`rank_audit_sink` made for ``ranks``; a rank that failed also removes
+    what the ranks SIGKILLed beside it (its cause, often) left beside their audit logs
+    (:func:`remove_lost_peers_temporaries`)."""
+    sink.close(ok=ok)
+    # a rank only: a process that is none may know peers all the same (a kvload.LLM's ranks, whose group it hosts),
+    # and what they left is no part of this run
+    if not ok and ranks.distributed:
+        from pipeline.signals import deferred
+
+        with deferred():  # torchrun's SIGTERM to the ranks left must not cut this short
+            remove_lost_peers_temporaries()
+
+
+def _not_met() -> bool:
+    """Whether the ranks have not met yet: an audit sink keeps its records in memory until they have."""
+    return not peers_met()
+
+
 def _timedelta() -> Any:
     import datetime
 
@@ -498,6 +536,6 @@ def shutdown() -> None:
     del server  # after the group: its last store operations reach it
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "TIMEOUT_ENV", "Ranks", "lost_rank_message", "note_output",
-           "object_group", "peers_met", "rank_audit_path", "ranks_from_env", "remove_lost_peers_temporaries",
-           "shutdown", "timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "LAUNCHER_ENV", "TIMEOUT_ENV", "Ranks", "close_rank_audit", "lost_rank_message",
+           "note_output", "object_group", "peers_met", "rank_audit_path", "rank_audit_sink", "ranks_from_env",
+           "remove_lost_peers_temporaries", "shutdown", "timeout_s"]

@@ -8,16 +8,15 @@ from typing import Any, TypeVar
 
 import attrs
 
-from pipeline.audit import AuditLog, JsonlSink, check_output_path
+from pipeline.audit import AuditLog, check_output_path
 from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
 from pipeline.errors import ConfigError, KvloadError
 from pipeline.limits import short_text
 from pipeline.logs import StructlogSubscriber
-from pipeline.ranks import note_output, peers_met, rank_audit_path, ranks_from_env, remove_lost_peers_temporaries
+from pipeline.ranks import close_rank_audit, rank_audit_sink, ranks_from_env
 from pipeline.runner import Pipeline, Stage
-from pipeline.signals import deferred
 
 
 @attrs.define
@@ -155,15 +154,12 @@ def execute(
     sink = None
     if audit_log is not None:  # a directory or missing parent fails now, not after the whole load
         audit_log = path_argument("audit_log", audit_log)
-        check_output_path(audit_log, flag="audit_log")
+        check_output_path(audit_log, flag="audit_log")  # as given, first; rank_audit_sink checks this rank's file
         config_file = getattr(request, "config_file", None)
         if config_file and same_file(audit_log, config_file):  # the log replaced the YAML this call had just read
             raise ConfigError(f"audit_log {audit_log}: is the config_file this call reads; give the audit log a "
                               "file of its own")
-        path = rank_audit_path(audit_log, ranks)
-        if ranks.distributed:  # as the CLI's --audit-log: the ranks on this machine remove it should this one be
-            note_output(path)  # SIGKILLed, and none exists before they met (a rank killed earlier is known to none)
-        sink = JsonlSink(path, flag="audit_log", wait=_not_met if ranks.distributed else None)
+        sink = rank_audit_sink(audit_log, ranks, flag="audit_log")  # as the CLI's --audit-log, always replacing
     subs: list[Subscriber] = [audit]
     if log:
         subs.append(StructlogSubscriber())
@@ -176,22 +172,14 @@ def execute(
         pipeline.run(ctx, bus)
     except BaseException as exc:
         if sink is not None:
-            sink.close(ok=False)
-            if ranks.distributed:  # a rank SIGKILLed beside this one (its cause, often) left its temporary for it
-                with deferred():  # torchrun's SIGTERM to the ranks left must not cut this short
-                    remove_lost_peers_temporaries()
+            close_rank_audit(sink, ranks, ok=False)
         if isinstance(exc, KvloadError):  # the events up to stage_failed, for a caller asking why (no file is left)
             exc.audit = audit  # type: ignore[attr-defined]
         raise
     if sink is not None:  # the file is complete; later events (generate) reach the in-memory log only
-        sink.close(ok=True)
+        close_rank_audit(sink, ranks, ok=True)
         bus.unsubscribe(sink)
     return result_type(args=ctx.args, route=ctx.route, model=ctx.model, audit=audit, context=ctx, bus=bus)
-
-
-def _not_met() -> bool:
-    """Whether the ranks have not met yet: an audit sink keeps its records in memory until they have."""
-    return not peers_met()
 
 
 __all__ = ["RunResult", "execute"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from models.geometry import accepted_sizes
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import ModelError, RankError
@@ -45,9 +46,10 @@ class CheckParallel:
         here = _env_int("LOCAL_WORLD_SIZE", tp)  # the ranks on this machine (torchrun's; all of them otherwise)
         if 0 < devices < here:  # each rank takes cuda:LOCAL_RANK: rank 1 on a one-GPU machine met "invalid device
             # ordinal" in torch.cuda.set_device, after the other ranks had started (vLLM refuses this world size too)
+            sizes = accepted_sizes(heads.attention_heads, None if heads.mode == "latent" else heads.kv_heads, devices)
             raise RankError(
                 f"tensor_parallel_size={tp}: each rank runs on its own CUDA device (rank N on cuda:N), and this "
-                f"machine has {devices}; accepted here: {', '.join(str(t) for t in _sizes(ctx, devices))}")
+                f"machine has {devices}; accepted here: {sizes}")
         ctx.heads = heads
         if ctx.request.load_weights and heads.mode == "replicate":
             # transformers' plans shard k_proj by columns and never replicate a KV head: refused here, where the
@@ -107,17 +109,3 @@ def _env_int(name: str, default: int) -> int:
         return int(os.environ.get(name, ""))
     except ValueError:
         return default
-
-
-def _sizes(ctx: Context, most: int) -> list[int]:
-    """The tensor-parallel sizes up to ``most`` the checkpoint's heads take (1 always)."""
-    from pipeline.errors import KvloadError
-
-    sizes = []
-    for t in range(1, most + 1):
-        try:
-            ctx.spec.head_sharding(t)
-        except KvloadError:
-            continue
-        sizes.append(t)
-    return sizes

@@ -287,6 +287,36 @@ def test_more_ranks_than_cuda_devices_is_refused_before_any_rank_starts(capsys, 
     assert started == [(["serve", "tiny-llama", "-tp", "2", "--device", "cuda", "--max_tokens", "4096"], 2)]
 
 
+@pytest.mark.parametrize(("name", "tp", "sizes"), [
+    # 8 KV heads: 16 ranks replicate them, which transformers' plans cannot load (as the heads' own refusal says)
+    ("llama-3.1-8b-instruct", 32, "1, 2, 4, 8, 16 (16 only to plan and run: loading weights needs a size that divides "
+                                  "the 8 KV heads)"),
+    ("deepseek-r1-0528", 32, "1, 2, 4, 8, 16"),  # the MLA latent is whole on every rank: nothing replicates
+])
+def test_the_cuda_device_refusal_marks_the_sizes_that_replicate_kv_heads(capsys, monkeypatch, name, tp, sizes):
+    # "accepted here" listed 16 bare for an 8-KV-head model on a 16-GPU machine, sending `generate -tp 16` to the
+    # plan's refusal next; it now says it as models.geometry.accepted_sizes says it for a size the heads refuse
+    import kvload
+    from kvload import llm_ranks
+    from kvload.cli import launch
+    from pipeline.errors import RankError
+    from stages import check_parallel
+
+    started = []
+    monkeypatch.setattr(launch.Launcher, "run", lambda self: started.append(self.argv) or 0)
+    monkeypatch.setattr(llm_ranks.SpawnedRanks, "start", lambda self: started.append(self.world))
+    monkeypatch.setattr(check_parallel, "cuda_devices", lambda: 16)
+    model = str(Path(__file__).parent / "data" / "configs" / name)
+    why = (f"tensor_parallel_size={tp}: each rank runs on its own CUDA device (rank N on cuda:N), and this machine "
+           f"has 16; accepted here: {sizes}")
+    r = run_cli(capsys, "run", model, "-tp", str(tp), "--device", "cuda", "--max_tokens", "4096")
+    assert (r.code, r.one_error_line, r.out, r.err.strip()) == (2, True, "", f"error: {why}")
+    with pytest.raises(RankError) as caught:
+        kvload.LLM(model, tensor_parallel_size=tp, device="cuda", kv_cache_config={"max_tokens": 4096}, log=False)
+    assert str(caught.value) == why
+    assert started == []
+
+
 def test_plan_on_a_machine_with_fewer_cuda_devices_than_ranks_plans_rank_0_s_view(capsys, monkeypatch):
     # plan starts no rank: tp 8 planned on a one-GPU workstation for an 8-GPU target is rank 0's view (the module's
     # docstring), not the launchers' "this machine has 1" (the count is faked: no GPU here)

@@ -109,6 +109,36 @@ def test_rank_from_the_environment_and_audit_file_per_rank():
         assert rank_audit_path("", ranks) == ""
 
 
+def test_rank_n_of_the_python_api_refuses_its_own_audit_file_before_any_stage_runs(tmp_path, monkeypatch):
+    # the CLI's --audit-log checked the file each rank writes (<stem>.rankN<suffix>); the API's audit_log checked only
+    # the path as given, so rank 1 ran every stage and failed at the end with a bare IsADirectoryError, publishing
+    # onto a folder. Both now set the sink up alike (pipeline.ranks.rank_audit_sink)
+    from pipeline import ranks
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+
+    class Record:
+        name = "record"
+
+        def run(self, ctx, emit):
+            ran.append(ctx.ranks.rank)
+
+    monkeypatch.setattr(ranks, "_output", None)  # what the rank would tell the others: this process's, left as it was
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    (tmp_path / "a.rank1.jsonl").mkdir()
+    ran: list[int] = []
+    with pytest.raises(ConfigError) as caught:
+        execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
+    assert str(caught.value) == f"audit_log {tmp_path / 'a.rank1.jsonl'}: is a directory, expected a file path"
+    assert ran == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.rank1.jsonl"]
+    (tmp_path / "a.rank1.jsonl").rmdir()  # a file it can write: rank 1 runs and publishes its own
+    assert execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
+    assert ran == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.rank1.jsonl"]
+
+
 @pytest.mark.parametrize("text", ["inf", "nan", "1e400"])
 def test_a_collective_timeout_torch_cannot_take_is_named_before_anything_runs(capsys, monkeypatch, text):
     """``KVLOAD_DIST_TIMEOUT_S=inf`` (as in "wait for ever") ended every rank with "agree_ranks: OverflowError:

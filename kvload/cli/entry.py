@@ -159,14 +159,10 @@ def _run(ns: argparse.Namespace) -> int:
 def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
     sink = getattr(ns, "audit_sink", None)
     if sink is not None:
-        ns.audit_sink = None
-        sink.close(ok=ok)
-        if not ok:  # a rank that failed: a rank SIGKILLed beside it (its cause, often) left its temporary for it
-            from pipeline.ranks import remove_lost_peers_temporaries
-            from pipeline.signals import deferred
+        from pipeline.ranks import close_rank_audit, ranks_from_env
 
-            with deferred():  # torchrun's SIGTERM to the ranks left must not cut this short
-                remove_lost_peers_temporaries()
+        ns.audit_sink = None
+        close_rank_audit(sink, ranks_from_env(), ok=ok)
 
 
 def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:

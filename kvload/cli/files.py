@@ -18,19 +18,10 @@ def _audit_subscribers(ns: argparse.Namespace) -> list[Any]:
     """
     if ns.audit_log is None:
         return []
-    from pipeline.audit import JsonlSink, check_output_path
-    from pipeline.ranks import note_output, peers_met, rank_audit_path, ranks_from_env
+    from pipeline.ranks import rank_audit_sink, ranks_from_env
 
-    ranks = ranks_from_env()
-    path = rank_audit_path(ns.audit_log, ranks)  # under torchrun rank N writes <stem>.rankN<suffix>
-    check_output_path(path, "--audit-log", replace=ns.force)
-
-    def wait() -> bool:  # no temporary until the ranks met: one SIGKILLed before is known to none of them
-        return not peers_met()
-
-    if ranks.distributed:  # before its temporary exists: should this rank be SIGKILLed, the others remove it
-        note_output(path)
-    ns.audit_sink = JsonlSink(path, replace=ns.force, flag="--audit-log", wait=wait if ranks.distributed else None)
+    # under torchrun rank N writes <stem>.rankN<suffix>; the API's audit_log is set up by the same helper
+    ns.audit_sink = rank_audit_sink(ns.audit_log, ranks_from_env(), flag="--audit-log", replace=ns.force)
     return [ns.audit_sink]
 
 
