@@ -26,14 +26,24 @@ def _lines(result) -> list[dict]:
     return result.audit.of("engine_stats")
 
 
+def _idle_after(result, requests: int) -> bool:
+    """Whether a line saying idle came after the last of ``requests`` requests finished: every token was counted then.
+    An idle line comes between two requests as well once the client takes an interval to send the next (a loaded
+    machine): taken for the last one, the second request's tokens were not counted yet."""
+    events = list(result.audit.events)
+    finished = [i for i, e in enumerate(events) if e["event"] == "request_finished"]
+    return len(finished) == requests and any(
+        e["event"] == "engine_stats" and e["generation_throughput"] == 0 and e["running"] == 0
+        for e in events[finished[-1] + 1:])
+
+
 def test_the_line_counts_what_was_served_then_says_idle_once():
     """The lines' throughputs times their intervals add up to the tokens the client was told of; the server going idle
     gets one line of zeros, then none while nothing runs (vLLM logs while there is activity)."""
     with serving(state={"log_stats_interval_s": INTERVAL}) as s:
         first = s.client.completions.create(model=s.state.model_name, prompt=PROMPT, max_tokens=24, temperature=0)
         second = s.client.completions.create(model=s.state.model_name, prompt=PROMPT, max_tokens=8, temperature=0)
-        wait_for(lambda: any(r["generation_throughput"] == 0 and r["running"] == 0 for r in _lines(s.result)),
-                 what="the idle line")
+        wait_for(lambda: _idle_after(s.result, 2), what="the idle line after the second request")
         lines = _lines(s.result)
         generated = sum(r["generation_throughput"] * r["interval_s"] for r in lines)
         prompted = sum(r["prompt_throughput"] * r["interval_s"] for r in lines)
