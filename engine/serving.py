@@ -766,8 +766,11 @@ class ServingEngine:
             waiting += sum(len(entry.sinks) if isinstance(entry, _BeamJob) else len(entry) for entry in self._held)
             waiting += self.driver.forks_waiting  # choices waiting for their prompt's prefill
             stats = None if getattr(self.manager, "closed", False) else self.manager.stats()
+            # the token totals a step adds to, at the same boundary: read apart from the queues, a step that ended
+            # between the two reads showed its request gone and its tokens not yet counted
+            prompt_tokens, generation_tokens = self.prompt_tokens_total, self.generation_tokens_total
         return {"running": running, "waiting": waiting, "suspended": suspended, "manager": stats,
-                "steps": self.steps}
+                "steps": self.steps, "prompt_tokens": prompt_tokens, "generation_tokens": generation_tokens}
 
     # --- the loop ----------------------------------------------------------------------------
 

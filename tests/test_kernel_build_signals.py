@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_support import ENV, REPO
+from tests.hostile_support import signals_as_a_terminal_gives_them
 
 #: The child: the signal sent to itself just as the compile (``cc ... -c``) has been started, then either the build
 #: alone (``build``: a stop signal ends it as kvload's CLI would, 128 + the signal) or ``kvload`` with the arguments.
@@ -104,8 +105,10 @@ def _stop_during_start(tmp_path: Path, stop_with: str, *argv: str) -> tuple[subp
     cache = tmp_path / "cache"
     env = {**ENV, "PYTHONPATH": str(REPO), "CC": str(cc), "KVLOAD_CACHE": str(cache), "STOP_WITH": stop_with}
     argv = tuple(a.replace("{cache}", str(cache / "kernels")) for a in argv)
+    # SIGINT as a terminal gives it: a suite started with `&` passes it on ignored, and the SIGINT cases ran on
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=signals_as_a_terminal_gives_them)
     try:
         out, err = proc.communicate(timeout=120)
     finally:

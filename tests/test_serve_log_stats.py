@@ -26,14 +26,24 @@ def _lines(result) -> list[dict]:
     return result.audit.of("engine_stats")
 
 
+def _idle_after(result, requests: int) -> bool:
+    """Whether a line saying idle came after the last of ``requests`` requests finished: every token was counted then.
+    An idle line comes between two requests as well once the client takes an interval to send the next (a loaded
+    machine): taken for the last one, the second request's tokens were not counted yet."""
+    events = list(result.audit.events)
+    finished = [i for i, e in enumerate(events) if e["event"] == "request_finished"]
+    return len(finished) == requests and any(
+        e["event"] == "engine_stats" and e["generation_throughput"] == 0 and e["running"] == 0
+        for e in events[finished[-1] + 1:])
+
+
 def test_the_line_counts_what_was_served_then_says_idle_once():
     """The lines' throughputs times their intervals add up to the tokens the client was told of; the server going idle
     gets one line of zeros, then none while nothing runs (vLLM logs while there is activity)."""
     with serving(state={"log_stats_interval_s": INTERVAL}) as s:
         first = s.client.completions.create(model=s.state.model_name, prompt=PROMPT, max_tokens=24, temperature=0)
         second = s.client.completions.create(model=s.state.model_name, prompt=PROMPT, max_tokens=8, temperature=0)
-        wait_for(lambda: any(r["generation_throughput"] == 0 and r["running"] == 0 for r in _lines(s.result)),
-                 what="the idle line")
+        wait_for(lambda: _idle_after(s.result, 2), what="the idle line after the second request")
         lines = _lines(s.result)
         generated = sum(r["generation_throughput"] * r["interval_s"] for r in lines)
         prompted = sum(r["prompt_throughput"] * r["interval_s"] for r in lines)
@@ -46,6 +56,44 @@ def test_the_line_counts_what_was_served_then_says_idle_once():
         assert lines[-1]["generation_throughput"] == 0 and lines[-1]["prompt_throughput"] == 0
         time.sleep(5 * INTERVAL)  # idle: no line
         assert len(_lines(s.result)) == len(lines)
+
+
+class _EngineWhoseStepEndsAsItIsRead:
+    """An engine for :class:`StatsLogger`: ``finishing`` tokens of a step under way are counted, and its one request
+    done, at the step's end, which comes as the stats thread reads the engine (the thread waits for the loop's state
+    lock there while the loop steps)."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens_total = self.generation_tokens_total = self.running = self.finishing = 0
+        self.lines: list = []
+
+    def snapshot(self) -> dict:
+        if self.finishing:  # the step ends: its tokens counted, its request gone
+            self.generation_tokens_total += self.finishing
+            self.finishing, self.running = 0, 0
+        return {"running": self.running, "waiting": 0, "suspended": 0, "manager": None, "steps": 0,
+                "prompt_tokens": self.prompt_tokens_total, "generation_tokens": self.generation_tokens_total}
+
+    def notify(self, event) -> None:
+        self.lines.append(event)
+
+
+def test_a_step_ending_as_the_line_is_read_is_counted_in_that_line_and_idle_is_said_once():
+    """The totals were read apart from the queues: a request's last step ending between the two reads made an idle
+    line (the request gone, its tokens not yet counted), then a line of those tokens and a second idle line; a
+    client's sum at the first idle line came out short."""
+    from kvload.serve.stats_log import StatsLogger
+
+    engine = _EngineWhoseStepEndsAsItIsRead()
+    seconds = iter(range(10))
+    logger = StatsLogger(engine, 1.0, clock=lambda: float(next(seconds)))
+    engine.prompt_tokens_total, engine.generation_tokens_total, engine.running = 40, 24, 1
+    logger.tick()
+    engine.finishing = 8
+    while logger.tick() is not None:
+        pass
+    assert [(e.prompt_throughput, e.generation_throughput, e.running) for e in engine.lines] == [
+        (40.0, 24.0, 1), (0.0, 8.0, 0), (0.0, 0.0, 0)]
 
 
 def test_serve_takes_vllms_interval_and_its_switch_turns_the_line_off(monkeypatch, log):

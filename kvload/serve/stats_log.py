@@ -53,9 +53,9 @@ class StatsLogger:
         self._stop = threading.Event()
         self._thread: EndingThread | None = None
         self._since = clock()
-        self._prompt = engine.prompt_tokens_total
-        self._generated = engine.generation_tokens_total
-        self._queries, self._hits = self._reuse(engine.snapshot().get("manager"))
+        snap = engine.snapshot()
+        self._prompt, self._generated = snap["prompt_tokens"], snap["generation_tokens"]
+        self._queries, self._hits = self._reuse(snap.get("manager"))
         self._hit_rate = 0.0  # the last interval's that looked anything up (an idle one keeps it, as vLLM's window)
         self._was_active = False
 
@@ -88,8 +88,11 @@ class StatsLogger:
         engine = self.engine
         now = self._clock()
         elapsed = max(now - self._since, 1e-9)
-        prompt, generated = engine.prompt_tokens_total, engine.generation_tokens_total
+        # the totals from the snapshot, at one step boundary with the queues: read before it, a step ending between
+        # the two reads made an idle line (its request gone, its tokens not yet counted), then a line of those tokens
+        # after it and a second idle line
         snap = engine.snapshot()
+        prompt, generated = snap["prompt_tokens"], snap["generation_tokens"]
         stats = snap.get("manager")
         queries, hits = self._reuse(stats)
         if queries > self._queries:
