@@ -221,6 +221,44 @@ def test_opcode_counter_counts_the_kv_work_alike_every_run_and_only_inside_its_b
     assert KVCacheV2Scheduler.step is step
 
 
+def test_opcode_counter_leaves_out_what_a_collection_inside_the_kv_work_runs():
+    """A gc callback (hypothesis installs one once a @given test ran) ran under the trace whenever a collection landed
+    inside a counted call, and where one lands depends on allocations outside the KV work: the same run counted
+    differently. With collections at nearly every allocation the count is the one without them."""
+    import gc
+
+    from bench.common import kv_opcode_counter
+    from engine.simulator import simulate
+    from engine.workloads import make_workload
+
+    wl = make_workload("no-reuse", 8, 0)
+    kv = {"use_kv_cache_manager_v2": True}
+
+    def count_one() -> int:
+        with kv_opcode_counter() as count:
+            simulate("tiny-llama", wl, kv_cache_config=kv)
+        return count[0]
+
+    count_one()  # module-level memos warm
+    quiet = count_one()
+    calls: list[str] = []
+
+    def callback(phase, info):  # Python code a collection runs, as hypothesis' is
+        calls.append(phase)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(1)
+    try:
+        busy = count_one()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(callback)
+    assert calls  # collections did run during the run, outside the counted calls
+    assert busy == quiet
+    assert gc.isenabled()
+
+
 def test_radix_runs_prototype_evicts_exactly_as_the_block_queue_on_the_no_reuse_pattern():
     from bench import proto_radix_runs as proto
 
