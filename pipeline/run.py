@@ -154,7 +154,8 @@ def execute(
     sink = None
     if audit_log is not None:  # a directory or missing parent fails now, not after the whole load
         audit_log = path_argument("audit_log", audit_log)
-        check_output_path(audit_log, flag="audit_log")  # as given, first; rank_audit_sink checks this rank's file
+        if ranks.rank != 0:  # rank N writes another file (rank_audit_sink checks it): the path as given fails first
+            check_output_path(audit_log, flag="audit_log")
         config_file = getattr(request, "config_file", None)
         if config_file and same_file(audit_log, config_file):  # the log replaced the YAML this call had just read
             raise ConfigError(f"audit_log {audit_log}: is the config_file this call reads; give the audit log a "

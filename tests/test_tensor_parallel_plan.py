@@ -254,3 +254,28 @@ def test_ranks_whose_accelerators_choose_the_auto_host_tier_differently_all_go_w
     rank1 = agree_rest(FakeRanks(lambda mine: (None, keep.host_bytes)), drop.layout, drop.pools, None, 0,
                        drop.host_slots, drop.host_bytes)
     assert rank0[1:] == rank1[1:] == (0, {}, 0)
+
+
+def test_rank_n_refuses_an_audit_log_given_as_a_folder_though_its_own_file_could_be_written(tmp_path, monkeypatch):
+    # rank 1 writes a.rank1.jsonl beside the path as given; were only that file checked, rank 1 would run
+    # and publish while rank 0 refused the folder: every rank refuses the path as given, before any stage
+    from pipeline import ranks
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+
+    class Record:
+        name = "record"
+
+        def run(self, ctx, emit):
+            ran.append(ctx.ranks.rank)
+
+    monkeypatch.setattr(ranks, "_output", None)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    (tmp_path / "a.jsonl").mkdir()
+    ran: list[int] = []
+    with pytest.raises(ConfigError) as caught:
+        execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
+    assert str(caught.value) == f"audit_log {tmp_path / 'a.jsonl'}: is a directory, expected a file path"
+    assert ran == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
