@@ -118,29 +118,40 @@ def head_sharding(cfg: Any, tp_size: int, arch: str = "model") -> HeadSharding:
     heads = _required(cfg, "num_attention_heads", arch)
     n_kv = 1 if latent else kv_heads(cfg, arch)
     what = f"tensor_parallel_size={tp_size}: {arch}"
-    if heads % tp_size:
+    mode = sharding_mode(heads, None if latent else n_kv, tp_size)
+    if mode is None and heads % tp_size:
         raise ModelError(f"{what} has {heads} attention heads, which do not divide by {tp_size} ranks; "
                          f"accepted: {accepted_sizes(heads, None if latent else n_kv)}")
-    if latent:
-        return HeadSharding(tp_size, heads, 1, "latent", 1)
+    if mode is None:
+        raise ModelError(f"{what} has {n_kv} KV heads: {tp_size} ranks neither divide them nor are a multiple of "
+                         f"them; accepted: {accepted_sizes(heads, n_kv)}")
+    return HeadSharding(tp_size, heads, n_kv, mode, n_kv // tp_size if mode == "shard" else 1)
+
+
+def sharding_mode(heads: int, n_kv: int | None, tp_size: int) -> str | None:
+    """How ``tp_size`` ranks split ``heads`` query heads and ``n_kv`` KV heads (None: an MLA latent, held whole):
+    ``"latent"``, ``"shard"`` (the KV heads divide by the ranks), ``"replicate"`` (the ranks are a multiple of the KV
+    heads, each rank holding one); None when they cannot (the query heads must divide by the ranks). The one rule
+    :func:`head_sharding`, :func:`accepted_sizes` and ``stages.check_parallel`` apply."""
+    if heads % tp_size:
+        return None
+    if n_kv is None:
+        return "latent"
     if n_kv % tp_size == 0:
-        return HeadSharding(tp_size, heads, n_kv, "shard", n_kv // tp_size)
-    if tp_size % n_kv == 0:
-        return HeadSharding(tp_size, heads, n_kv, "replicate", 1)
-    raise ModelError(f"{what} has {n_kv} KV heads: {tp_size} ranks neither divide them nor are a multiple of them; "
-                     f"accepted: {accepted_sizes(heads, n_kv)}")
+        return "shard"
+    return "replicate" if tp_size % n_kv == 0 else None
 
 
 def accepted_sizes(heads: int, n_kv: int | None, most: int | None = None) -> str:
     """The tensor-parallel sizes (up to ``most``) that ``heads`` query heads and ``n_kv`` KV heads (None: an MLA
-    latent) accept, as :func:`head_sharding` rules, for error messages; those that replicate KV heads said apart:
+    latent) accept (:func:`sharding_mode`), for error messages; those that replicate KV heads said apart:
     transformers' plans never replicate one, so loading weights (generate, serve, ``kvload.LLM``) refuses them
     (``stages.check_parallel.check_plan_matches_pools``), and a message listing them bare sent users to one."""
     top = heads if most is None else min(heads, most)
-    ok = [t for t in range(1, top + 1)
-          if heads % t == 0 and (n_kv is None or n_kv % t == 0 or t % n_kv == 0)]
+    modes = {t: sharding_mode(heads, n_kv, t) for t in range(1, top + 1)}
+    ok = [t for t, mode in modes.items() if mode is not None]
     text = ", ".join(map(str, ok))
-    only = [t for t in ok if n_kv is not None and n_kv % t]
+    only = [t for t, mode in modes.items() if mode == "replicate"]
     if only:
         text += (f" ({', '.join(map(str, only))} only to plan and run: loading weights needs a size that divides the "
                  f"{n_kv} KV heads)")

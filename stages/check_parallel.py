@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from models.geometry import accepted_sizes
+from models.geometry import accepted_sizes, sharding_mode
 from pipeline.bus import Emit
 from pipeline.context import Context
 from pipeline.errors import ModelError, RankError
@@ -88,7 +88,7 @@ def check_plan_matches_pools(ctx: Context) -> None:
            "does not replicate heads)" if computed is None else
            f"computes {computed} KV heads per rank, the pools hold {heads.kv_heads_per_rank}")
     accepted = ", ".join(str(t) for t in range(1, heads.kv_heads + 1)
-                         if heads.kv_heads % t == 0 and heads.attention_heads % t == 0)
+                         if sharding_mode(heads.attention_heads, heads.kv_heads, t) == "shard")
     raise ModelError(f"tensor_parallel_size={tp}: transformers' tensor-parallel plan for {arch} {why}; plan and run "
                      f"accept this size, loading weights needs one that divides the KV heads ({accepted})")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pipeline
 from models import load_hf_config, resolve_checkpoint
@@ -279,3 +281,29 @@ def test_rank_n_refuses_an_audit_log_given_as_a_folder_though_its_own_file_could
     assert str(caught.value) == f"audit_log {tmp_path / 'a.jsonl'}: is a directory, expected a file path"
     assert ran == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(heads=st.integers(1, 64), n_kv=st.integers(1, 64), latent=st.booleans(), most=st.integers(2, 70))
+def test_the_sizes_an_error_lists_are_exactly_those_head_sharding_takes(heads, n_kv, latent, most):
+    # one rule for the split, the message listing sizes and the refusal to load weights on a replicating size: a
+    # message that lists a size the split then refuses (or leaves one out) sends users round in circles
+    from types import SimpleNamespace
+
+    from models.geometry import accepted_sizes
+
+    cfg = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=n_kv, num_hidden_layers=2, head_dim=8,
+                          hidden_size=8 * heads, **({"kv_lora_rank": 16, "qk_rope_head_dim": 8} if latent else {}))
+    taken, replicating = [], []
+    for t in range(1, min(heads, most) + 1):
+        try:
+            sharding = head_sharding(cfg, t)
+        except ModelError:
+            continue
+        taken.append(t)
+        if sharding.mode == "replicate":
+            replicating.append(t)
+    listed = accepted_sizes(heads, None if latent else n_kv, most=most)
+    sizes, _, note = listed.partition(" (")
+    assert [int(x) for x in sizes.split(", ")] == taken
+    assert note.split(" only")[0].split(", ") == ([str(t) for t in replicating] if replicating else [""])
