@@ -111,13 +111,15 @@ def test_rank_from_the_environment_and_audit_file_per_rank():
         assert rank_audit_path("", ranks) == ""
 
 
-def test_rank_n_of_the_python_api_refuses_its_own_audit_file_before_any_stage_runs(tmp_path, monkeypatch):
-    # the CLI's --audit-log checked the file each rank writes (<stem>.rankN<suffix>); the API's audit_log checked only
-    # the path as given, so rank 1 ran every stage and failed at the end with a bare IsADirectoryError, publishing
-    # onto a folder. Both now set the sink up alike (pipeline.ranks.rank_audit_sink)
+@pytest.fixture
+def rank_1(monkeypatch):
+    """This process as rank 1 of 2 (torchrun's variables), and a stage class recording the ranks that ran it."""
     from pipeline import ranks
-    from pipeline.context import LoadRequest
-    from pipeline.run import execute
+
+    monkeypatch.setattr(ranks, "_output", None)  # what the rank would tell the others: this process's, left as it was
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    ran: list[int] = []
 
     class Record:
         name = "record"
@@ -125,11 +127,18 @@ def test_rank_n_of_the_python_api_refuses_its_own_audit_file_before_any_stage_ru
         def run(self, ctx, emit):
             ran.append(ctx.ranks.rank)
 
-    monkeypatch.setattr(ranks, "_output", None)  # what the rank would tell the others: this process's, left as it was
-    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
-        monkeypatch.setenv(name, value)
+    return Record, ran
+
+
+def test_rank_n_of_the_python_api_refuses_its_own_audit_file_before_any_stage_runs(tmp_path, rank_1):
+    # the CLI's --audit-log checked the file each rank writes (<stem>.rankN<suffix>); the API's audit_log checked only
+    # the path as given, so rank 1 ran every stage and failed at the end with a bare IsADirectoryError, publishing
+    # onto a folder. Both now set the sink up alike (pipeline.ranks.rank_audit_sink)
+    from pipeline.context import LoadRequest
+    from pipeline.run import execute
+
     (tmp_path / "a.rank1.jsonl").mkdir()
-    ran: list[int] = []
+    Record, ran = rank_1
     with pytest.raises(ConfigError) as caught:
         execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
     assert str(caught.value) == f"audit_log {tmp_path / 'a.rank1.jsonl'}: is a directory, expected a file path"
@@ -258,24 +267,14 @@ def test_ranks_whose_accelerators_choose_the_auto_host_tier_differently_all_go_w
     assert rank0[1:] == rank1[1:] == (0, {}, 0)
 
 
-def test_rank_n_refuses_an_audit_log_given_as_a_folder_though_its_own_file_could_be_written(tmp_path, monkeypatch):
+def test_rank_n_refuses_an_audit_log_given_as_a_folder_though_its_own_file_could_be_written(tmp_path, rank_1):
     # rank 1 writes a.rank1.jsonl beside the path as given; were only that file checked, rank 1 would run
     # and publish while rank 0 refused the folder: every rank refuses the path as given, before any stage
-    from pipeline import ranks
     from pipeline.context import LoadRequest
     from pipeline.run import execute
 
-    class Record:
-        name = "record"
-
-        def run(self, ctx, emit):
-            ran.append(ctx.ranks.rank)
-
-    monkeypatch.setattr(ranks, "_output", None)
-    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
-        monkeypatch.setenv(name, value)
     (tmp_path / "a.jsonl").mkdir()
-    ran: list[int] = []
+    Record, ran = rank_1
     with pytest.raises(ConfigError) as caught:
         execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
     assert str(caught.value) == f"audit_log {tmp_path / 'a.jsonl'}: is a directory, expected a file path"
