@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from models.user_paths import expand_user
-from pipeline.errors import ModelError, OutputError, first_line
+from pipeline.errors import KvloadError, ModelError, OutputError, first_line, out_of_space
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -83,13 +83,14 @@ def content_key(gguf: Path) -> str:
     except OSError:
         pass
     key = _sha256(gguf)
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
     try:  # best effort: an unwritable cache only costs the hash next time
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
         tmp.write_text(key, encoding="ascii")
         tmp.replace(memo)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):  # created, then not written (a full disk): not left behind
+            tmp.unlink()
     return key
 
 
@@ -158,8 +159,7 @@ def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None 
     try:
         (root / STATE / "locks").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ModelError(f"cannot write the GGUF conversion cache under {root} ({exc.strerror or exc}); "
-                         "set KVLOAD_CACHE to a writable directory") from None
+        raise _refused(exc, target) from None
     from filelock import FileLock, Timeout
 
     lock = FileLock(str(root / STATE / "locks" / f"{target.name}.lock"))
@@ -173,8 +173,7 @@ def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None 
         raise ModelError(f"gave up after {LOCK_TIMEOUT_S:.0f} s waiting for another process converting "
                          f"{checkpoint.gguf_path} (lock {lock.lock_file})") from None
     except OSError as exc:  # the lock file cannot be created (no inode left): said as the directories above are
-        raise ModelError(f"cannot write the GGUF conversion cache under {root} ({exc.strerror or exc}); "
-                         "set KVLOAD_CACHE to a writable directory") from None
+        raise _refused(exc, target) from None
     try:
         if (target / MARKER).is_file():  # the process we waited for finished it
             return target
@@ -184,6 +183,24 @@ def convert_gguf(checkpoint: Checkpoint, progress: Callable[[str], None] | None 
         return _convert_locked(checkpoint, target, say, tokenizer)
     finally:
         lock.release()
+
+
+def _refused(exc: OSError, target: Path) -> KvloadError:
+    """The cache's refusal of a folder, file or rename it needs: a full disk or quota (no room, no inode) is the
+    mid-write failure's line and exit 1, wherever it shows; anything else (read-only, permissions, a file where a
+    folder goes) is the path's, exit 2, before anything was converted."""
+    if out_of_space(exc):
+        return _no_room(target, exc.strerror or first_line(exc))
+    return ModelError(f"cannot write the GGUF conversion cache under {target.parent} ({exc.strerror or exc}); "
+                      "set KVLOAD_CACHE to a writable directory")
+
+
+def _no_room(target: Path, reason: str) -> OutputError:
+    """A write the OS refused for the conversion at ``target`` (a full disk, a quota, a file size limit)."""
+    # a full disk said "load_weights: SafetensorError: Error while serializing: I/O error: ..." (exit 2, as bad input),
+    # naming neither the cache nor what to change
+    return OutputError(f"cannot write the GGUF conversion cache at {target} ({reason}); nothing was kept: free "
+                       "space there or set KVLOAD_CACHE to another directory")
 
 
 def _adopt(legacy: Path, target: Path) -> bool:
@@ -209,8 +226,7 @@ def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], N
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         tmp.chmod(0o755)  # mkdtemp makes it private; the finished cache is an ordinary directory
     except OSError as exc:
-        raise ModelError(f"cannot write the GGUF conversion cache under {root} ({exc.strerror or exc}); "
-                         "set KVLOAD_CACHE to a writable directory") from None
+        raise _refused(exc, target) from None
     start = time.perf_counter()
     say(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to float32 safetensors in {target} "
         "(once per file; later loads read the converted copy)")
@@ -228,13 +244,12 @@ def _convert_locked(checkpoint: Checkpoint, target: Path, say: Callable[[str], N
             reason = _write_failure(exc)
             if reason is None:
                 raise
-            # a full disk said "load_weights: SafetensorError: Error while serializing: I/O error: ..." (exit 2, as bad
-            # input), naming neither the cache nor what to change
-            raise OutputError(f"cannot write the GGUF conversion cache at {target} ({reason}); nothing was kept: free "
-                              "space there or set KVLOAD_CACHE to another directory") from None
+            raise _no_room(target, reason) from None
         try:
             tmp.rename(target)
         except OSError as exc:
+            if out_of_space(exc):  # (a folder's new entry may need a block)
+                raise _no_room(target, exc.strerror or first_line(exc)) from None
             raise ModelError(f"cannot finish the GGUF conversion cache at {target} ({exc.strerror or exc}); "
                              "remove it or set KVLOAD_CACHE to another directory") from None
     finally:

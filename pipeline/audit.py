@@ -24,7 +24,7 @@ import attrs
 from pipeline.audit_chain import HEAD, PREV, Chain, ChainCheck, audit_key
 from pipeline.audit_schema import record_problem
 from pipeline.config import framework_defaults
-from pipeline.errors import AuditError, ConfigError, OutputError, cannot_read
+from pipeline.errors import AuditError, ConfigError, OutputError, cannot_read, out_of_space
 from pipeline.events import is_value_event
 from pipeline.limits import MAX_DEPTH, nesting_depth, short, unique_keys
 from pipeline.paths import flatten, set_in
@@ -506,11 +506,14 @@ def remove_new_temporaries(path: str | Path, before: Collection[str]) -> None:
 
 def _create_temp(path: Path, flag: str) -> tuple[str, int]:
     """Create the temporary beside ``path`` (mode 0666 less the umask); its name and an open descriptor.
-    ``ConfigError`` naming ``flag`` when the directory takes no new file. Call under :func:`deferred`."""
+    ``ConfigError`` naming ``flag`` when the directory takes no new file, ``OutputError`` when the disk is full (no
+    inode left) or past a quota. Call under :func:`deferred`."""
     name = _temp_name(path)
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     except OSError as exc:
+        if out_of_space(exc):  # no inode left, a quota: the full disk's line, as when it shows mid-write (exit 1)
+            raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror}); nothing was written") from None
         parent = path.parent if str(path.parent) else Path(".")
         raise ConfigError(f"{flag} {path}: cannot create a file in {parent} "
                           f"({exc.strerror or exc.__class__.__name__})") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 from collections.abc import Iterable, Sequence
 
 
@@ -148,6 +149,17 @@ class OutputError(KvloadError):
     """A file the run writes could not be written (a full disk, a quota): outside the settings, so exit 1."""
 
     exit_code = 1
+
+
+#: The OS's "no room": a full disk (or no inode left) and a quota. Outside the settings wherever it shows, so a write
+#: that meets it is :class:`OutputError` (exit 1), whether the file was being created or written; a path the user
+#: gave that cannot be written (permissions, a file where a folder should be) stays exit 2 naming the path.
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` is the OS refusing a write for want of space or quota (:data:`NO_SPACE_ERRNOS`)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
 
 
 class GenerationError(KvloadError, ValueError):

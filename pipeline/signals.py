@@ -24,8 +24,10 @@ its own), so it is raised once the main thread is out of the finalizer. C code t
 so with whatever its numpy import raised) reports nothing: a thread of kvload's sees the stop's exception held by
 nobody but this module, with no stop taken, and sends the signal again, so the command stops within a fraction of a
 second with the first signal's line and status (it had gone on as if never stopped, or failed on the half-imported
-numpy: a rank under torchrun, which sends one SIGTERM, ran on until its SIGKILL 30 s later). A failure it caused
-before that is reported as the stop (:func:`dropped_stop`).
+numpy: a rank under torchrun, which sends one SIGTERM, ran on until its SIGKILL 30 s later). Any failure before that
+is reported as the stop (:func:`dropped_stop`): the stop came first and was ending the command anyway. The watcher
+looks only while armed: a stop dropped in the command's last moments is handed back by :func:`release_sigterm` for
+the command to report it as taken.
 """
 
 from __future__ import annotations
@@ -238,13 +240,19 @@ def stopping(replacing: Mapping[int, Any] | None = None) -> bool:
 
 def dropped_stop() -> KeyboardInterrupt | None:
     """The exception of a stop signal that code which drops every error cleared before the command saw it (torch's
-    start-up), for a failure that came of it (numpy half-imported) to be reported as that stop; None if there is
-    none. The command takes it (:func:`stopping`) as it reports it."""
+    start-up), for any failure that followed it (numpy half-imported, or not: the stop came first and was ending the
+    command within ~0.1 s) to be reported as that stop; None if there is none. The command takes it
+    (:func:`stopping`) as it reports it."""
     return _state["raised"] if _dropped() is not None else None
 
 
-def release_sigterm() -> None:
-    """Put back the SIGINT, SIGTERM and SIGHUP handlers :func:`handle_sigterm` replaced (once the command returned).
+def release_sigterm() -> KeyboardInterrupt | None:
+    """Put back the SIGINT, SIGTERM and SIGHUP handlers :func:`handle_sigterm` replaced (once the command returned);
+    the exception of a stop dropped unseen that the watcher had not yet sent again, for the caller to report (its line
+    and status, as a stop taken a moment earlier), else None.
+
+    The watcher looks twice, ~0.1 s, before it sends a dropped stop again, and looks only while armed: a stop dropped
+    in the command's last moments was lost, and the command exited 0 as if never stopped. It is taken here instead.
 
     After the command, interpreter shutdown runs atexit callbacks and finalizers (torch's, the process group's);
     a launcher's SIGTERM then (torchrun stopping the ranks left after one failed) raised ``Terminated`` inside them
@@ -255,6 +263,9 @@ def release_sigterm() -> None:
     """
     if threading.current_thread() is threading.main_thread() and _state["armed"]:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
+        # looked at once disarmed: no stop raised after this look can be dropped (a signal now acts as the previous
+        # handler). One dropped has its ``taken`` (set as it was raised), so the exit below treats it as taken
+        dropped = _state["raised"] if _dropped() is not None else None
         taken, _state["taken"], _state["raised"] = _state["taken"], None, None
         if taken is not None and _state["ends_process"]:
             # the command ended on a stop and the process ends with it: another one while it exits (torchrun passing
@@ -273,6 +284,8 @@ def release_sigterm() -> None:
         if sys.unraisablehook is _swallowed_stop:
             sys.unraisablehook = _state["unraisable"] or sys.__unraisablehook__
         _state["unraisable"] = None
+        return dropped
+    return None
 
 
 def ends_process() -> None:

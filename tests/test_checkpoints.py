@@ -213,10 +213,11 @@ def test_a_conversion_past_the_file_size_limit_is_one_line_in_a_real_process(tmp
 
 def test_a_lock_file_that_cannot_be_created_says_which_setting_to_change(fake_gguf, tmp_path):
     # a cache with no inode left took its directories and then refused the lock file: "load_weights: OSError: [Errno
-    # 28] No space left on device: '.../x.lock'", where the directories' refusal names the setting to change
+    # 28] No space left on device: '.../x.lock'", where the directories' refusal names the setting to change (a full
+    # disk there is the mid-write's exit 1 line: tests/test_full_disk.py)
     ckpt, calls = fake_gguf
     lock = tmp_path / "cache" / gguf_cache.STATE / "locks" / f"{gguf_cache.cache_dir(ckpt).name}.lock"
-    lock.mkdir(parents=True)  # the lock's open fails (EISDIR) as a file no inode is left for does (ENOSPC)
+    lock.mkdir(parents=True)  # the lock's open fails (EISDIR): a path that cannot be written, exit 2
     with pytest.raises(ModelError, match=r"^cannot write the GGUF conversion cache under .*cache \(Is a directory\); "
                                          r"set KVLOAD_CACHE to a writable directory$"):
         gguf_cache.convert_gguf(ckpt)

@@ -29,16 +29,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         handle_sigterm()  # SIGTERM, SIGHUP clean up like Ctrl-C: no temporary file, no half-built pools
         ns = build_parser().parse_args(argv)
-        return _main(ns, argv, said)
+        code = _main(ns, argv, said)
     except KeyboardInterrupt as exc:  # in start-up, before _main's handler is in, or while that handler ran
-        return _stopped(exc, said, ns)
+        code = _stopped(exc, said, ns)
     finally:  # past here is interpreter shutdown: a SIGTERM must not raise into its atexit callbacks
-        release_sigterm()
+        # a stop dropped unseen in the command's last moments, too late for the watcher to send it again: the user's
+        # kill is reported with its line and status as one taken a moment earlier, not lost behind an exit 0
+        late = release_sigterm()
         # CPython marks a KeyboardInterrupt that leaves an exec() of a string (dataclasses and namedtuple build their
         # methods so, at import) as unhandled, even once it is caught, and `python -m kvload` then ended the process
         # by SIGINT at exit, whatever main returned: a Ctrl-C landing there gave its parent -2, not 130. Every exec of
         # a string clears that mark before it runs: one of nothing, once the command is over, says it was handled.
         exec("")
+    return code if late is None else _stopped(late, said, ns)
 
 
 def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | None) -> int:
@@ -49,10 +52,23 @@ def _stopped(exc: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace | 
     return 128 + exc.signal_number if term else 130
 
 
+def _stopped_after(stop: KeyboardInterrupt, said: list[bool], ns: argparse.Namespace) -> int:
+    """A failure that followed a stop dropped unseen (:func:`pipeline.signals.dropped_stop`), reported as that stop,
+    whatever the failure: the stop came first and the command was ending on it within ~0.1 s (the watcher sends it
+    again), and what failed in between is often the stop's own doing (numpy half-imported) with no sure way to tell
+    which is; ``kill``'s sender is told it stopped (128 + its number). ``--debug`` prints the failure's traceback
+    too."""
+    if ns.debug:
+        traceback.print_exc()
+    return _stopped(stop, said, ns)
+
+
 def _unwritten(ns: argparse.Namespace | None) -> str:
-    """What a command that did not finish says it left out: its ``--audit-log`` (never published then). Nothing
-    else: what it printed on the way (generate's tokens) was printed, so "nothing was written" would not be true."""
-    return "; the --audit-log file was not written" if getattr(ns, "audit_log", None) is not None else ""
+    """What a command that did not finish says it left out: its ``--audit-log`` (never published then), unless a stop
+    came once it was published (the command had finished). Nothing else: what it printed on the way (generate's
+    tokens) was printed, so "nothing was written" would not be true."""
+    unwritten = getattr(ns, "audit_log", None) is not None and not getattr(ns, "audit_published", False)
+    return "; the --audit-log file was not written" if unwritten else ""
 
 
 def _end_line() -> None:
@@ -98,7 +114,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     except KvloadError as exc:
         stop = dropped_stop()  # a stop torch's start-up cleared, failing the command before it was sent again
         if stop is not None:
-            return _stopped(stop, said, ns)
+            return _stopped_after(stop, said, ns)
         _end_line()
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
@@ -117,7 +133,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
         stop = dropped_stop()  # (as for KvloadError: numpy's ImportError where torch dropped the stop)
         if stop is not None:
-            return _stopped(stop, said, ns)
+            return _stopped_after(stop, said, ns)
         from pipeline.ranks import lost_rank_message
 
         _end_line()
@@ -162,7 +178,12 @@ def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
         from pipeline.ranks import close_rank_audit, ranks_from_env
 
         ns.audit_sink = None
+        stop = dropped_stop() if ok else None
+        if stop is not None:  # dropped unseen, too late for the watcher to send it again: a stop, not published
+            close_rank_audit(sink, ranks_from_env(), ok=False)
+            raise stop
         close_rank_audit(sink, ranks_from_env(), ok=ok)
+        ns.audit_published = ok  # a stop from here (main's last look) does not say it was not written
 
 
 def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:

@@ -48,7 +48,7 @@ from kvload.serve.state import CorsPolicy, ServeState
 from kvload.serve.stats_log import StatsLogger
 from kvload.serve.tls import Tls, tls_from_flags
 from kvload.serve.uds import UnixListener, uds_url
-from pipeline.errors import ConfigError, GenerationError, KvloadError
+from pipeline.errors import ConfigError, GenerationError, KvloadError, OutputError, out_of_space
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
 from pipeline.signals import stopping
@@ -261,8 +261,9 @@ def check_chat_template(where: str, text: Any) -> str:
 
 def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file") -> KvEventMirror:
     """Append the served manager's KV cache events to ``path`` (JSON Lines) as they happen; ``ConfigError`` naming
-    ``flag`` when it cannot be opened. A write that fails later (a full disk) is reported once, as a
-    ``kv_events_file_failed`` warning in the server's log and audit, and stops the mirror: never a request."""
+    ``flag`` when it cannot be opened (``OutputError``: a full disk or quota). A write that fails later (a full disk)
+    is reported once, as a ``kv_events_file_failed`` warning in the server's log and audit, and stops the mirror:
+    never a request."""
     buffer = state.result.kv_manager.kv_events
 
     def failed(mirror: KvEventMirror) -> None:  # called on the engine loop thread, mid-step: queued, not emitted
@@ -272,8 +273,9 @@ def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file
     try:
         mirror = KvEventMirror(path, flag, on_failure=failed)
     except OSError as exc:
-        raise ConfigError(f"{flag} {short_text(path, 200)}: cannot open it for writing ({exc.strerror or exc})") \
-            from None
+        # a full disk (no inode for the new file) or a quota: outside the settings (exit 1), not a path refused
+        error = OutputError if out_of_space(exc) else ConfigError
+        raise error(f"{flag} {short_text(path, 200)}: cannot open it for writing ({exc.strerror or exc})") from None
     buffer.mirror = mirror
     return mirror
 
