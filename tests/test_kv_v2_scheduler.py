@@ -543,7 +543,7 @@ def _probe_case(seed: int, build: bool, compressed: bool = False,
     layers = rng.choice(COMPRESSED if compressed else [FULL, full_sliding_layers(8), split_sliding_layers(8)])
     m = make_manager(layers, rng.randint(10, 30), enable_partial_reuse=rng.random() < .5)
     if build:  # the path the probe stands for: create + resume, estimate, cancel_admission when refused
-        m.probe_hit = lambda request, build=False, found=None: None
+        m.probe_hit = lambda request, build=False: None
     if built_cancels is not None:
         cancel = m.cancel_admission
 
@@ -641,7 +641,7 @@ def _refused_turn_with_a_copy(other_len: int, build: bool, layers: list[LayerKV]
     cancelled (no probe)."""
     m = make_manager(layers, blocks, enable_partial_reuse=True)
     if build:
-        m.probe_hit = lambda request, build=False, found=None: None  # type: ignore[method-assign]
+        m.probe_hit = lambda request, build=False: None  # type: ignore[method-assign]
     history = list(range(1, 19))  # four blocks and two tokens: the finish keeps the partial block for the next turn
     prefill(m, h := Request("turn0", history, 0))
     m.free(h)
@@ -2097,38 +2097,3 @@ def test_a_refused_tied_copy_writes_back_what_its_eviction_takes_from_a_suspende
         manager.check_invariants()
     assert (_pool_state(refused), _host_state(refused)) == (_pool_state(m), _host_state(m))
     assert refused._tree.latent == m._tree.latent
-
-
-def _two_turns_one_evicting(monkeypatch, handoff: bool) -> tuple[list[str], int, list, SchedulerOutput]:
-    """Two follow-up turns waiting, each on its conversation's cached history; the longer history's turn goes first
-    and its prompt's new blocks evict the tail of the other's history. ``handoff`` False: the cache-aware pass keeps
-    no lookup for the admission probes (KVCacheManagerV2.cached_prefix's ``found`` dropped)."""
-    import cache_backends.v2.scheduler as scheduler
-
-    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 4)  # the floor at this test's scale: both histories rank
-    m = make_manager(FULL, 14)  # 4 + 6 + 3 cached blocks, 1 free
-    if not handoff:
-        lookup = m.cached_prefix
-        monkeypatch.setattr(m, "cached_prefix", lambda request, memo=None, found=None: lookup(request, memo))
-    s = KVCacheV2Scheduler(m, max_batch_size=4, max_num_tokens=64, init_ratio=0.0)
-    b_history, a_history = list(range(1, 17)), list(range(101, 125))
-    # b's history queued first: the oldest, evicted first; a third conversation's (3 blocks) the youngest: room for
-    # turn_b's next blocks after turn_a's claim and its 3 new blocks (1 free, 2 evicted from b's history's tail)
-    for i, history in enumerate((b_history, a_history, list(range(400, 412)))):
-        done = Request(f"done{i}", history, 0)
-        prefill(m, done)
-        m.free(done)
-    turn_a = Request("turn_a", [*a_history, *range(200, 209)], 2, arrival=1)  # 3 new blocks: 2 evicted
-    turn_b = Request("turn_b", [*b_history, *range(300, 305)], 2, arrival=2)
-    out = s.step(deque([turn_b, turn_a]), running := [])
-    m.check_invariants()
-    return [r.req_id for r in running], turn_b.num_reused_tokens, _pool_state(m), out
-
-
-def test_a_probe_after_an_admission_in_the_same_step_looks_its_request_up_again(monkeypatch):
-    # the admission probe takes the cache-aware pass's lookup of its request only while nothing changed the tree since:
-    # turn_a's admission evicted half of turn_b's history, so turn_b's probe must see the 8 tokens left, not the 16
-    # the pass found (and decide, and leave the pools, as without the pass's lookups kept at all)
-    running, reused_b, pools, out = _two_turns_one_evicting(monkeypatch, handoff=True)
-    assert [r.req_id for r in out.admitted] == running == ["turn_a", "turn_b"] and reused_b == 8
-    assert (running, reused_b, pools) == _two_turns_one_evicting(monkeypatch, handoff=False)[:3]
