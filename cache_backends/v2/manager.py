@@ -1567,14 +1567,8 @@ class KVCacheManagerV2:
         if not self._probes:
             return self._unprobed(request, build)
         assert run is not None
-        if m // T == run.start + len(run.held) and run.held[-1]:
-            # the usual: the prefix ends at the run's end, which holds blocks: claiming splits nothing and leaving
-            # trims nothing (each run of the path gets its user back, and each above the last has a child), so the
-            # pair changes nothing and is not made (a refused head is probed every step under pressure)
-            last = run
-        else:
-            last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
-            tree.leave(last)
+        last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
+        tree.leave(last)
         partial, k = None, 0
         if self._partial and self._prefix_check is None:  # a copy follows (a limited prefix, DeepSeek V4's: none)
             partial, k = self._partial_source(request, last, m)
