@@ -233,9 +233,6 @@ class HitProbe:
     # the finished history's partial last block (``last.tail``) the build would copy into a free block of every group
     # (counted in ``taken``); None: no copy
     partial: TailRun | None = None
-    # per group, the claimed blocks nobody holds (``claimed``'s blocks where their refs are 0): what the claim takes
-    # out of the eviction queue, kept for a refusal (:meth:`KVCacheManagerV2.refuse_hit`) not to pick them again
-    cached: list[list[int]] | None = None
 
     def less(self, extra: list[int] | None) -> list[int]:
         """``extra`` (per pool set, as :meth:`KVCacheManagerV2.short_of` takes it) less :attr:`taken`: the built
@@ -1451,8 +1448,7 @@ class KVCacheManagerV2:
         :meth:`cached_prefix` takes it."""
         return self.cached_prefix(request, memo)[0]
 
-    def cached_prefix(self, request: Request, memo: dict[Any, list[_Walk]] | None = None,
-                      found: dict[Request, tuple[int, RadixNode, int]] | None = None) -> tuple[int, bool]:
+    def cached_prefix(self, request: Request, memo: dict[Any, list[_Walk]] | None = None) -> tuple[int, bool]:
         """:meth:`cached_prefix_tokens`, and whether the request parts from cached blocks where its walk ends: its
         next block differs from the block a cached run holds there, or from every child of the run it ends at (a
         system prompt others went on from), rather than the cached path ending where the request goes on (a
@@ -1462,10 +1458,7 @@ class KVCacheManagerV2:
         scheduler's cache-aware pass): a request whose blocks the walk of an earlier one in it decides (:class:`_Walk`)
         gets that walk's answer without a walk of its own. Why: the waiting prompts on a system prompt are looked up
         every step, each walking the same path (tiny-llama ``mixed`` at a quarter of the budget: 11,512 lookups on
-        2,583 first blocks; BENCHMARKS.md, "relook44").
-
-        ``found``: where the walk finds a whole-block prefix, its lookup (``_match``'s answer) is kept there under the
-        request, for :meth:`probe_hit`'s ``found`` while nothing changes the tree."""
+        2,583 first blocks; BENCHMARKS.md, "relook44")."""
         if not self._reuse or request.skip_prefix_read:
             return 0, False
         T = self.T
@@ -1484,8 +1477,6 @@ class KVCacheManagerV2:
         elif self._cheap_miss(request, first):  # claims_nothing's answer, its first token packed once
             return 0, False
         hit, run, i = self._match(request)
-        if found is not None and hit:
-            found[request] = (hit, run, i)  # type: ignore[assignment]  # (a hit ends at a run)
         if key is not None:
             walk = _Walk.of(self._tree.root(request.salt), run, i, request, blocks, T, hit)
             memo.setdefault(key, []).append(walk)
@@ -1521,8 +1512,7 @@ class KVCacheManagerV2:
         may = map(runs.__contains__, firsts)
         return list(map(or_, may, map(pending.__contains__, firsts)) if pending else may)
 
-    def probe_hit(self, request: Request, build: bool = False,
-                  found: tuple[int, RadixNode, int] | None = None) -> HitProbe | None:
+    def probe_hit(self, request: Request, build: bool = False) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
         without claiming it, for the estimates (``start``/``probe`` arguments) and :meth:`refuse_hit`; None where
         only building it answers: a partial block to copy (it allocates, and may evict), a whole-block hit on a
@@ -1539,24 +1529,17 @@ class KVCacheManagerV2:
         Why: under pressure the head of the waiting queue is refused step after step, and building its claim of a
         cached history, then cancelling it, was most of V2's work (Gemma 3 27B: every block of the history in each
         of 31 groups, twice, every step; BENCHMARKS.md "V2 refuses a hit without building it"); an empty claim
-        was built and cancelled too, its lookup done twice (DeepSeek V4 mixed at a quarter of the budget: 8.8%).
-
-        ``found``: the request's lookup kept by :meth:`cached_prefix` (its ``found``), the tree unchanged since (the
-        caller's word): not made again. Why: under pressure the head of the queue is a turn whose history waits, and
-        it was looked up twice a step, by the cache-aware order and by this probe (BENCHMARKS.md "perf64a")."""
+        was built and cancelled too, its lookup done twice (DeepSeek V4 mixed at a quarter of the budget: 8.8%)."""
         if not self._reuse or request.skip_prefix_read or request in self._caches:
             return self._unprobed(request, build)
         T, tree = self.T, self._tree
-        if found is not None:  # a whole-block hit: its pending prefix was hung and no cheap miss is possible
-            m, run, _ = found
-        else:
-            first = _first_packed(request)
-            prefix = tree.pending_prefix(request.salt, first)
-            if prefix is not None:  # as the build's lookup does before anything else
-                self._materialize(prefix)
-            if self._cheap_miss(request, first):
-                return self._unprobed(request, build)
-            m, run, _ = self._match(request)
+        first = _first_packed(request)
+        prefix = tree.pending_prefix(request.salt, first)
+        if prefix is not None:  # as the build's lookup does before anything else
+            self._materialize(prefix)
+        if self._cheap_miss(request, first):
+            return self._unprobed(request, build)
+        m, run, _ = self._match(request)
         if not m:  # the build would claim nothing whole; a partial block only where one is copied
             if self._partial and self._prefix_check is None:
                 source = self._partial_source(request, tree.root(request.salt), 0)
@@ -1640,7 +1623,7 @@ class KVCacheManagerV2:
                         return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
                     skip = set(out)
                     evicted = queue.peek_pages(short, skip)
-                    evicted_shared = queue.count_shared(evicted) if queue.num_shared else 0
+                    evicted_shared = queue.count_shared(evicted)
                     skip.update(evicted)
                 # the source queued again (a leaf: a tail has no children) may demote stale shared pages
                 back = queue._pages(held_srcs)
@@ -1651,10 +1634,7 @@ class KVCacheManagerV2:
                 taken_groups = [t + 1 for t in taken_groups]
             weights = self._weights
             taken = [sum(taken_groups) if weights is None else sum(map(mul, taken_groups, weights))]
-            # (none queued as shared: no pass over the claim's blocks, most steps of a conversation's refused turn)
-            queue = arena.evictable
-            shared_taken = [(queue.count_shared(list(chain.from_iterable(cached_of))) if queue.num_shared else 0)
-                            + evicted_shared]
+            shared_taken = [arena.evictable.count_shared(list(chain.from_iterable(cached_of))) + evicted_shared]
         else:  # a pool per group: pool set i is group i
             if partial is not None:  # the copy's block, in use beside the claim's
                 for (name, _, pool), t in zip(self._group_pools, taken_groups, strict=True):
@@ -1666,11 +1646,11 @@ class KVCacheManagerV2:
                         return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
                 taken_groups = [t + 1 for t in taken_groups]
             taken = taken_groups
-            shared_taken = [pool.evictable.count_shared(cached) if pool.evictable.num_shared else 0
+            shared_taken = [pool.evictable.count_shared(cached)
                             for (_, _, pool), cached in zip(self._group_pools, cached_of, strict=True)]
         if partial is not None:
-            return HitProbe(m + k, last, claimed, taken, taken_groups, shared_taken, partial, cached_of)
-        return HitProbe(m, last, claimed, taken, taken_groups, shared_taken, cached=cached_of)
+            return HitProbe(m + k, last, claimed, taken, taken_groups, shared_taken, partial)
+        return HitProbe(m, last, claimed, taken, taken_groups, shared_taken)
 
     def _unprobed(self, request: Request, build: bool,
                   found: tuple[int, RadixNode | None, tuple[RadixNode | None, int]] | None = None) -> None:
@@ -1809,11 +1789,8 @@ class KVCacheManagerV2:
         last, source = probe.last, probe.partial
         assert isinstance(arena, TiedArena) and last is not None and source is not None
         queue, k = arena.evictable, arena.k
-        cached = probe.cached  # (the probe's: the same blocks, picked once)
-        if cached is None:
-            cached = [list(compress(blocks, map(not_, refs))) for blocks, refs, _ in probe.claimed]
-        for blocks, i in zip(cached, index, strict=True):  # (a group's blocks weigh its k pages)
-            queue.remove_weighing(blocks, k[i])
+        for (blocks, refs, _), i in zip(probe.claimed, index, strict=True):  # (a group's blocks weigh its k pages)
+            queue.remove_weighing(list(compress(blocks, map(not_, refs))), k[i])
         held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
         srcs = [source.blocks[name][0] for name in self._names]
         arena.incref_each(index, srcs)

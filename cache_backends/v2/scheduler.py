@@ -382,14 +382,10 @@ class KVCacheV2Scheduler(SchedulerBase):
         # last step's decode chunks, request -> ScheduledChunk(request, 1): a decode's chunk is the same value step
         # after step, so it is built once per run of decodes (a chunk per running request per step cost ~0.25 us)
         self._decode_chunks: dict[Request, ScheduledChunk] = {}
-        # this step's cache-aware lookups that found a whole-block hit (KVCacheManagerV2.cached_prefix's ``found``):
-        # the first admission probe reuses its candidate's, as nothing changed the tree between them; None once used
-        self._found: dict[Request, tuple] | None = None
 
     def step(self, waiting: deque[Request], running: list[Request]) -> SchedulerOutput:
         """Decide this iteration: move requests between ``waiting`` and ``running``, allocate, report."""
         self._steps += 1
-        self._found = None
         m = self.manager
         m.check_running(running)
         out = SchedulerOutput()
@@ -658,12 +654,11 @@ class KVCacheV2Scheduler(SchedulerBase):
         # than they save (the median step, BENCHMARKS.md "relook44")
         relook = not now % LPM_RELOOK
         memo: dict | None = {} if relook or len(hinted) > 1 else None
-        found = self._found = {}  # (the admission's first probe reads its candidate's lookup here)
         floors = (LPM_MIN_HIT, min(LPM_BRANCH_HIT, LPM_MIN_HIT))  # by whether a prefix others went on from
         for i, may in zip(hinted, m.may_find_prefix([window[i] for i in hinted]) if len(hinted) > 1
                           else itertools.repeat(True, len(hinted)), strict=True):
             r = window[i]
-            hit, branch = m.cached_prefix(r, memo, found) if may else (0, False)
+            hit, branch = m.cached_prefix(r, memo) if may else (0, False)
             floor = floors[branch]
             if r.cached_hint < 0:  # joined the queue: looked up once
                 ranks[i] = r.cached_hint = hit if hit >= floor else 0
@@ -686,7 +681,7 @@ class KVCacheV2Scheduler(SchedulerBase):
                      if not k and q <= since and len(r.prompt_token_ids) > floor]
             # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
             for i in itertools.compress(again, m.may_find_prefix([window[i] for i in again]) if again else ()):
-                hit, branch = m.cached_prefix(window[i], memo, found)
+                hit, branch = m.cached_prefix(window[i], memo)
                 # from now on looked up every step, as a hit found on joining is
                 if hit >= floors[branch]:
                     ranks[i] = window[i].cached_hint = hit
@@ -851,9 +846,6 @@ class KVCacheV2Scheduler(SchedulerBase):
         ``prefilling``: the running requests that may have a prompt block still to compute (every one if None)."""
         m = self.manager
         ratio = self.new_token_ratio
-        # the cache-aware pass's lookups (_cache_aware): nothing changed the tree since, until this loop's first probe
-        # or admission (the checks before it, _waits_for's lookups included, change nothing a lookup reads)
-        found = self._found
         # running requests' estimated growth, per life cycle (on first use): every group of a cycle needs the same
         headroom: list[int] | None = None
         others_run, cold = bool(running), False  # cold: a request that claims no cached prefix was admitted
@@ -888,13 +880,9 @@ class KVCacheV2Scheduler(SchedulerBase):
                 # hit a probe finds (a turn whose history waits for room; or no whole block, though its first
                 # tokens start a cached run): a refusal, step after step under
                 # pressure, then builds and cancels nothing (priority's displacement asks the built cache)
-                # a whole-block hit the cache-aware pass found claims something (its prefix was hung, no cheap miss)
-                hand = None if found is None else found.get(r)
-                new = hand is None and m.claims_nothing(r)
+                new = m.claims_nothing(r)
                 # (a None from the probe comes with the cache built, its lookup made once: probe_hit's build)
-                probe = None if new or self.by_priority else m.probe_hit(r, build=True, found=hand)
-                # the first probe (or build) may change the tree: the cache-aware pass's lookups hold until it only
-                found = self._found = None
+                probe = None if new or self.by_priority else m.probe_hit(r, build=True)
                 if not new and probe is None and not m.has_cache(r):
                     m.create(r)
                     m.resume(r)
