@@ -521,19 +521,26 @@ def _create_temp(path: Path, flag: str) -> tuple[str, int]:
 
 
 def _publish(tmp: str, path: Path, flag: str, *, replace: bool) -> None:
-    """Move the written temporary onto ``path``; without ``replace``, never over a file that exists."""
-    if replace:
-        os.replace(tmp, path)
-        return
+    """Move the written temporary onto ``path``; without ``replace``, never over a file that exists. ``OutputError``
+    naming ``flag`` when the OS refuses the move (a directory that needs a new block on a full disk, a quota, a folder
+    made read-only meanwhile): ``path`` keeps what it held, and the caller removes the temporary."""
     try:
-        os.link(tmp, path)  # atomic, and never over a file that exists
-    except FileExistsError:
-        raise ConfigError(f"{flag} {path}: appeared while the run was going; not replaced "
-                          "(pass --force to replace it)") from None
-    except OSError:  # a filesystem without hard links
-        if os.path.lexists(path):
-            raise ConfigError(f"{flag} {path}: exists; pass --force to replace it") from None
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+            return
+        try:
+            os.link(tmp, path)  # atomic, and never over a file that exists
+        except FileExistsError:
+            raise ConfigError(f"{flag} {path}: appeared while the run was going; not replaced "
+                              "(pass --force to replace it)") from None
+        except OSError as exc:
+            if out_of_space(exc):  # no room for the new entry: the rename below needs one as well
+                raise
+            if os.path.lexists(path):  # a filesystem without hard links
+                raise ConfigError(f"{flag} {path}: exists; pass --force to replace it") from None
+            os.replace(tmp, path)
+    except OSError as exc:  # a raw OSError named neither the file nor the flag
+        raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); nothing was written") from None
 
 
 @contextmanager

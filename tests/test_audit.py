@@ -494,3 +494,34 @@ def test_a_sink_told_to_wait_creates_no_temporary_until_then_and_writes_the_same
         for record in records:
             sink(record)
     assert (never / "a.jsonl").read_bytes() == (plain / "a.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("replace", [True, False])
+@pytest.mark.parametrize("refusal", ["ENOSPC", "EROFS"])
+def test_a_publish_the_os_refuses_names_the_file_and_leaves_nothing(tmp_path, monkeypatch, replace, refusal):
+    """The last step of writing an audit log, moving the temporary onto its name, can meet a full disk (a directory
+    that needs a new block) or a folder made read-only meanwhile: one line naming the flag and the file (exit 1), the
+    file as it was and no temporary left. It was a raw ``OSError`` naming neither."""
+    import errno
+    import os
+    import re
+
+    from pipeline.audit import JsonlSink, atomic_output
+    from pipeline.errors import OutputError
+
+    code = getattr(errno, refusal)
+
+    def refuse(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    monkeypatch.setattr(os, "link", refuse)
+    path = tmp_path / "a.jsonl"
+    with pytest.raises(OutputError) as caught, JsonlSink(path, replace=replace, flag="--audit-log") as sink:
+        sink({"event": "x", "seq": 0})
+    assert str(caught.value) == f"--audit-log {path}: cannot write it ({os.strerror(code)}); nothing was written"
+    other = tmp_path / "b.txt"
+    with (pytest.raises(OutputError, match=f"^{re.escape(f'--out {other}')}: cannot write it"),
+          atomic_output(other, "--out", replace=replace) as tmp, open(tmp, "w") as f):
+        f.write("x")
+    assert list(tmp_path.iterdir()) == []
