@@ -19,7 +19,7 @@ from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import short_text
 
 # at import: main's first line is in its try
-from pipeline.signals import Terminated, dropped_stop, handle_sigterm, release_sigterm, stopping
+from pipeline.signals import Terminated, dropped_stop, handle_sigterm, release_sigterm, stop_behind, stopping
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,6 +115,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         stop = dropped_stop()  # a stop torch's start-up cleared, failing the command before it was sent again
         if stop is not None:
             return _stopped_after(stop, said, ns)
+        stop_behind(exc)  # a stop this failure came of (a cleanup that failed) was seen: not reported again as dropped
         _end_line()
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
@@ -134,6 +135,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         stop = dropped_stop()  # (as for KvloadError: numpy's ImportError where torch dropped the stop)
         if stop is not None:
             return _stopped_after(stop, said, ns)
+        stop_behind(exc)  # (as for KvloadError)
         from pipeline.ranks import lost_rank_message
 
         _end_line()
