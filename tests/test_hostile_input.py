@@ -2016,7 +2016,8 @@ def test_main_gives_sigterm_back_when_it_returns(capsys, monkeypatch):
 
 @pytest.mark.parametrize(("failure", "code", "line"), [
     ("OutputError", 1, "error: the pools could not be released"),
-    ("RuntimeError", 1, "error: RuntimeError: the pools could not be released (run with --debug for the traceback)")])
+    ("RuntimeError", 1, "error: RuntimeError: the pools could not be released (run with --debug for the traceback)"),
+    ("BrokenPipeError", 141, "error: the output was closed before it was all written (broken pipe)")])
 def test_a_stop_whose_cleanup_failed_is_reported_once(capsys, monkeypatch, failure, code, line):
     """A stop taken by the command whose cleanup then failed (the stop is that failure's context) is reported as the
     failure, once: the stop was seen, not dropped. ``release_sigterm`` found it let go once the failure's line was out
@@ -2034,7 +2035,7 @@ def test_a_stop_whose_cleanup_failed_is_reported_once(capsys, monkeypatch, failu
             try:
                 _raise_terminated(signal.SIGTERM, None)  # the user's kill, raised where the command was
             finally:  # its cleanup fails on the way out
-                error = OutputError if failure == "OutputError" else RuntimeError
+                error = {"OutputError": OutputError, "RuntimeError": RuntimeError}.get(failure, BrokenPipeError)
                 raise error("the pools could not be released")
 
         ns.func = command

@@ -123,12 +123,13 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         return exc.exit_code
     except KeyboardInterrupt as exc:
         return _stopped(exc, said, ns)
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
         # the reader closed stdout (`| head`): what the command was asked for was not all delivered, so it is not a
         # success, and its --audit-log (published only on exit 0) is discarded. 141 is what a shell reports for a
         # writer a closed pipe ended (128 + SIGPIPE: `yes | head`), and a script with pipefail sees it. stdout goes
         # to /dev/null first, so the interpreter's last flush does not fail again
         _drop_stdout()
+        stop_behind(exc)  # (as for KvloadError: a pipe that broke while a stop unwound is this line and 141, once)
         _say(f"the output was closed before it was all written (broken pipe){_unwritten(ns)}", said)
         return 141
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
