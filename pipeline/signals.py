@@ -254,7 +254,8 @@ def stop_behind(failure: BaseException) -> None:
     if stop is None:
         return
     # (a stack, not the first link only: ``raise X from None`` hides the context it keeps)
-    todo, seen = [failure], set()
+    todo: list[BaseException | None] = [failure]
+    seen: set[int] = set()
     while todo:
         exc = todo.pop()
         if exc is stop:
