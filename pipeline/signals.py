@@ -246,6 +246,26 @@ def dropped_stop() -> KeyboardInterrupt | None:
     return _state["raised"] if _dropped() is not None else None
 
 
+def stop_behind(failure: BaseException) -> None:
+    """The command reports ``failure``: a stop raised on the way to it (its cause or context: a cleanup that failed
+    while the stop unwound) was seen, not dropped, and is taken here, so that :func:`release_sigterm` does not find
+    it let go once the failure's line is out and report it a second time (its line, 128 + its number)."""
+    stop = _state["raised"]
+    if stop is None:
+        return
+    # (a stack, not the first link only: ``raise X from None`` hides the context it keeps)
+    todo: list[BaseException | None] = [failure]
+    seen: set[int] = set()
+    while todo:
+        exc = todo.pop()
+        if exc is stop:
+            stopping()
+            return
+        if exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            todo += (exc.__cause__, exc.__context__)
+
+
 def release_sigterm() -> KeyboardInterrupt | None:
     """Put back the SIGINT, SIGTERM and SIGHUP handlers :func:`handle_sigterm` replaced (once the command returned);
     the exception of a stop dropped unseen that the watcher had not yet sent again, for the caller to report (its line

@@ -58,9 +58,17 @@ def _namespace() -> list[str] | None:
     if shutil.which("unshare") is None:
         return None
     prefix = ["unshare", "-m", "--propagation", "private"] if os.geteuid() == 0 else ["unshare", "-rm"]
-    probe = subprocess.run([*prefix, "sh", "-c", 'd=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs "$d"'],
-                           capture_output=True)
+    # the probe's folder is on the real disk, not in the namespace: removed (it was left in $TMPDIR on every run)
+    probe = subprocess.run([*prefix, "sh", "-c", 'd=$(mktemp -d) || exit 1; mount -t tmpfs -o size=64k tmpfs "$d"; '
+                            'rc=$?; [ $rc -eq 0 ] && umount "$d"; rmdir "$d"; exit $rc'], capture_output=True)
     return prefix if probe.returncode == 0 else None
+
+
+def test_the_probe_for_a_private_mount_namespace_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    if _namespace.__wrapped__() is None:
+        pytest.skip("no private mount namespace here")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _on_a_small_disk(tmp_path: Path, setup: str, argv: list[str], *, options: str = "size=256k,nr_inodes=64",

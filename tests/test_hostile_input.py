@@ -2014,6 +2014,38 @@ def test_main_gives_sigterm_back_when_it_returns(capsys, monkeypatch):
         signal.signal(signal.SIGTERM, own)
 
 
+@pytest.mark.parametrize(("failure", "code", "line"), [
+    ("OutputError", 1, "error: the pools could not be released"),
+    ("RuntimeError", 1, "error: RuntimeError: the pools could not be released (run with --debug for the traceback)"),
+    ("BrokenPipeError", 141, "error: the output was closed before it was all written (broken pipe)")])
+def test_a_stop_whose_cleanup_failed_is_reported_once(capsys, monkeypatch, failure, code, line):
+    """A stop taken by the command whose cleanup then failed (the stop is that failure's context) is reported as the
+    failure, once: the stop was seen, not dropped. ``release_sigterm`` found it let go once the failure's line was out
+    and reported it again as one dropped unseen: a second line, ``error: terminated (SIGTERM)``, and exit 143 under
+    the failure's line."""
+    from kvload.cli import entry
+    from pipeline.errors import OutputError
+    from pipeline.signals import _raise_terminated
+
+    own = signal.getsignal(signal.SIGTERM)
+    try:
+        ns = entry.build_parser().parse_args(["plan", "tiny-llama"])
+
+        def command(ns):
+            try:
+                _raise_terminated(signal.SIGTERM, None)  # the user's kill, raised where the command was
+            finally:  # its cleanup fails on the way out
+                error = {"OutputError": OutputError, "RuntimeError": RuntimeError}.get(failure, BrokenPipeError)
+                raise error("the pools could not be released")
+
+        ns.func = command
+        monkeypatch.setattr(entry, "build_parser", lambda: type("P", (), {"parse_args": lambda self, a: ns})())
+        result = run_cli(capsys)
+        assert (result.code, result.err.splitlines()) == (code, [line]), result.err
+    finally:
+        signal.signal(signal.SIGTERM, own)
+
+
 def _wait_for_progress(proc, timeout: float = 120.0) -> str:
     """Read stderr until the simulation's progress bar shows (replay under way); return what was read."""
     seen: list[str] = []

@@ -19,7 +19,7 @@ from pipeline.errors import ConfigError, KvloadError, first_line
 from pipeline.limits import short_text
 
 # at import: main's first line is in its try
-from pipeline.signals import Terminated, dropped_stop, handle_sigterm, release_sigterm, stopping
+from pipeline.signals import Terminated, dropped_stop, handle_sigterm, release_sigterm, stop_behind, stopping
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,6 +115,7 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         stop = dropped_stop()  # a stop torch's start-up cleared, failing the command before it was sent again
         if stop is not None:
             return _stopped_after(stop, said, ns)
+        stop_behind(exc)  # a stop this failure came of (a cleanup that failed) was seen: not reported again as dropped
         _end_line()
         if ns.debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()
@@ -122,18 +123,20 @@ def _main(ns: argparse.Namespace, argv: Sequence[str] | None, said: list[bool]) 
         return exc.exit_code
     except KeyboardInterrupt as exc:
         return _stopped(exc, said, ns)
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
         # the reader closed stdout (`| head`): what the command was asked for was not all delivered, so it is not a
         # success, and its --audit-log (published only on exit 0) is discarded. 141 is what a shell reports for a
         # writer a closed pipe ended (128 + SIGPIPE: `yes | head`), and a script with pipefail sees it. stdout goes
         # to /dev/null first, so the interpreter's last flush does not fail again
         _drop_stdout()
+        stop_behind(exc)  # (as for KvloadError: a pipe that broke while a stop unwound is this line and 141, once)
         _say(f"the output was closed before it was all written (broken pipe){_unwritten(ns)}", said)
         return 141
     except Exception as exc:  # a bug or a runtime failure: one line unless --debug
         stop = dropped_stop()  # (as for KvloadError: numpy's ImportError where torch dropped the stop)
         if stop is not None:
             return _stopped_after(stop, said, ns)
+        stop_behind(exc)  # (as for KvloadError)
         from pipeline.ranks import lost_rank_message
 
         _end_line()
