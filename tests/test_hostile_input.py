@@ -1549,12 +1549,12 @@ def test_a_stop_signal_lost_in_torchs_start_up_still_stops_the_command(tmp_path,
 _DROP_AT_THE_END = """import os, sys, time
 import kvload.cli.entry as entry
 def hold():
-    open(os.path.join(os.environ["HOLD_MARKS"], str(os.getpid())), "w").close()
-    for _ in range(3000):  # short sleeps (see _HOLD_IN_NUMPY_IMPORT)
-        try:
+    try:  # the mark in the try too: a signal right after it is dropped as one in the sleep is
+        open(os.path.join(os.environ["HOLD_MARKS"], str(os.getpid())), "w").close()
+        for _ in range(3000):  # short sleeps (see _HOLD_IN_NUMPY_IMPORT)
             time.sleep(0.1)
-        except BaseException:  # dropped unseen
-            return
+    except BaseException:  # dropped unseen
+        return
 def wrap(name, before):
     inner = getattr(entry, name)
     def held(*args, **kwargs):
