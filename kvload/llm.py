@@ -513,7 +513,9 @@ class LLM:
                 for record in self.result.audit.events:
                     sink(record)
         except OutputError as exc:
-            failed = sink.failed  # the write the OS refused; None: publishing failed, and the sink's line says why
+            # the write the OS refused, or the temporary's creation or the publish it refused (the error's cause);
+            # None: not the OS (the path appeared meanwhile), and the sink's line says why
+            failed = sink.failed or (exc.__cause__ if isinstance(exc.__cause__, OSError) else None)
             if failed is None:
                 raise
             raise OutputError(f"audit_log {os.fspath(path)}: cannot write the generation events "

@@ -513,7 +513,8 @@ def _create_temp(path: Path, flag: str) -> tuple[str, int]:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     except OSError as exc:
         if out_of_space(exc):  # no inode left, a quota: the full disk's line, as when it shows mid-write (exit 1)
-            raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror}); nothing was written") from None
+            # (from exc: a caller that had published this path before says what the file still holds)
+            raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror}); nothing was written") from exc
         parent = path.parent if str(path.parent) else Path(".")
         raise ConfigError(f"{flag} {path}: cannot create a file in {parent} "
                           f"({exc.strerror or exc.__class__.__name__})") from None
@@ -539,8 +540,8 @@ def _publish(tmp: str, path: Path, flag: str, *, replace: bool) -> None:
             if os.path.lexists(path):  # a filesystem without hard links
                 raise ConfigError(f"{flag} {path}: exists; pass --force to replace it") from None
             os.replace(tmp, path)
-    except OSError as exc:  # a raw OSError named neither the file nor the flag
-        raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); nothing was written") from None
+    except OSError as exc:  # a raw OSError named neither the file nor the flag (from exc: as _create_temp's)
+        raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); nothing was written") from exc
 
 
 @contextmanager

@@ -1029,6 +1029,32 @@ def test_a_full_disk_when_close_rewrites_the_audit_log_says_the_file_keeps_the_l
     assert llm.result.kv_manager.closed  # the pools were released all the same
 
 
+@pytest.mark.parametrize("refused", ["os.open", "os.replace"])
+def test_a_full_disk_at_close_s_temporary_or_publish_says_the_file_keeps_the_loads_events(tmp_path, monkeypatch,
+                                                                                          refused):
+    """The same full disk met creating close()'s temporary (no inode left) or moving it onto the file (a directory
+    that needs a block): the line said "nothing was written" as if ``audit_log`` held nothing, not that it keeps the
+    load's events."""
+    import errno
+    import os
+
+    import pipeline.audit
+
+    target = tmp_path / "llm.jsonl"
+    llm = kvload.LLM("tiny-llama", **llm_kwargs(), audit_log=target)
+    loaded = target.read_text()
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pipeline.audit.os, refused.split(".")[1], full)
+    with pytest.raises(OutputError, match=rf"^audit_log {re.escape(str(target))}: cannot write the generation events "
+                                          r"\(No space left on device\); the file keeps the load's events only"):
+        llm.close()
+    monkeypatch.undo()
+    assert target.read_text() == loaded and list(tmp_path.iterdir()) == [target]
+
+
 def test_load_result_close_from_another_thread_stops_its_generate():
     """LoadResult.close() during its generate (another thread) released the pools under the running call, which
     failed with internal KeyErrors ('uniform', 'request 0.0 is not admitted'). Now, as LLM.close: the call is
