@@ -2226,3 +2226,23 @@ def test_a_checkpoint_folder_named_with_control_characters_plans_with_them_escap
     assert r.code == 0, r.err
     assert not any((ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0 for c in r.out), r.out[:300]
     assert r.out.startswith(f"model  {tmp_path}/a\\nb\\x1b[31m  (directory: LlamaForCausalLM"), r.out[:300]
+
+
+def test_a_stop_as_the_audit_log_is_about_to_close_leaves_no_temporary(capsys, tmp_path, monkeypatch):
+    """A stop landing after the command returned but before the ``--audit-log`` sink's own close began (where it holds
+    signals) left the sink's temporary beside the target: the sink was forgotten before it was closed. Now the stop
+    is reported as any other (its line, 143) and the audit discarded, nothing left."""
+    import kvload.cli.entry as entry
+    from pipeline.signals import Terminated
+
+    calls = []
+
+    def lands_here() -> None:
+        calls.append(1)
+        raise Terminated()  # as the handler raises a SIGTERM arriving at this point
+
+    monkeypatch.setattr(entry, "dropped_stop", lands_here)
+    r = run_cli(capsys, "plan", "tiny-llama", "--audit-log", tmp_path / "a.jsonl")
+    assert calls == [1]
+    assert (r.code, r.err) == (143, "error: terminated (SIGTERM); the --audit-log file was not written\n")
+    assert list(tmp_path.iterdir()) == []

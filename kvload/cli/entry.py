@@ -171,22 +171,28 @@ def _run(ns: argparse.Namespace) -> int:
     except BaseException:
         _close_audit(ns, ok=False)
         raise
-    _close_audit(ns, ok=code == 0)
+    try:
+        _close_audit(ns, ok=code == 0)
+    except BaseException:  # a stop before the sink's own close began (it holds signals): discarded, nothing left
+        _close_audit(ns, ok=False)
+        raise
     return code
 
 
 def _close_audit(ns: argparse.Namespace, ok: bool) -> None:
+    """Publish (``ok``) or discard the command's ``--audit-log``; called again after a stop that cut a first call
+    short, the sink is still there to discard until its own close ran (a second close of it does nothing)."""
     sink = getattr(ns, "audit_sink", None)
     if sink is not None:
         from pipeline.ranks import close_rank_audit, ranks_from_env
 
-        ns.audit_sink = None
         stop = dropped_stop() if ok else None
-        if stop is not None:  # dropped unseen, too late for the watcher to send it again: a stop, not published
-            close_rank_audit(sink, ranks_from_env(), ok=False)
+        # dropped unseen, too late for the watcher to send it again: a stop, not published
+        close_rank_audit(sink, ranks_from_env(), ok=ok and stop is None)
+        ns.audit_sink = None
+        ns.audit_published = ok and stop is None  # a stop from here (main's last look) does not say "not written"
+        if stop is not None:
             raise stop
-        close_rank_audit(sink, ranks_from_env(), ok=ok)
-        ns.audit_published = ok  # a stop from here (main's last look) does not say it was not written
 
 
 def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
