@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from pipeline.errors import GenerationError, did_you_mean
+from pipeline.errors import GenerationError, close_names, did_you_mean
 from pipeline.limits import short
 
 
@@ -35,6 +35,11 @@ def _check_truncate(_: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _check_activation(_: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
         raise GenerationError(f"PoolingParams: {attribute.name}: expected true, false or None, got {short(value)}")
+
+
+#: the refusal of ``normalize`` (and of a misspelling of it), which vLLM's ``PoolingParams`` no longer has
+_NORMALIZE_REMOVED = ("normalize was removed, as vLLM removed it; use use_activation (False: an embedding's hidden "
+                      "state as computed, not L2-normalized)")
 
 
 class PoolingParamsError(GenerationError, TypeError):
@@ -59,12 +64,14 @@ class PoolingParams:
         """Keywords only; one that is not a field is named, with the field it is close to (``use_activaton``);
         ``normalize``, which vLLM's ``PoolingParams`` no longer has, points to ``use_activation``."""
         if "normalize" in unknown:  # vLLM's PoolingParams dropped it: use_activation is every task's switch
-            raise PoolingParamsError("PoolingParams: normalize was removed, as vLLM removed it; use use_activation "
-                                     "(False: an embedding's hidden state as computed, not L2-normalized)")
+            raise PoolingParamsError(f"PoolingParams: {_NORMALIZE_REMOVED}")
         if unknown:  # Python's TypeError ("unexpected keyword argument 'normalise'") suggested nothing
             name = next(iter(unknown))
-            raise PoolingParamsError(f"PoolingParams: unknown field {name[:80]!r}; fields are "
-                                     f"{', '.join(POOLING_FIELDS)}{did_you_mean(name, POOLING_FIELDS)}")
+            listed = f"PoolingParams: unknown field {name[:80]!r}; fields are {', '.join(POOLING_FIELDS)}"
+            if close_names(name, (*POOLING_FIELDS, "normalize")) == ["normalize"]:
+                # a misspelt normalize ('normalise') meant the removed switch: name use_activation, not nothing
+                raise PoolingParamsError(f"{listed}; did you mean 'normalize'? {_NORMALIZE_REMOVED}")
+            raise PoolingParamsError(f"{listed}{did_you_mean(name, POOLING_FIELDS)}")
         self.__attrs_init__(use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens,
                             dimensions=dimensions)
 

@@ -259,3 +259,18 @@ def test_v1_embeddings_takes_max_seq_len_tokens_and_metrics_count_its_prompt_but
         s.client.completions.create(model=s.state.model_name, prompt=PROMPTS[1], max_tokens=2,
                                     extra_body={"ignore_eos": True})
         assert s.metrics()["kvload_generation_tokens_total"] - after["kvload_generation_tokens_total"] == 2
+
+
+def test_pooling_params_misspelt_normalize_points_to_use_activation():
+    """README: a mistyped keyword of every parameter class is named with the field it is close to, its example being
+    PoolingParams(normalise=False); the refusal listed the fields and suggested nothing. It names normalize now and,
+    that being removed, use_activation; a misspelt real field keeps its own suggestion."""
+    with pytest.raises(TypeError) as caught:
+        kvload.PoolingParams(normalise=False)
+    assert str(caught.value) == (
+        "PoolingParams: unknown field 'normalise'; fields are dimensions, truncate_prompt_tokens, use_activation; "
+        "did you mean 'normalize'? normalize was removed, as vLLM removed it; use use_activation (False: an "
+        "embedding's hidden state as computed, not L2-normalized)")
+    assert isinstance(caught.value, GenerationError)
+    with pytest.raises(TypeError, match=r"; did you mean 'use_activation'\?$"):
+        kvload.PoolingParams(use_activaton=False)
