@@ -11,6 +11,7 @@ from pipeline.context import Context
 from pipeline.converter import unstructure
 from pipeline.errors import KvloadError, RankLostError, first_line
 from pipeline.events import PipelineFinished, StageFailed, StageFinished, StageStarted
+from pipeline.limits import short
 from pipeline.ranks import lost_rank_message
 
 
@@ -28,8 +29,14 @@ class Pipeline:
 
     def __init__(self, stages: Sequence[Stage]) -> None:
         names = [getattr(s, "name", None) for s in stages]
-        if any(not isinstance(n, str) or not n for n in names):
-            raise TypeError("every stage needs a non-empty string 'name'")
+        for i, (stage, name) in enumerate(zip(stages, names, strict=True)):
+            if not isinstance(name, str) or not name:
+                # a stage's name given for the stage (stages=["parse_args", ...]) said only "needs a 'name'"
+                got = f"the string {short(stage)}, a name" if isinstance(stage, str) else \
+                    f"{short(stage)} (no non-empty string 'name')"
+                raise TypeError(f"stages[{i}]: expected a stage object (a non-empty string 'name' and "
+                                "run(ctx, emit); kvload's own: pipeline.plan_stages(), or from stages import "
+                                f"ParseArgs, ...), got {got}")
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         self.stages = list(stages)

@@ -242,6 +242,19 @@ def test_user_stage_can_be_inserted():
     assert [e["stage"] for e in result.audit.of("stage_started")][3] == "peek"
 
 
+def test_stage_names_given_for_stages_are_refused_naming_the_entry_and_what_is_accepted():
+    # README: "pass stages=[...]"; a list of the names the audit shows ("parse_args", ...) was refused with "every
+    # stage needs a non-empty string 'name'", naming neither the entry nor what a stage is
+    for stages, got in ((["parse_args"], "got the string 'parse_args', a name"),
+                        ([*pipeline.plan_stages()[:2], None], "got null (no non-empty string 'name')")):
+        with pytest.raises(TypeError) as caught:
+            pipeline.plan("tiny-llama", stages=stages, log=False)
+        index = len(stages) - 1
+        assert str(caught.value) == (f"stages[{index}]: expected a stage object (a non-empty string 'name' and "
+                                     "run(ctx, emit); kvload's own: pipeline.plan_stages(), or from stages import "
+                                     f"ParseArgs, ...), {got}")
+
+
 def test_model_errors_are_one_clear_line(tmp_path):
     with pytest.raises(ModelError, match="not a preset or a directory; presets: tiny-deepseek-v3"):
         pipeline.plan("no-such-model", log=False)
