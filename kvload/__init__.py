@@ -14,10 +14,19 @@ transformers load only when something needs them.
 
 from __future__ import annotations
 
-from kvload.shadowing import check_top_level_packages
-from pipeline.lazy import lazy_exports
+import sys
 
-check_top_level_packages()  # a project's own models/ (or pipeline/, ...) package would hide kvload's
+from kvload.shadowing import check_top_level_packages, run_as_the_command
+
+try:
+    check_top_level_packages()  # a project's own models/ (or pipeline/, ...) package would hide kvload's
+except ImportError as exc:
+    if not run_as_the_command():
+        raise
+    sys.stderr.write(f"error: {exc}\n")  # `python -m kvload` from such a folder: the command's one line, exit 1
+    raise SystemExit(1) from None
+
+from pipeline.lazy import lazy_exports  # after the check: a project's pipeline/ would hide this one
 
 _EXPORTS = {
     "LoadResult": "kvload.api",

@@ -10,6 +10,7 @@ somewhere deep with an unrelated error. Checked with ``importlib.util.find_spec`
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 #: kvload's top-level packages besides ``kvload`` itself (tests/test_layers.py lists the same layers).
@@ -28,3 +29,10 @@ def check_top_level_packages() -> None:
                 f"kvload cannot import its own top-level package {name!r}: {found} comes first on sys.path "
                 f"(kvload's is {home / name}). kvload installs {', '.join(SIBLINGS)} as top-level packages; "
                 f"rename your project's {name!r} package, or run from a directory that does not hold it")
+
+
+def run_as_the_command() -> bool:
+    """Whether this process is ``python -m kvload`` (or ``kvload.cli``), whose start is this package's import: a
+    refusal there is the command's one line, not the traceback runpy prints for an import that failed."""
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and "-m" in argv and argv[argv.index("-m") + 1:][:1] in (["kvload"], ["kvload.cli"])

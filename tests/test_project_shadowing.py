@@ -36,3 +36,17 @@ def test_a_plain_models_folder_without_init_does_not_hide_kvload(tmp_path):
     r = run_app(tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "KVCacheManager"
+
+
+@pytest.mark.parametrize("module", ["kvload", "kvload.cli"])
+@pytest.mark.parametrize("name", ["models", "pipeline"])
+def test_python_m_kvload_from_such_a_project_says_it_in_the_command_s_one_line(tmp_path, name, module):
+    # `python -m kvload` puts the working directory first on sys.path, and the refusal, raised by the package's
+    # import that runpy makes before the command starts, came with runpy's ten-line traceback
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text("USER = True\n")
+    r = subprocess.run([sys.executable, "-m", module, "plan", "tiny-llama"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith(f"error: kvload cannot import its own top-level package '{name}': ")
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
