@@ -130,21 +130,24 @@ def rank_1(monkeypatch):
     return Record, ran
 
 
-def test_rank_n_of_the_python_api_refuses_its_own_audit_file_before_any_stage_runs(tmp_path, rank_1):
+@pytest.mark.parametrize("folder", ["a.rank1.jsonl", "a.jsonl"])
+def test_rank_n_of_the_python_api_refuses_its_audit_file_or_the_path_as_given_before_any_stage_runs(tmp_path, rank_1,
+                                                                                                   folder):
     # the CLI's --audit-log checked the file each rank writes (<stem>.rankN<suffix>); the API's audit_log checked only
     # the path as given, so rank 1 ran every stage and failed at the end with a bare IsADirectoryError, publishing
-    # onto a folder. Both now set the sink up alike (pipeline.ranks.rank_audit_sink)
+    # onto a folder. Both now set the sink up alike (pipeline.ranks.rank_audit_sink). And the path as given is
+    # checked on every rank: were only its own file, rank 1 would run and publish while rank 0 refused the folder
     from pipeline.context import LoadRequest
     from pipeline.run import execute
 
-    (tmp_path / "a.rank1.jsonl").mkdir()
+    (tmp_path / folder).mkdir()
     Record, ran = rank_1
     with pytest.raises(ConfigError) as caught:
         execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
-    assert str(caught.value) == f"audit_log {tmp_path / 'a.rank1.jsonl'}: is a directory, expected a file path"
+    assert str(caught.value) == f"audit_log {tmp_path / folder}: is a directory, expected a file path"
     assert ran == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.rank1.jsonl"]
-    (tmp_path / "a.rank1.jsonl").rmdir()  # a file it can write: rank 1 runs and publishes its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder]
+    (tmp_path / folder).rmdir()  # a file it can write: rank 1 runs and publishes its own
     assert execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
     assert ran == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.rank1.jsonl"]
@@ -265,21 +268,6 @@ def test_ranks_whose_accelerators_choose_the_auto_host_tier_differently_all_go_w
     rank1 = agree_rest(FakeRanks(lambda mine: (None, keep.host_bytes)), drop.layout, drop.pools, None, 0,
                        drop.host_slots, drop.host_bytes)
     assert rank0[1:] == rank1[1:] == (0, {}, 0)
-
-
-def test_rank_n_refuses_an_audit_log_given_as_a_folder_though_its_own_file_could_be_written(tmp_path, rank_1):
-    # rank 1 writes a.rank1.jsonl beside the path as given; were only that file checked, rank 1 would run
-    # and publish while rank 0 refused the folder: every rank refuses the path as given, before any stage
-    from pipeline.context import LoadRequest
-    from pipeline.run import execute
-
-    (tmp_path / "a.jsonl").mkdir()
-    Record, ran = rank_1
-    with pytest.raises(ConfigError) as caught:
-        execute(LoadRequest(model="tiny-llama"), [Record()], audit_log=tmp_path / "a.jsonl", log=False)
-    assert str(caught.value) == f"audit_log {tmp_path / 'a.jsonl'}: is a directory, expected a file path"
-    assert ran == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
 
 
 @settings(max_examples=200, deadline=None)
