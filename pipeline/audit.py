@@ -504,6 +504,11 @@ def remove_new_temporaries(path: str | Path, before: Collection[str]) -> None:
             os.unlink(name)
 
 
+def _not_written(flag: str, path: str | os.PathLike[str], exc: OSError) -> OutputError:
+    """The one line for a file the OS refused at any step (creating, writing, publishing): ``path`` as it was."""
+    return OutputError(f"{flag} {os.fspath(path)}: cannot write it ({exc.strerror or exc}); nothing was written")
+
+
 def _create_temp(path: Path, flag: str) -> tuple[str, int]:
     """Create the temporary beside ``path`` (mode 0666 less the umask); its name and an open descriptor.
     ``ConfigError`` naming ``flag`` when the directory takes no new file, ``OutputError`` when the disk is full (no
@@ -514,7 +519,7 @@ def _create_temp(path: Path, flag: str) -> tuple[str, int]:
     except OSError as exc:
         if out_of_space(exc):  # no inode left, a quota: the full disk's line, as when it shows mid-write (exit 1)
             # (from exc: a caller that had published this path before says what the file still holds)
-            raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror}); nothing was written") from exc
+            raise _not_written(flag, path, exc) from exc
         parent = path.parent if str(path.parent) else Path(".")
         raise ConfigError(f"{flag} {path}: cannot create a file in {parent} "
                           f"({exc.strerror or exc.__class__.__name__})") from None
@@ -541,7 +546,7 @@ def _publish(tmp: str, path: Path, flag: str, *, replace: bool) -> None:
                 raise ConfigError(f"{flag} {path}: exists; pass --force to replace it") from None
             os.replace(tmp, path)
     except OSError as exc:  # a raw OSError named neither the file nor the flag (from exc: as _create_temp's)
-        raise OutputError(f"{flag} {path}: cannot write it ({exc.strerror or exc}); nothing was written") from exc
+        raise _not_written(flag, path, exc) from exc
 
 
 @contextmanager
@@ -557,8 +562,7 @@ def atomic_output(path: str | os.PathLike[str], flag: str, *, replace: bool = Tr
         try:
             yield tmp
         except OSError as exc:
-            raise OutputError(f"{flag} {target}: cannot write it ({exc.strerror or exc}); nothing was "
-                              "written") from None
+            raise _not_written(flag, target, exc) from None
         with deferred():
             _publish(tmp, target, flag, replace=replace)
     finally:
@@ -659,9 +663,7 @@ class JsonlSink:
                 except OSError as exc:
                     self._failed = self._failed or exc
                 if ok and self._failed is not None:
-                    err = self._failed
-                    raise OutputError(f"{self.flag} {self.path}: cannot write it ({err.strerror or err}); nothing "
-                                      "was written") from None
+                    raise _not_written(self.flag, self.path, self._failed) from None
                 if ok:
                     _publish(self._tmp, self.path, self.flag, replace=self.replace)
             finally:

@@ -285,7 +285,7 @@ def release_sigterm() -> KeyboardInterrupt | None:
         _state["armed"] = False  # first: a signal during the swap already acts as the previous handler
         # looked at once disarmed: no stop raised after this look can be dropped (a signal now acts as the previous
         # handler). One dropped has its ``taken`` (set as it was raised), so the exit below treats it as taken
-        dropped = _state["raised"] if _dropped() is not None else None
+        dropped = dropped_stop()
         taken, _state["taken"], _state["raised"] = _state["taken"], None, None
         if taken is not None and _state["ends_process"]:
             # the command ended on a stop and the process ends with it: another one while it exits (torchrun passing
