@@ -24,8 +24,9 @@ from typing import Any
 import cache_backends.v2 as v2
 from cache_backends.hashing import pack_tokens
 from cache_backends.v2.group_pool import GroupPool
-from cache_backends.v2.manager import KVCacheManagerV2, _tokens
+from cache_backends.v2.manager import KVCacheManagerV2
 from cache_backends.v2.radix import RadixNode
+from cache_backends.v2.token_runs import _tokens
 
 
 class Run:

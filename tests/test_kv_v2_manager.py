@@ -16,7 +16,8 @@ from cache_backends.pools import BlockPools
 from cache_backends.request import Request
 from cache_backends.stats import HostStats, ManagerStats
 from cache_backends.v2 import CacheState, KVCacheManagerV2
-from cache_backends.v2.manager import _copy_pages, fit_spans
+from cache_backends.v2.manager import _copy_pages
+from cache_backends.v2.room import fit_spans
 from tests.kv_v2_support import (
     FULL,
     admit,

@@ -209,7 +209,8 @@ from operator import and_, attrgetter, gt, is_, itemgetter, le, lt, not_, or_
 from cache_backends.interface import ScheduledChunk, SchedulerOutput
 from cache_backends.request import Request, RequestState
 from cache_backends.scheduler_base import SchedulerBase
-from cache_backends.v2.manager import HitProbe, KVCacheManagerV2
+from cache_backends.v2.lookup import HitProbe
+from cache_backends.v2.manager import KVCacheManagerV2
 
 _ARRIVAL, _PRIORITY, _RANK = attrgetter("arrival"), attrgetter("priority"), attrgetter("rank")
 
