@@ -38,7 +38,7 @@ class HitProbe:
     taken_groups: list[int]  # the same per group (its use grows by them: the bound's ``used``)
     shared_taken: list[int]  # per pool set: how many of ``taken`` are queued as shared prefixes' (``held_back``)
     # the finished history's partial last block (``last.tail``) the build would copy into a free block of every group
-    # (counted in ``taken``); None: no copy
+    # (counted in ``taken``: the estimates are the built claim's; a refusal takes no block for it); None: no copy
     partial: TailRun | None = None
 
     def less(self, extra: list[int] | None) -> list[int]:
