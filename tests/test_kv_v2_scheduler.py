@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cache_backends import LayerKV
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request, RequestState
-from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler, group_pool
+from cache_backends.v2 import KVCacheManagerV2, KVCacheV2Scheduler, group_pool, radix
 from tests.kv_v2_support import (
     admit,
     compute,
@@ -355,6 +355,52 @@ def _pool_state(m) -> list:
     return out
 
 
+def _untouched(m) -> list:
+    """What a refusal must leave as it found it: the counters, and per pool set the free list (free ids too, on a tied
+    arena), references, generations and the cached blocks (those a radix run holds: the tree's content, with their
+    positions); and the host tier's bookkeeping (what a refusal would have written back, had it evicted)."""
+    out: list = [dict(m.counters)]
+    for pool, _ in m._pool_sets:
+        out.append((list(pool._free), list(getattr(pool, "_free_ids", ())), list(pool.ref), list(pool.gen),
+                    [(b, pool.pos[b]) for b, node in enumerate(pool.node) if node is not None]))
+    if m.host is not None:
+        out.append(_host_state(m))
+    return out
+
+
+def _cached_blocks(m) -> list[set[int]]:
+    """Per pool set, the blocks a radix run holds (cached or in use)."""
+    return [{b for b, node in enumerate(pool.node) if node is not None} for pool, _ in m._pool_sets]
+
+
+def _queue_state(m, drop: list[set[int]] | None = None) -> list:
+    """Per pool set, the eviction queue as ``_pool_state`` reads it (buckets with each block's clock, the clock, the
+    shared count, the queued blocks' priorities), less the blocks in ``drop`` (per pool set)."""
+    out: list = []
+    for i, (pool, _) in enumerate(m._pool_sets):
+        q, gone = pool.evictable, drop[i] if drop else set()
+        buckets = [(key, kept) for key, got in q.buckets() if (kept := [e for e in got if e[0] not in gone])]
+        shared = sum(b in gone for key, got in q.buckets() if key >> 64 for b, _ in got)
+        out.append((buckets, q._clock, q.num_shared - shared,
+                    [pool.priority[b] for b in q.blocks() if b not in gone]))
+    return out
+
+
+def _refused_as_cancelled(refused, before: list, cached_before: list[set[int]], cancelled) -> list[set[int]]:
+    """Check that ``refused`` (a manager a refusal left; ``before``: its ``_untouched`` before it, ``cached_before``
+    its ``_cached_blocks``) is what ``cancelled`` (the same state, the request built and cancelled) is, less the copy
+    of a partial block the refusal never makes: nothing taken, evicted or written back (free list, references,
+    generations, counters, cached blocks, host tier as they were), and the eviction queue the cancel's, but for the
+    blocks the copy's take evicted there, still queued here. Returns those blocks (per pool set)."""
+    assert _untouched(refused) == before
+    evicted = [was - now for was, now in zip(cached_before, _cached_blocks(cancelled), strict=True)]
+    assert all(gone <= set(pool.evictable.blocks()) for gone, (pool, _) in zip(evicted, refused._pool_sets,
+                                                                              strict=True))
+    assert _queue_state(refused, evicted) == _queue_state(cancelled)
+    assert refused._tree.latent == cancelled._tree.latent
+    return evicted
+
+
 # DeepSeek V4-like layouts: compressed groups beside full and sliding ones; CSA at rate 8 (and HCA) spans two token
 # blocks per group block (whole hits there are still built), CSA at rate 2 one (probed like any other group)
 COMPRESSED = [
@@ -442,8 +488,10 @@ def _copy_sought(seed: int, compressed: bool) -> bool:
 
 
 def _check_probe(seed: int, want: int, ratio: float, compressed: bool = False) -> None:
-    """A probe's estimates are its built claim's, and refuse_hit / admit_hit leave what build + cancel / build do
-    (:func:`test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be`)."""
+    """A probe's estimates are its built claim's, admit_hit leaves what the build does, and refuse_hit what build +
+    cancel do, less the copy of a partial block it never makes (:func:`_refused_as_cancelled`;
+    :func:`test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be`): per pool set, the blocks that copy's
+    take evicted when building it (none: it found a free block, or there was no copy)."""
     m, r, probe = _probed_hit(seed, compressed)
     if probe is None:
         if r is not None and compressed and not m.claims_nothing(r):  # only a claim of whole blocks spanning
@@ -459,6 +507,7 @@ def _check_probe(seed: int, want: int, ratio: float, compressed: bool = False) -
     own = m.cycle_growth_new(r, ratio, asked, probe.tokens)
     bound = m.growth_bound_sets(r, probe)
     refused, r_again, probe_again = _probed_hit(seed, compressed)  # the same state, refused without being built
+    before, cached = _untouched(refused), _cached_blocks(refused)
     refused.refuse_hit(probe_again, r_again)
     built, r_built, probe_built = _probed_hit(seed, compressed)  # the same state, built from the probe (admitted)
     built.admit_hit(probe_built, r_built)
@@ -478,8 +527,13 @@ def _check_probe(seed: int, want: int, ratio: float, compressed: bool = False) -
     m.cancel_admission(r)
     m.check_invariants()
     refused.check_invariants()
-    assert _pool_state(refused) == _pool_state(m)
-    assert refused._tree.latent == m._tree.latent
+    evicted = _refused_as_cancelled(refused, before, cached, m)
+    if probe.partial is None:  # no copy: exactly what building and cancelling leave, as before
+        assert _pool_state(refused) == _pool_state(m)
+    elif not any(evicted):  # the copy's block came off the free list and went back to it (a generation later)
+        assert [sorted(pool._free) for pool, _ in refused._pool_sets] == [sorted(pool._free) for pool, _ in
+                                                                          m._pool_sets]
+    return evicted
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -488,7 +542,8 @@ def test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be(seed, w
     """The scheduler asks ``probe_hit`` about a waiting request whose whole-block prefix is cached instead of creating
     its cache first: the estimates with the probe must be what create + resume + ``fit_tokens`` / ``cycle_growth``
     / ``growth_bound_sets`` / ``held_back`` say, and ``refuse_hit`` must leave the pools as ``cancel_admission``
-    does (the claimed history requeued as the youngest, in the release's order, whatever holds part of it)."""
+    does (the claimed history requeued as the youngest, in the release's order, whatever holds part of it), less the
+    copy of a partial block it never makes: nothing taken, nothing evicted."""
     _check_probe(seed, want, ratio)
 
 
@@ -499,11 +554,12 @@ def test_a_probed_hit_answers_and_is_refused_as_its_built_claim_would_be(seed, w
 def test_a_probed_hit_on_tied_cuts_that_copies_a_partial_block_answers_as_its_built_claim(seed, evicts, want, ratio):
     """With the cuts tied (Gemma 3's layouts), a turn whose history ends inside a block is probed too: its estimates
     (the copy's room, the pages its take evicts counted in ``held_back``) are its built claim's, and ``refuse_hit``
-    leaves the arena as building and cancelling it do, whether the copy's pages are free or evicted."""
+    leaves the arena as building and cancelling it do, less the copy it never makes: where the copy's pages are
+    free, the same queue and free pages; where building it evicts the oldest rows, those rows stay cached."""
     m, _, probe = _probed_hit(seed)
     assert m._tied_cuts is not None and probe is not None and probe.partial is not None  # (the states these seeds make)
     assert (len(m._arena._free) < m._row_pages) == evicts
-    _check_probe(seed, want, ratio)
+    assert any(_check_probe(seed, want, ratio)) == evicts
 
 
 @pytest.mark.parametrize("seed", [65, 747, 757, 1048, 1220])
@@ -530,20 +586,57 @@ def test_a_probed_claim_on_compressed_layouts_answers_and_is_refused_as_built(se
     _check_probe(seed, want, ratio, compressed=True)
 
 
-def _probe_case(seed: int, build: bool, compressed: bool = False,
-                built_cancels: list[str] | None = None) -> tuple[list[tuple], list]:
+def _probe_case(seed: int, build: bool, compressed: bool = False, built_cancels: list[str] | None = None,
+                twin: bool = True) -> tuple[list[tuple], list, list[int | None]]:
     """Each step's decisions and pool state (``_pool_state``), on follow-up turns whose histories are cached while
     others hold the pools (hits refused for room, step after step); ``build``: every hit built, then cancelled.
     ``compressed``: over :data:`COMPRESSED` layouts, some turns sharing only their first tokens with a history;
     ``built_cancels`` collects the requests whose cancelled admission looked up their prefix and copied no partial
-    block (what a probe answers on these split pools)."""
+    block (what a probe answers on these split pools). Third: with ``build``, the first step in which a cancelled
+    build copied a partial block, and the first in which that copy's take evicted (None: none did). Probed, every
+    refusal is checked against a copy of the manager that builds and cancels instead (:func:`_refused_as_cancelled`),
+    unless ``twin`` is false.
+    """
+    import copy
     import random
 
     rng = random.Random(seed)
     layers = rng.choice(COMPRESSED if compressed else [FULL, full_sliding_layers(8), split_sliding_layers(8)])
     m = make_manager(layers, rng.randint(10, 30), enable_partial_reuse=rng.random() < .5)
+    states: list = []
+    marks: list[int | None] = [None, None]  # the first step a cancelled build copied, the first its copy evicted
     if build:  # the path the probe stands for: create + resume, estimate, cancel_admission when refused
         m.probe_hit = lambda request, build=False: None
+        resume, cancel_built, took = m.resume, m.cancel_admission, {}
+
+        def resumed(request: Request) -> bool:
+            evictions = m.stats().evictions
+            out = resume(request)
+            took[request.req_id] = m.stats().evictions - evictions
+            return out
+
+        def cancelled(request: Request) -> None:
+            for i, happened in enumerate((m.cache(request).partial_hit, took.pop(request.req_id, 0))):
+                if happened and marks[i] is None:
+                    marks[i] = len(states)
+            cancel_built(request)
+
+        m.resume, m.cancel_admission = resumed, cancelled  # type: ignore[method-assign]
+    elif twin:
+        refuse = m.refuse_hit
+
+        def checked(probe, request: Request) -> None:
+            # the same state built and cancelled, on a copy of the manager (and the request); the radix runs' shared
+            # empty mapping (a read-only proxy, which copies refuse) stays shared, as the class keeps it
+            twin, twin_request = copy.deepcopy((m, request), {id(radix._NONE): radix._NONE})
+            before, cached = _untouched(m), _cached_blocks(m)
+            refuse(probe, request)
+            KVCacheManagerV2.create(twin, twin_request)
+            KVCacheManagerV2.resume(twin, twin_request)
+            KVCacheManagerV2.cancel_admission(twin, twin_request)
+            _refused_as_cancelled(m, before, cached, twin)
+
+        m.refuse_hit = checked  # type: ignore[method-assign]
     if built_cancels is not None:
         cancel = m.cancel_admission
 
@@ -571,7 +664,6 @@ def _probe_case(seed: int, build: bool, compressed: bool = False,
         prompt = stem + tail if rng.random() < .6 else tail + [rng.randint(0, 50) for _ in range(8)]
         reqs.append(Request(f"r{i}", prompt, rng.randint(1, 24), arrival=i, priority=rng.randint(0, 1)))
     s = KVCacheV2Scheduler(m, rng.randint(2, 6), rng.randint(8, 48))
-    states: list = []
     step = s.step
 
     def traced(waiting, running):
@@ -580,16 +672,23 @@ def _probe_case(seed: int, build: bool, compressed: bool = False,
         return out
 
     s.step = traced  # type: ignore[method-assign]
-    return _decisions(drive(m, s, reqs, max_steps=3000)), states
+    return _decisions(drive(m, s, reqs, max_steps=3000)), states, marks
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 100_000))
 def test_refused_hits_probed_decide_and_leave_the_pools_as_built_and_cancelled_ones(seed):
     """Under "fcfs" a waiting request whose cached prefix is found by ``probe_hit`` is estimated and, when refused,
-    requeued without building its cache: every step's decisions and pool state must be what building and cancelling
-    it gave (KV contents and the manager's invariants checked every step by ``drive``)."""
-    assert _probe_case(seed, build=False) == _probe_case(seed, build=True)
+    requeued without building its cache: every refusal leaves the pools as building and cancelling it does, less the
+    copy of a partial block it never makes (nothing taken or evicted for it), and every step's decisions and pool
+    state are what building and cancelling gave, the decisions until a cancelled build's copy evicted (from then on
+    the probed run keeps more cached: hits may differ), the pools until one copied (the copy's block comes back to
+    the free list a generation later, tied pages reordered: ids differ from then on). KV contents and the manager's
+    invariants are checked every step by ``drive``."""
+    decisions, states, _ = _probe_case(seed, build=False)
+    built, built_states, (copied, evicted) = _probe_case(seed, build=True)
+    assert decisions[:None if evicted is None else evicted + 1] == built[:None if evicted is None else evicted + 1]
+    assert states[:copied] == built_states[:copied]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -600,9 +699,34 @@ def test_refused_claims_on_compressed_layouts_decide_as_built_and_cancelled_ones
     a partial block: not a whole-block hit whose compressed groups' blocks span several token blocks, nor one that
     claims nothing though its first tokens start a cached run (refused, each was built and cancelled every step)."""
     built: list[str] = []
-    assert _probe_case(seed, build=False, compressed=True, built_cancels=built) == _probe_case(
-        seed, build=True, compressed=True)
+    assert _probe_case(seed, build=False, compressed=True, built_cancels=built)[:2] == _probe_case(
+        seed, build=True, compressed=True)[:2]
     assert built == []
+
+
+@pytest.mark.parametrize(("seed", "steps"), [(149, 18), (206, 18), (1350, 4)])
+def test_a_turn_refused_step_after_step_under_pressure_evicts_nothing_for_the_copy_it_never_makes(seed, steps,
+                                                                                                   monkeypatch):
+    """A follow-up turn whose history ends inside a block, refused for room step after step at the head of the queue
+    (these seeds: ``steps`` steps and more, on pools per group, or on tied cuts for 1350): each refusal leaves the
+    cached blocks, the tree's content, free lists and references as it found them, and counts no eviction. Building
+    and cancelling it took a block for the copy of the partial block and, none free, evicted the oldest cached one (a
+    page row, tied) for a copy never made: a refused request shrank the cache (6 of 21, 5 of 18, and every one of
+    1350's 4 refusals did)."""
+    refusals: list[tuple[str, bool, bool]] = []
+    refuse = KVCacheManagerV2.refuse_hit
+
+    def noted(self, probe, request) -> None:
+        cached, evictions = _untouched(self)[1:], self.stats().evictions
+        refuse(self, probe, request)
+        if probe.partial is not None:
+            refusals.append((request.req_id, _untouched(self)[1:] == cached, self.stats().evictions == evictions))
+
+    monkeypatch.setattr(KVCacheManagerV2, "refuse_hit", noted)
+    _probe_case(seed, build=False, twin=False)
+    heads = [req_id for req_id, _, _ in refusals]
+    assert max(heads.count(req_id) for req_id in heads) >= steps  # the same head, refused step after step
+    assert [(kept, counted) for _, kept, counted in refusals] == [(True, True)] * len(refusals)
 
 
 def test_a_follow_up_turn_refused_for_room_is_not_built():
@@ -633,15 +757,25 @@ def test_a_follow_up_turn_refused_for_room_is_not_built():
 
 
 def _refused_turn_with_a_copy(other_len: int, build: bool, layers: list[LayerKV] = FULL, blocks: int = 11,
-                              lates: int = 2) -> tuple[list, list, list, int, int]:
+                              lates: int = 2) -> tuple[list, Any, list, int, int, list]:
     """A follow-up turn whose history ends inside a block (its partial last block kept cached for the copy), refused
     for room beside a growing request of ``other_len`` prompt tokens, ``lates`` prompts cached after the history (two
-    blocks each, taking the free list): (decisions, pool state, the requests whose caches were created, free blocks
-    (pages on a shared arena) when it was refused, blocks evicted in that step); ``build``: the turn built and
-    cancelled (no probe)."""
+    blocks each, taking the free list): (decisions, the manager, the requests whose caches were created, free blocks
+    (pages on a shared arena) when it was refused, blocks evicted in that step, and what the refusal found:
+    ``_untouched`` and ``_cached_blocks`` just before ``refuse_hit``); ``build``: the turn built and cancelled (no
+    probe, nothing found)."""
     m = make_manager(layers, blocks, enable_partial_reuse=True)
+    found: list = []
     if build:
         m.probe_hit = lambda request, build=False: None  # type: ignore[method-assign]
+    else:
+        refuse = m.refuse_hit
+
+        def noted(probe, request) -> None:
+            found.extend((_untouched(m), _cached_blocks(m)))
+            refuse(probe, request)
+
+        m.refuse_hit = noted  # type: ignore[method-assign]
     history = list(range(1, 19))  # four blocks and two tokens: the finish keeps the partial block for the next turn
     prefill(m, h := Request("turn0", history, 0))
     m.free(h)
@@ -661,36 +795,38 @@ def _refused_turn_with_a_copy(other_len: int, build: bool, layers: list[LayerKV]
     out = s.step(deque([turn]), [other])
     m.check_invariants()
     decisions = [out.admitted, out.preempted, out.suspended, [(c.request.req_id, c.num_tokens) for c in out.scheduled]]
-    return (decisions, _pool_state(m), created, free,
-            m.stats().evictions - evicted)
+    return decisions, m, created, free, m.stats().evictions - evicted, found
 
 
 @pytest.mark.parametrize(("other_len", "free"), [(4, 1), (8, 0)])
 def test_a_refused_turn_that_would_copy_its_history_s_partial_block_is_not_built(other_len, free):
     """A follow-up turn whose history ends inside a block is probed too (the copy of that partial block estimated, not
-    made): refused for room, its cache is not created, and the pools (queue order and clocks, free list, references,
-    generations, counters) are what building it, copying the block (from the free list, or evicting the oldest queued
-    block when none is free) and cancelling it leave."""
+    made): refused for room, its cache is not created, and the pools are what building it and cancelling it leave,
+    less the copy: where a block is free, the same queue (order and clocks), free blocks, references and counters;
+    where none is, building took the oldest queued block for the copy and evicted it, and the refusal evicts none."""
     probed = _refused_turn_with_a_copy(other_len, build=False)
     built = _refused_turn_with_a_copy(other_len, build=True)
     assert probed[3] == built[3] == free
     assert probed[0] == built[0] and probed[0][0] == []  # refused either way
-    assert probed[1] == built[1]
+    evicted = _refused_as_cancelled(probed[1], *probed[5], built[1])
+    assert any(evicted) == (built[4] > 0) == (free == 0) and probed[4] == 0
     assert probed[2] == [] and built[2] == ["turn1"]
 
 
 @pytest.mark.parametrize(("lates", "evicts"), [(0, False), (1, True)])
 def test_a_refused_turn_on_tied_cuts_that_would_copy_its_history_s_partial_block_is_not_built(lates, evicts):
     """The same with the cuts tied (a shared arena with sliding windows, as Gemma 3's): the turn is probed, not built
-    and cancelled (under pressure Gemma 3 27B's waiting turns were, step after step); the copy's logical block taken
-    from the free pages, or evicting the oldest queued rows when fewer are free than a row's pages, and the arena
-    ends as building and cancelling it leave it, evictions, queue order and clocks included."""
+    and cancelled (under pressure Gemma 3 27B's waiting turns were, step after step); building it takes the copy's
+    logical block from the free pages, or evicts the oldest queued rows when fewer are free than a row's pages; the
+    refusal takes none, so evicts nothing, and the arena ends as building and cancelling leave it but for those rows
+    (queue order and clocks included)."""
     probed = _refused_turn_with_a_copy(8, build=False, layers=full_sliding_layers(8), blocks=8, lates=lates)
     built = _refused_turn_with_a_copy(8, build=True, layers=full_sliding_layers(8), blocks=8, lates=lates)
     assert probed[3] == built[3] and (probed[3] < 3) == evicts  # a row is 3 pages: full, and two sliding cuts
-    assert probed[4] == built[4] and (probed[4] > 0) == evicts
+    assert (built[4] > 0) == evicts and probed[4] == 0
     assert probed[0] == built[0] and probed[0][0] == []  # refused either way
-    assert probed[1] == built[1]
+    evicted = _refused_as_cancelled(probed[1], *probed[5], built[1])
+    assert any(evicted) == evicts  # the logical blocks (a row's pages) the build's take evicted, still cached
     assert probed[2] == [] and built[2] == ["turn1"]
 
 
@@ -2073,11 +2209,12 @@ def _host_state(m) -> tuple:
 
 
 @pytest.mark.parametrize("seed", [355, 632, 862, 1364])
-def test_a_refused_tied_copy_writes_back_what_its_eviction_takes_from_a_suspended_request(seed):
-    """A probed copy on tied cuts whose take evicts pages of a request suspended to the host tier: building it writes
-    those pages back to the host first (``_detach``), so ``refuse_hit``, which builds nothing, must write them back
-    too, and its estimates must be the built claim's: the host tier's slots and pending write-backs, the arena and
-    the tree end as create + resume + ``cancel_admission`` leave them (these seeds' takes write back)."""
+def test_a_refused_tied_copy_writes_back_nothing_though_its_build_would_evict_a_suspended_request_s_pages(seed):
+    """A probed copy on tied cuts whose take, built, evicts pages of a request suspended to the host tier: building it
+    writes those pages back to the host first (``_detach``), and the probe's estimates are the built claim's; but
+    ``refuse_hit`` makes no copy, so it evicts and writes back nothing: the host tier's slots and pending
+    write-backs, the arena and the tree end as they were, the queue as ``cancel_admission`` leaves it but for the
+    evicted rows (these seeds' takes write back)."""
     m, r, probe = _suspended_copy_hit(seed)
     assert m._tied_cuts is not None and probe is not None and probe.partial is not None
     want = r.num_tokens - probe.tokens
@@ -2092,8 +2229,9 @@ def test_a_refused_tied_copy_writes_back_what_its_eviction_takes_from_a_suspende
     assert (_pool_state(built), _host_state(built)) == (_pool_state(m), _host_state(m))
     m.cancel_admission(r)
     refused, r_refused, probe_refused = _suspended_copy_hit(seed)
+    before, cached = _untouched(refused), _cached_blocks(refused)
     refused.refuse_hit(probe_refused, r_refused)
     for manager in (m, refused, built):
         manager.check_invariants()
-    assert (_pool_state(refused), _host_state(refused)) == (_pool_state(m), _host_state(m))
-    assert refused._tree.latent == m._tree.latent
+    assert refused.host.bytes_stored == stored  # (also in _untouched: the host tier as it was)
+    assert any(_refused_as_cancelled(refused, before, cached, m))

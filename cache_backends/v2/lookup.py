@@ -38,7 +38,7 @@ class HitProbe:
     taken_groups: list[int]  # the same per group (its use grows by them: the bound's ``used``)
     shared_taken: list[int]  # per pool set: how many of ``taken`` are queued as shared prefixes' (``held_back``)
     # the finished history's partial last block (``last.tail``) the build would copy into a free block of every group
-    # (counted in ``taken``); None: no copy
+    # (counted in ``taken``: the estimates are the built claim's; a refusal takes no block for it); None: no copy
     partial: TailRun | None = None
 
     def less(self, extra: list[int] | None) -> list[int]:
@@ -223,11 +223,12 @@ class PrefixLookup:
         partial, k = None, 0
         if self._partial and self._prefix_check is None:  # a copy follows (a limited prefix, DeepSeek V4's: none)
             partial, k = self._partial_source(request, last, m)
-            # probed only where building and cancelling it leaves no more changed than refuse_hit redoes: the copy's
-            # source is the history's partial last block (the cancel's finish keeps it as it is: _keep_tail) and every
-            # group has a free block (the copy takes it, evicting nothing; the cancel puts it back). Why: a follow-up
-            # turn ends its history inside a block, so under pressure its refused head was built and cancelled every
-            # step (tiny-llama multi-turn at a quarter of the budget: a quarter of V2's work)
+            # probed only where refuse_hit can redo what building and cancelling it leaves, less the copy's take (a
+            # refusal takes no block for a copy it never makes, so evicts none): the copy's source is the history's
+            # partial last block (the cancel's finish keeps it as it is: _keep_tail), the estimates counting what the
+            # take would evict (_tail_probes). Why: a follow-up turn ends its history inside a block, so under
+            # pressure its refused head was built and cancelled every step (tiny-llama multi-turn at a quarter of the
+            # budget: a quarter of V2's work)
             if partial is not None and (partial is not last.tail or not self._tail_probes
                                         or self.kv_events is not None):
                 # (a leave that trimmed the path's last position would leave it ending elsewhere: looked up again)
@@ -370,7 +371,14 @@ class PrefixLookup:
         run before the shared prefixes' blocks (every earlier run of the path has the next as its child), a shared
         arena's groups position by position (``SharedPool.release_tables``). Everything else a build and cancel
         touch (reference counts, use counts, counters, the request's token counts, the path's users) ends as it
-        was. So a refused hit keeps its history warm (young in the queue), as it did when it was built."""
+        was. So a refused hit keeps its history warm (young in the queue), as it did when it was built.
+
+        A probe whose build would copy its history's partial last block (``probe.partial``) leaves one thing less
+        changed than building and cancelling it did: no block is taken for the copy it never makes, so nothing is
+        evicted for it (:meth:`_refuse_copy`). Why: where no block was free, that take evicted the oldest cached
+        block (a page row, tied) every step the head stayed refused, shrinking the cache for nothing (Gemma 3 27B
+        ``multi-turn`` at a quarter of the budget: 68.2% -> 68.7% of prompt tokens reused; BENCHMARKS.md
+        "refuse65")."""
         priority = request.priority
         last = probe.last
         if last is None:  # an empty claim: building and cancelling it leaves nothing changed
@@ -419,14 +427,15 @@ class PrefixLookup:
 
     def _refuse_copy(self, probe: HitProbe, priority: int) -> None:
         """:meth:`refuse_hit` for a probe whose build copies its history's partial last block (``probe.partial``):
-        what the build and the cancel do to the pools and the tree, in their order, less the claim's per-block work.
-        The claim's cached blocks leave the queue and its path gains a user; the copy holds its source in every group,
-        takes a block of each (a free one, else evicting the oldest queued: the same blocks and evictions), lets go of
-        the sources (queued again as the youngest of their priority); the cancel puts each copy back on the free list,
-        queues the claim's blocks as its release does (split by the runs' shapes after those evictions) and lets go
-        of the path. (The claim's blocks leave the queue and come back in Python loops, not in
-        ``EvictionQueue.requeue``'s C passes, which take twice the CPU for a history of 25 blocks: timeit, 12 against
-        5-7 µs; and only so may an eviction or a stale demotion meet the queue as the build leaves it.)"""
+        what the build and the cancel do to the pools and the tree, in their order, less the claim's per-block work
+        and less the copy itself. The claim's cached blocks leave the queue and its path gains a user; the copy's
+        source is held in every group and let go (queued again as the youngest of its priority, so the history's
+        tail stays warm); the claim's blocks are queued as the cancel's release queues them and the path is let go.
+        No block is taken for the copy: building took one and the cancel freed it, evicting the oldest queued block
+        where none was free, a block lost for a copy never made (BENCHMARKS.md "refuse65"). Free list, references,
+        generations and counters end as they were. (The claim's blocks leave the queue and come back in Python
+        loops, not in ``EvictionQueue.requeue``'s C passes, which take twice the CPU for a history of 25 blocks:
+        timeit, 12 against 5-7 µs; and so a stale demotion meets the queue as the build leaves it.)"""
         groups, tree, detach = self._group_pools, self._tree, self._detach
         last, source = probe.last, probe.partial
         assert last is not None and source is not None
@@ -436,12 +445,10 @@ class PrefixLookup:
         held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
         for (_, _, pool), src in zip(groups, sources, strict=True):
             pool.incref(src)
-        copies = [pool.allocate(detach) for _, _, pool in groups]
         for (_, _, pool), src in zip(groups, sources, strict=True):
             pool.decref(src, pool.priority[src], True, detach)
         leaves_of, shared_of = self._requeue_order(probe)
-        for (_, _, pool), b, leaves, shared in zip(groups, copies, leaves_of, shared_of, strict=True):
-            pool.release((b,), priority, True, detach)  # the release's first block: the copy, to the free list
+        for (_, _, pool), leaves, shared in zip(groups, leaves_of, shared_of, strict=True):
             if leaves:
                 pool.evictable.add_many(leaves, priority)
             if shared:
@@ -450,9 +457,9 @@ class PrefixLookup:
 
     def _refuse_copy_tied(self, probe: HitProbe, priority: int) -> None:
         """:meth:`_refuse_copy` with the cuts tied: the claim's cached blocks out of the queue group by group (its
-        ``incref_groups``), the path claimed, the source held, a logical block of every group taken (evicting as the
-        build's take), the source let go, then the cancel's release: the copies freed, the claim queued position by
-        position (``TiedArena.release_tables``' order), the path let go. References and counts end as they were."""
+        ``incref_groups``), the path claimed, the source held and let go, then the cancel's release: the claim queued
+        position by position (``TiedArena.release_tables``' order), the path let go. No logical block is taken for
+        the copy, so no page row is evicted for it; references, counts, free pages and ids end as they were."""
         arena, tree, index = self._arena, self._tree, self._share_index
         last, source = probe.last, probe.partial
         assert isinstance(arena, TiedArena) and last is not None and source is not None
@@ -462,10 +469,8 @@ class PrefixLookup:
         held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split
         srcs = [source.blocks[name][0] for name in self._names]
         arena.incref_each(index, srcs)
-        fresh = arena.take_one_each(index, self._detach_mixed)
         arena.decref_each(index, srcs, list(map(arena.priority.__getitem__, srcs)))
-        leaves_of, shared_of = self._requeue_order(probe)  # (the runs' shapes after the take's evictions)
-        arena.release_tables([(i, [b]) for i, b in zip(index, fresh, strict=True)], priority)  # nobody holds a copy
+        leaves_of, shared_of = self._requeue_order(probe)
         leaves, shared = interleave(leaves_of), interleave(shared_of)
         if leaves:
             queue.add_many(leaves, priority)

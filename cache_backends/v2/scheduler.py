@@ -928,7 +928,7 @@ class KVCacheV2Scheduler(SchedulerBase):
             if refused:
                 self._refused = r if headroom is not None else None
                 if probe is not None:
-                    m.refuse_hit(probe, r)  # what building and cancelling it would leave changed
+                    m.refuse_hit(probe, r)  # what building and cancelling it would leave changed, less a copy's take
                 elif not new:
                     m.cancel_admission(r)
                 if not chunks:  # the reason is read only when nothing runs this step (report_stall)
