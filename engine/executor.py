@@ -101,7 +101,7 @@ from pipeline.events import (
     RequestAdmitted,
     SettingIgnored,
 )
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, plain_scalar, short
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -1370,6 +1370,7 @@ class GenerationExecutor:
         if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or len(priority) != n:
             raise GenerationError(f"generate: priority: expected a list of {n} integers (one per prompt), "
                                   f"got {short(priority)}")
+        priority = [plain_scalar(v) for v in priority]  # a 0-d torch tensor item as an int, as numpy's int64 is
         for i, value in enumerate(priority):
             why = self.priority_refusal(value)
             if why is not None:
