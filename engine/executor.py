@@ -779,20 +779,33 @@ class GenerationExecutor:
                                   f"(0..{self.vocab_size - 1})")
 
     def _check_something_allowed(self, p: SamplingParams) -> None:
-        """``GenerationError`` when ``allowed_token_ids`` leaves no token to draw: every allowed id is a one-token bad
-        word, or a stop token held back by ``min_tokens``. Every logit would be -inf: greedy would return token 0
-        and sampling fail inside torch (vLLM has the same hole)."""
+        """``GenerationError`` when no token is left to draw: every allowed id (``allowed_token_ids``, else the whole
+        vocabulary) is a one-token bad word, or a stop token held back by ``min_tokens``. Every logit would be -inf:
+        greedy would return token 0, a banned token, and sampling fail inside torch (vLLM has the same hole)."""
+        banned = {w[0] for w in p._bad_words_token_ids if len(w) == 1}
+        held = (set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))) if p.min_tokens else set()
         if p.allowed_token_ids is None:
-            return
-        left = set(p.allowed_token_ids) - {w[0] for w in p._bad_words_token_ids if len(w) == 1}
-        banned_by = "bad_words" if not left else ""
-        if left and p.min_tokens > 0:
-            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            if not left - held:
-                left, banned_by = set(), "min_tokens (it holds back the stop and end-of-sequence tokens until then)"
-        if not left:
-            raise GenerationError(f"generate: allowed_token_ids: every allowed token is banned by {banned_by}, so "
-                                  "no token could be generated; allow another token")
+            if len(banned) + len(held) < self.vocab_size:  # the usual case, without a set of the whole vocabulary
+                return
+            pool: set[int] = set(range(self.vocab_size))
+        else:
+            pool = set(p.allowed_token_ids)
+        if pool - banned:
+            if pool - banned - held:
+                return
+            by = "min_tokens (it holds back the stop and end-of-sequence tokens until then)"
+        else:
+            by = "bad_words"
+        if p.allowed_token_ids is not None:
+            raise GenerationError(f"generate: allowed_token_ids: every allowed token is banned by {by}, so no token "
+                                  "could be generated; allow another token")
+        if by == "bad_words":
+            raise GenerationError(f"generate: bad_words: they ban every token of the vocabulary ({self.vocab_size:,} "
+                                  "ids), so no token could be generated; ban fewer words")
+        also, fewer = (" or a one-token bad word", "ban fewer words") if banned else ("", "give fewer stop_token_ids")
+        raise GenerationError(f"generate: min_tokens: every token of the vocabulary ({self.vocab_size:,} ids) is a "
+                              f"stop or end-of-sequence token it holds back{also}, so no first token could be "
+                              f"generated; lower min_tokens or {fewer}")
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as token id sequences, vLLM's way: each word as given (left-stripped), and after a space
