@@ -83,7 +83,7 @@ from engine.sampling_params import (
 )
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
-from engine.structured import Constraint, GrammarBackend, constrain
+from engine.structured import Constraint, GrammarBackend, constrain, overruled_settings
 from models.classifier import head_of, not_generative
 from models.deepseek_v4_paged import V4_NO_DRAFTS, V4Snapshot, V4States, prefix_digest, step_states, uses_v4
 from models.geometry import head_dim as config_head_dim
@@ -982,8 +982,15 @@ class GenerationExecutor:
         # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
         picks = penalize(logits, counts, [(live.params, live.request) for live in lives], self.eos_token_ids)
         if any(live.constraint is not None for live in lives):
+            overruled: list[Constraint] = []
             picks = constrain(picks, logits, counts, [(live.constraint, live.request.draft_token_ids)
-                                                      for live in lives], self.grammars())
+                                                      for live in lives], self.grammars(), overruled)
+            said: set[tuple[int, str]] = set()  # one line per SamplingParams, not per sample
+            for live in (lv for lv in lives if any(lv.constraint is c for c in overruled)):
+                for name, value, why in overruled_settings(live.params):
+                    if (id(live.params), name) not in said:
+                        said.add((id(live.params), name))
+                        self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
         if len(logits) == len(lives):
             tokens: dict[str, int | list[int]] = dict(self._sample(picks, lives, logits))
         else:
