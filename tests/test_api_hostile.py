@@ -7,7 +7,9 @@ import math
 import os
 import re
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 import kvload
 from kvload import PoolingParams, SamplingParams
@@ -318,3 +320,27 @@ def test_a_0d_tensor_priority_or_beam_length_penalty_is_a_number_as_a_numpy_scal
     with pytest.raises(ValueError, match=r"^generate: length_penalty: expected a finite number, got"):
         kvload.BeamSearchParams(beam_width=2, length_penalty=torch.tensor(float("nan")))
     assert tokens(llm) == before
+
+
+def _as(kind: str, value: int):
+    """``value`` as a script may hold it: a Python int, a numpy integer or a 0-d torch tensor."""
+    if kind == "numpy":
+        return pytest.importorskip("numpy").int64(value)
+    return pytest.importorskip("torch").tensor(value) if kind == "torch" else value
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(value=st.integers(-(2**63), 2**63 - 1) | st.sampled_from([-2, -1, 0, 1, 2, 64]),
+       kind=st.sampled_from(["int", "numpy", "torch"]))
+def test_truncate_prompt_tokens_has_one_verdict_in_sampling_and_pooling_params(value, kind):
+    # the same integer, however held, is taken by both or refused by both (numpy's and torch's were refused by
+    # PoolingParams only); a length past int64 is PoolingParams' call-time refusal, so the integers stop there
+    verdicts = []
+    for make in (SamplingParams, PoolingParams):
+        try:
+            verdicts.append(make(truncate_prompt_tokens=_as(kind, value)).truncate_prompt_tokens)
+        except ValueError as exc:
+            assert "truncate_prompt_tokens: expected " in str(exc)
+            verdicts.append("refused")
+    assert verdicts[0] == verdicts[1] and verdicts[0] in (value, "refused")
+    assert (verdicts[0] == "refused") == (value == 0 or value < -1)
