@@ -47,6 +47,7 @@ from engine.sampling_params import (
     DEFAULT_MAX_TOKENS,
     SamplingParams,
     _plain_int,
+    _plain_number,
     check,
     check_logprobs,
     check_salt,
@@ -109,6 +110,8 @@ class BeamSearchParams:
             raise GenerationError("generate: beam_width: required (the number of hypotheses kept), as in vLLM's "
                                   "BeamSearchParams(beam_width=N)")
         beam_width, max_tokens, logprobs = _plain_int(beam_width), _plain_int(max_tokens), _plain_int(logprobs)
+        # a 0-d torch tensor as a number, as SamplingParams takes one (numpy's floats already pass as numbers.Real)
+        length_penalty, temperature = _plain_number(length_penalty), _plain_number(temperature)
         check(is_int(beam_width) and 1 <= beam_width <= MAX_N, "beam_width", f"an integer in [1, {MAX_N}]",
               beam_width)
         check(is_int(max_tokens) and max_tokens >= 1, "max_tokens", "an integer >= 1", max_tokens)

@@ -83,7 +83,7 @@ from engine.sampling_params import (
 )
 from engine.speculation import NgramProposer, verify_drafted
 from engine.stopping import SampleText
-from engine.structured import Constraint, GrammarBackend, constrain
+from engine.structured import Constraint, GrammarBackend, constrain, overruled_settings
 from models.classifier import head_of, not_generative
 from models.deepseek_v4_paged import V4_NO_DRAFTS, V4Snapshot, V4States, prefix_digest, step_states, uses_v4
 from models.geometry import head_dim as config_head_dim
@@ -101,7 +101,7 @@ from pipeline.events import (
     RequestAdmitted,
     SettingIgnored,
 )
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, plain_scalar, short
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -779,20 +779,33 @@ class GenerationExecutor:
                                   f"(0..{self.vocab_size - 1})")
 
     def _check_something_allowed(self, p: SamplingParams) -> None:
-        """``GenerationError`` when ``allowed_token_ids`` leaves no token to draw: every allowed id is a one-token bad
-        word, or a stop token held back by ``min_tokens``. Every logit would be -inf: greedy would return token 0
-        and sampling fail inside torch (vLLM has the same hole)."""
+        """``GenerationError`` when no token is left to draw: every allowed id (``allowed_token_ids``, else the whole
+        vocabulary) is a one-token bad word, or a stop token held back by ``min_tokens``. Every logit would be -inf:
+        greedy would return token 0, a banned token, and sampling fail inside torch (vLLM has the same hole)."""
+        banned = {w[0] for w in p._bad_words_token_ids if len(w) == 1}
+        held = (set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))) if p.min_tokens else set()
         if p.allowed_token_ids is None:
-            return
-        left = set(p.allowed_token_ids) - {w[0] for w in p._bad_words_token_ids if len(w) == 1}
-        banned_by = "bad_words" if not left else ""
-        if left and p.min_tokens > 0:
-            held = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            if not left - held:
-                left, banned_by = set(), "min_tokens (it holds back the stop and end-of-sequence tokens until then)"
-        if not left:
-            raise GenerationError(f"generate: allowed_token_ids: every allowed token is banned by {banned_by}, so "
-                                  "no token could be generated; allow another token")
+            if len(banned) + len(held) < self.vocab_size:  # the usual case, without a set of the whole vocabulary
+                return
+            pool: set[int] = set(range(self.vocab_size))
+        else:
+            pool = set(p.allowed_token_ids)
+        if pool - banned:
+            if pool - banned - held:
+                return
+            by = "min_tokens (it holds back the stop and end-of-sequence tokens until then)"
+        else:
+            by = "bad_words"
+        if p.allowed_token_ids is not None:
+            raise GenerationError(f"generate: allowed_token_ids: every allowed token is banned by {by}, so no token "
+                                  "could be generated; allow another token")
+        if by == "bad_words":
+            raise GenerationError(f"generate: bad_words: they ban every token of the vocabulary ({self.vocab_size:,} "
+                                  "ids), so no token could be generated; ban fewer words")
+        also, fewer = (" or a one-token bad word", "ban fewer words") if banned else ("", "give fewer stop_token_ids")
+        raise GenerationError(f"generate: min_tokens: every token of the vocabulary ({self.vocab_size:,} ids) is a "
+                              f"stop or end-of-sequence token it holds back{also}, so no first token could be "
+                              f"generated; lower min_tokens or {fewer}")
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """``bad_words`` as token id sequences, vLLM's way: each word as given (left-stripped), and after a space
@@ -969,8 +982,15 @@ class GenerationExecutor:
         # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
         picks = penalize(logits, counts, [(live.params, live.request) for live in lives], self.eos_token_ids)
         if any(live.constraint is not None for live in lives):
+            overruled: list[Constraint] = []
             picks = constrain(picks, logits, counts, [(live.constraint, live.request.draft_token_ids)
-                                                      for live in lives], self.grammars())
+                                                      for live in lives], self.grammars(), overruled)
+            said: set[tuple[int, str]] = set()  # one line per SamplingParams, not per sample
+            for live in (lv for lv in lives if any(lv.constraint is c for c in overruled)):
+                for name, value, why in overruled_settings(live.params):
+                    if (id(live.params), name) not in said:
+                        said.add((id(live.params), name))
+                        self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
         if len(logits) == len(lives):
             tokens: dict[str, int | list[int]] = dict(self._sample(picks, lives, logits))
         else:
@@ -1370,6 +1390,7 @@ class GenerationExecutor:
         if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or len(priority) != n:
             raise GenerationError(f"generate: priority: expected a list of {n} integers (one per prompt), "
                                   f"got {short(priority)}")
+        priority = [plain_scalar(v) for v in priority]  # a 0-d torch tensor item as an int, as numpy's int64 is
         for i, value in enumerate(priority):
             why = self.priority_refusal(value)
             if why is not None:

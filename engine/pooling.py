@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from pipeline.errors import GenerationError, close_names, did_you_mean
-from pipeline.limits import short
+from pipeline.limits import plain_scalar, short
 
 
 def _check_dimensions(_: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -72,7 +72,9 @@ class PoolingParams:
                 # a misspelt normalize ('normalise') meant the removed switch: name use_activation, not nothing
                 raise PoolingParamsError(f"{listed}; did you mean 'normalize'? {_NORMALIZE_REMOVED}")
             raise PoolingParamsError(f"{listed}{did_you_mean(name, POOLING_FIELDS)}")
-        self.__attrs_init__(use_activation=use_activation, truncate_prompt_tokens=truncate_prompt_tokens,
+        # a numpy integer or 0-d torch tensor (a length taken from an array) as Python's int, as SamplingParams'
+        # truncate_prompt_tokens takes it: the same value was refused here and taken by generate
+        self.__attrs_init__(use_activation=use_activation, truncate_prompt_tokens=plain_scalar(truncate_prompt_tokens),
                             dimensions=dimensions)
 
 

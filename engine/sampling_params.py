@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from engine.prompts import check_text
+from engine.prompts import array_ints, check_text
 from engine.structured_params import StructuredOutputsParams
 from pipeline.errors import GenerationError, did_you_mean
 from pipeline.generation_config import FROM_OVERRIDE
@@ -206,6 +206,10 @@ def check_logit_bias_count(count: int) -> None:
 
 
 def _ints(value: Any) -> Any:
+    """``stop_token_ids``: None → []; a list, or a 1-D integer numpy array or torch tensor (vLLM's ``list(...)`` takes
+    one, as a prompt's ids are taken), → a list of plain ints, counted before it is copied (anything else is left for
+    the check to name)."""
+    value = array_ints(value)
     if value is None:
         return []
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
@@ -215,8 +219,9 @@ def _ints(value: Any) -> Any:
 
 
 def _allowed(value: Any) -> Any:
-    """``allowed_token_ids``: None stays None; a list → a list of plain ints, counted before it is copied (anything
-    else is left for the check to name)."""
+    """``allowed_token_ids``: None stays None; a list (or a 1-D integer array) → a list of plain ints, counted before it
+    is copied (anything else is left for the check to name)."""
+    value = array_ints(value)  # a 1-D integer array or tensor, as stop_token_ids and a prompt's ids take one
     if value is None:
         return None
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):

@@ -59,7 +59,7 @@ from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, inert_settings
 from engine.speculation import verify_drafted
 from engine.stopping import SampleText
-from engine.structured import Constraint, constrain
+from engine.structured import Constraint, constrain, overruled_settings
 from engine.token_bound import Bound, fewest_tokens, token_bound
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
@@ -1079,9 +1079,15 @@ class ServingEngine:
         logits = penalize(logits, counts, [(lv.params, r) for lv, r in zip(lives, reqs, strict=True)],
                           self.executor.eos_token_ids)
         if any(lv.constraint is not None for lv in lives):
+            overruled: list[Constraint] = []
             logits = constrain(logits, raw, counts, [(lv.constraint, r.draft_token_ids)
                                                      for lv, r in zip(lives, reqs, strict=True)],
-                               self.executor.grammars())
+                               self.executor.grammars(), overruled)
+            for lv, r in zip(lives, reqs, strict=True):  # said once per request, as the grammar overrules them
+                if any(lv.constraint is c for c in overruled):
+                    for name, value, why in overruled_settings(lv.params):
+                        self.executor._event(SettingIgnored(field=f"serve.{name}", value=value,
+                                                            reason=f"{why} (request {r.req_id})", request=r.req_id))
         picked: dict[str, int | list[int]] = {}
         plain = [i for i, c in enumerate(counts) if c == 1]
         if len(plain) < len(rows):

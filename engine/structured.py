@@ -90,12 +90,14 @@ class Constraint:
     """One sample's grammar state: which tokens may come next, advanced token by token; with a :class:`ThinkingGate`,
     free until the thinking ends."""
 
-    __slots__ = ("gate", "matcher", "stop_token_ids")
+    __slots__ = ("gate", "matcher", "overruled", "stop_token_ids")
 
     def __init__(self, matcher: Any, stop_token_ids: frozenset[int], gate: ThinkingGate | None = None) -> None:
         self.matcher = matcher
         self.stop_token_ids = stop_token_ids
         self.gate = gate  # None: the grammar holds every token from here
+        #: :func:`constrain` once set aside the sample's other token settings (they and the grammar left no token)
+        self.overruled = False
 
     def advance(self, token: int) -> bool:
         """Take a token the sample appended; whether the sample ends ("stop"): the grammar is complete, or stuck (an
@@ -494,6 +496,18 @@ LARK_GRAMMAR = ("; this reads as a Lark grammar (rules `name: ...`, none `name :
                 "regexes as character classes, e.g. [a-zA-Z_] [a-zA-Z0-9_]*)")
 
 
+def overruled_settings(params: Any) -> list[tuple[str, Any, str]]:
+    """The token settings of ``params`` (a SamplingParams) that :func:`constrain` set aside for its grammar, each as
+    (name, value, why) for a ``setting_ignored``: ``allowed_token_ids``, ``bad_words``, ``min_tokens`` where set."""
+    why = ("with structured_outputs' grammar, the sample's allowed_token_ids, bad_words and min_tokens (those given) "
+           "left no token at some step, so the grammar alone chose that token (what is drawn always parses)")
+    given = (("allowed_token_ids", params.allowed_token_ids, params.allowed_token_ids is not None),
+             ("bad_words", params.bad_words, bool(params.bad_words)),
+             ("min_tokens", params.min_tokens, params.min_tokens > 0))
+    return [(name, f"a list of {len(value):,}" if isinstance(value, list) and len(value) > 16 else value, why)
+            for name, value, is_set in given if is_set]
+
+
 def looks_like_lark(grammar: str) -> bool:
     """Whether ``grammar`` has rules but none in EBNF's ``::=``: a Lark grammar (vLLM's test for one)."""
     lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.splitlines())
@@ -502,14 +516,17 @@ def looks_like_lark(grammar: str) -> bool:
 
 
 def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
-              rows: Sequence[tuple[Constraint | None, Sequence[int]]], backend: GrammarBackend) -> torch.Tensor:
+              rows: Sequence[tuple[Constraint | None, Sequence[int]]], backend: GrammarBackend,
+              overruled: list[Constraint] | None = None) -> torch.Tensor:
     """``logits`` (``counts[i]`` rows per request ``i``; ``rows[i]``: its constraint or None, and its drafts) with each
     constrained row masked to the tokens its grammar allows next; rows without a constraint are untouched. ``raw``
     (the model's own logits, for logprobs) is never changed: when ``logits`` is it, a copy is masked. A row the
     other settings (``allowed_token_ids``, ``bad_words``, ``min_tokens``) and the grammar together leave empty takes
     the grammar alone (the grammar is the hard constraint: what is drawn always parses); one the grammar alone
     leaves empty (a vocabulary that cannot spell what it needs next) takes the end-of-sequence tokens only, and its
-    sample ends there ("stop"), rather than a token outside the grammar or a failed step for every request in it."""
+    sample ends there ("stop"), rather than a token outside the grammar or a failed step for every request in it.
+    ``overruled``: a list the constraints whose other settings were set aside for the first time are added to (and
+    marked :attr:`Constraint.overruled`), for the caller to report them as ``setting_ignored``."""
     xgr = backend.xgr
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], backend.vocab_size)
     masked: list[int] = []
@@ -532,6 +549,14 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
         out[dead] = raw[dead].to(out.dtype)
         xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=backend.vocab_size, indices=dead.tolist())
         stuck = dead[torch.isneginf(out[dead]).all(dim=-1)].tolist()
+        # a row the grammar alone leaves empty was not the other settings' doing: only the others are overruled
+        owner = [constraint for c, (constraint, _) in zip(counts, rows, strict=True) for _ in range(c)]
+        for row in sorted(set(dead.tolist()) - set(stuck)):
+            constraint = owner[row]
+            if constraint is not None and not constraint.overruled:
+                constraint.overruled = True
+                if overruled is not None:
+                    overruled.append(constraint)
         if stuck:
             stops = torch.tensor(sorted(backend.stop_token_ids), dtype=torch.long, device=out.device)
             for row in stuck:
@@ -542,4 +567,4 @@ def constrain(logits: torch.Tensor, raw: torch.Tensor, counts: Sequence[int],
 __all__ = ["ANY_VALUE", "COMPILED_GRAMMARS", "COSTLY", "INSTALL_HINT", "NO_VALUE", "SLOW_COMPILE", "Constraint",
            "GrammarBackend", "ThinkingGate", "check_admits_a_value", "check_keywords_shaped", "check_matching_cost",
            "check_pattern_counts", "check_refs_local", "check_spec", "check_values_admitted", "choice_grammar",
-           "classify_start", "constrain", "load_xgrammar", "parsed_schema", "reason"]
+           "classify_start", "constrain", "load_xgrammar", "overruled_settings", "parsed_schema", "reason"]

@@ -65,6 +65,37 @@ def test_allowed_ids_that_leave_nothing_to_draw_are_one_line_before_any_step(llm
     assert llm.generate(PROMPT, max_tokens=1, allowed_token_ids=[eos])[0].outputs[0].token_ids == [eos]
 
 
+
+def test_bad_words_or_min_tokens_that_ban_the_whole_vocabulary_are_one_line_before_any_step(llm):
+    """Without allowed_token_ids the same hole was open (hunt65a): bad_words naming every token left every logit -inf,
+    so sampling raised torch's RuntimeError ("probability tensor contains either inf, nan or element < 0") from
+    inside a step and greedy returned token 0, a banned word, as "length"; min_tokens holding back stop_token_ids
+    that cover what is left did the same. Refused before generating, naming the setting, and the LLM is unchanged."""
+    every = [f"w{i}" for i in range(VOCAB)]
+    before = tokens(llm)
+    for temperature in (0.0, 1.0):
+        with pytest.raises(GenerationError, match=r"^generate: bad_words: they ban every token of the vocabulary "
+                                                  r"\(512 ids\), so no token could be generated; ban fewer words$"):
+            llm.generate(PROMPT, max_tokens=4, temperature=temperature, bad_words=every)
+        with pytest.raises(GenerationError, match=r"^generate: min_tokens: every token of the vocabulary \(512 ids\) "
+                                                  r"is a stop or end-of-sequence token it holds back or a one-token "
+                                                  r"bad word, so no first token could be generated; lower min_tokens"):
+            llm.generate(PROMPT, max_tokens=4, temperature=temperature, bad_words=every[1:], stop_token_ids=[0],
+                         min_tokens=1)
+        with pytest.raises(GenerationError, match=r"^generate: min_tokens: every token of the vocabulary \(512 ids\) "
+                                                  r"is a stop or end-of-sequence token it holds back, so"):
+            llm.generate(PROMPT, max_tokens=4, temperature=temperature, stop_token_ids=list(range(VOCAB)),
+                         min_tokens=1)
+    stats = llm.result.executor.manager.stats()
+    assert stats.requests == 0 and all(g.used == 0 for g in stats.groups.values())
+    assert tokens(llm) == before
+    # one token left is enough: it is drawn every step (greedy or sampled), and ends the sample as a stop id
+    assert set(tokens(llm, bad_words=every[:7] + every[8:])) == {7}
+    assert set(tokens(llm, bad_words=every[:7] + every[8:], temperature=1.0, seed=0)) == {7}
+    out = llm.generate(PROMPT, max_tokens=4, bad_words=every[1:], stop_token_ids=[0])[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([0], "stop")
+
+
 def test_a_bad_word_is_never_generated_and_the_rest_stays_greedy(llm):
     plain = tokens(llm)
     banned = plain[3]

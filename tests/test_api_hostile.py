@@ -7,7 +7,9 @@ import math
 import os
 import re
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 import kvload
 from kvload import PoolingParams, SamplingParams
@@ -238,3 +240,107 @@ def test_chat_refuses_tools_json_cannot_hold_naming_where(llm, tools, where, got
                                "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}), got " + got)
     fine = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": 1.5, "y": None}}}]
     assert len(llm.chat(msgs, tools=fine, chat_template=template, max_tokens=2)[0].outputs[0].token_ids) >= 1
+
+
+# --- numbers from numpy and torch: one verdict whichever call takes them (hunt65a) -------------------------------
+
+
+def test_a_numpy_or_torch_truncate_prompt_tokens_is_taken_by_the_pooling_calls_as_generate_takes_it(llm):
+    # SamplingParams(truncate_prompt_tokens=np.int64(3)) was taken while PoolingParams, LLM.embed / encode / score and
+    # a pooling call's tokenization_kwargs refused the same value ("expected a positive integer ..., got np.int64(3)")
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    before = tokens(llm)
+    cut = llm.embed([IDS], truncate_prompt_tokens=3)[0].outputs.embedding
+    assert cut != llm.embed([IDS])[0].outputs.embedding  # the cut acts: the comparison below means something
+    for value in (np.int64(3), np.int32(3), torch.tensor(3)):
+        params = PoolingParams(truncate_prompt_tokens=value)
+        assert type(params.truncate_prompt_tokens) is int and params.truncate_prompt_tokens == 3
+        assert llm.embed([IDS], pooling_params=params)[0].outputs.embedding == cut
+        assert llm.embed([IDS], truncate_prompt_tokens=value)[0].outputs.embedding == cut
+        assert llm.embed([IDS], tokenization_kwargs={"truncate_prompt_tokens": value})[0].outputs.embedding == cut
+        assert llm.encode([IDS], pooling_task="embed", truncate_prompt_tokens=value)
+        assert llm.score("w1 w2 w3 w4", "w5", truncate_prompt_tokens=value)
+        assert SamplingParams(truncate_prompt_tokens=value).truncate_prompt_tokens == 3  # the other door, as before
+    for refused in (np.True_, np.float64(3.0), torch.tensor(3.0), torch.tensor([3])):  # still no int: both say so
+        with pytest.raises(ValueError, match=r"^PoolingParams: truncate_prompt_tokens: expected a positive integer"):
+            PoolingParams(truncate_prompt_tokens=refused)
+        with pytest.raises(ValueError, match=r"^generate: truncate_prompt_tokens: expected an integer >= 1"):
+            SamplingParams(truncate_prompt_tokens=refused)
+    assert tokens(llm) == before
+
+
+def test_stop_token_ids_and_allowed_token_ids_take_a_1d_integer_array_as_a_prompts_ids_do(llm):
+    # vLLM's SamplingParams takes list(stop_token_ids); kvload took a prompt's ids as an np.array or a tensor but
+    # refused the same array as stop_token_ids or allowed_token_ids ("expected a list of token ids, got array([3, 4])")
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    before = tokens(llm)
+    stop = before[2]
+    want = llm.generate(IDS, SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[stop]))[0].outputs[0]
+    only = llm.generate(IDS, SamplingParams(max_tokens=3, allowed_token_ids=[7, 8]))[0].outputs[0].token_ids
+    for array in (np.array([stop]), np.array([stop], dtype=np.int32), torch.tensor([stop])):
+        params = SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=array)
+        assert params.stop_token_ids == [stop] and all(type(t) is int for t in params.stop_token_ids)
+        got = llm.generate(IDS, params)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason, got.stop_reason) == (want.token_ids, "stop", stop)
+    for array in (np.array([7, 8]), torch.tensor([7, 8])):
+        params = SamplingParams(max_tokens=3, allowed_token_ids=array)
+        assert params.allowed_token_ids == [7, 8] and all(type(t) is int for t in params.allowed_token_ids)
+        assert llm.generate(IDS, params)[0].outputs[0].token_ids == only
+    # what is no list of ids is refused as before, naming the field
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        for bad in (np.array([3.0]), np.array([[3]]), torch.tensor([True]), np.array([-1])):
+            with pytest.raises(ValueError, match=rf"^generate: {name}: expected a (non-empty )?list of token ids"):
+                SamplingParams(**{name: bad})
+    with pytest.raises(ValueError, match=r"^generate: stop_token_ids: token id 512 is outside the vocabulary"):
+        llm.generate(IDS, SamplingParams(max_tokens=2, stop_token_ids=np.array([VOCAB])))
+    assert tokens(llm) == before
+
+
+def test_a_0d_tensor_priority_or_beam_length_penalty_is_a_number_as_a_numpy_scalar_is(llm):
+    # numpy's int64 priority and float32 length_penalty were taken, a 0-d torch tensor of the same value refused
+    # ("expected an integer ..., got tensor(1)", "expected a finite number, got tensor(0.5000)")
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    before = tokens(llm)
+    assert llm.generate(IDS, SamplingParams(max_tokens=2), priority=[torch.tensor(0)])
+    said = {}
+    for value in (np.int64(1), torch.tensor(1)):  # this llm is fcfs: priority 1 is refused, by one message
+        with pytest.raises(ValueError, match=r"^generate: priority\[0\]: got priority 1 but priority scheduling") as e:
+            llm.generate(IDS, SamplingParams(max_tokens=2), priority=[value])
+        said[type(value).__module__] = str(e.value)
+    assert said["numpy"] == said["torch"]
+    plain = llm.beam_search([IDS], kvload.BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=0.5))
+    for value in (np.float32(0.5), torch.tensor(0.5)):
+        params = kvload.BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=value,
+                                         temperature=torch.tensor(0.0))
+        assert type(params.length_penalty) is float and params.length_penalty == 0.5
+        assert llm.beam_search([IDS], params)[0].sequences == plain[0].sequences
+    with pytest.raises(ValueError, match=r"^generate: length_penalty: expected a finite number, got"):
+        kvload.BeamSearchParams(beam_width=2, length_penalty=torch.tensor(float("nan")))
+    assert tokens(llm) == before
+
+
+def _as(kind: str, value: int):
+    """``value`` as a script may hold it: a Python int, a numpy integer or a 0-d torch tensor."""
+    if kind == "numpy":
+        return pytest.importorskip("numpy").int64(value)
+    return pytest.importorskip("torch").tensor(value) if kind == "torch" else value
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(value=st.integers(-(2**63), 2**63 - 1) | st.sampled_from([-2, -1, 0, 1, 2, 64]),
+       kind=st.sampled_from(["int", "numpy", "torch"]))
+def test_truncate_prompt_tokens_has_one_verdict_in_sampling_and_pooling_params(value, kind):
+    # the same integer, however held, is taken by both or refused by both (numpy's and torch's were refused by
+    # PoolingParams only); a length past int64 is PoolingParams' call-time refusal, so the integers stop there
+    verdicts = []
+    for make in (SamplingParams, PoolingParams):
+        try:
+            verdicts.append(make(truncate_prompt_tokens=_as(kind, value)).truncate_prompt_tokens)
+        except ValueError as exc:
+            assert "truncate_prompt_tokens: expected " in str(exc)
+            verdicts.append("refused")
+    assert verdicts[0] == verdicts[1] and verdicts[0] in (value, "refused")
+    assert (verdicts[0] == "refused") == (value == 0 or value < -1)

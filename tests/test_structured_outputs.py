@@ -138,6 +138,30 @@ def test_min_tokens_that_would_forbid_the_grammars_end_yields_to_the_grammar(llm
     assert all(o.text in ("no", "yes") for o in outs)
 
 
+def test_token_settings_the_grammar_overrules_are_said_setting_ignored_once(llm):
+    """min_tokens, allowed_token_ids or bad_words that leave the grammar no token were set aside without a word
+    (hunt65a): the output broke min_tokens, or held a banned or unallowed token, and the audit said nothing. Each given
+    one is now a setting_ignored naming it (once for the n samples of one SamplingParams); settings the grammar never
+    had to overrule are not."""
+    said = lambda: [(e["field"], e["value"]) for e in llm.audit.of("setting_ignored")  # noqa: E731
+                    if "the grammar alone chose" in e["reason"]]
+    before = len(said())
+    outs = sample(llm, StructuredOutputsParams(choice=["no", "yes"]), min_tokens=6, n=2, temperature=1.0, seed=0)
+    assert all(o.text in ("no", "yes") and len(o.token_ids) < 6 for o in outs)
+    assert said()[before:] == [("generate.min_tokens", 6)]
+    spelt = llm.tokenizer.encode("no", add_special_tokens=False)
+    other = next(t for t in range(300) if t not in words_eos(llm)
+                 and llm.tokenizer.decode([t]) not in ("", "n", "no", "y", "ye", "yes"))
+    before = len(said())
+    (out,) = sample(llm, StructuredOutputsParams(choice=["no"]), allowed_token_ids=[other])
+    assert out.text == "no" and other not in out.token_ids
+    assert said()[before:] == [("generate.allowed_token_ids", [other])]
+    before = len(said())
+    (out,) = sample(llm, StructuredOutputsParams(choice=["no", "yes"]), allowed_token_ids=[*spelt, *words_eos(llm)],
+                    min_tokens=1)
+    assert out.text == "no" and said()[before:] == []  # the settings and the grammar agree: nothing overruled
+
+
 def test_a_vocabulary_that_cannot_spell_the_grammar_ends_the_sample_not_the_step(tiny_checkpoints, tmp_path):
     """Word tokens ("w0".."w511") spell no digit: the sample ends with EOS at once, and the request beside it in the
     same steps goes on (neither a token outside the grammar nor a failed step)."""
@@ -442,6 +466,12 @@ def test_the_server_takes_response_format_and_structured_outputs_from_the_openai
                                                            ("response_format", "json"),
                                                            ("structured_outputs", "regex"),
                                                            ("structured_outputs", "choice")]
+        # a min_tokens the grammar's end overrules is said, naming the request (it was set aside without a word)
+        overruled = lambda: [e for e in served.result.audit.of("setting_ignored")  # noqa: E731
+                             if e["field"] == "serve.min_tokens"]
+        assert complete(structured_outputs={"choice": ["no", "yes"]}, min_tokens=6).choices[0].text in ("no", "yes")
+        (said,) = overruled()
+        assert said["value"] == 6 and said["request"] and "the grammar alone chose" in said["reason"]
         for extra, param, words in (
                 ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                              "schema": {"type": "objectx"}}}},

@@ -720,6 +720,27 @@ def test_seed_minus_one_is_no_seed_as_in_vllm(words):
         SamplingParams(seed=-2)
 
 
+
+def test_seed_minus_one_is_no_seed_through_kvload_generate_and_the_server_too(capsys):
+    """SamplingParams(seed=-1) was taken while `kvload generate --seed -1` ("expected an integer >= 0") and a request's
+    "seed": -1 (a 400; vLLM's server takes any int64 and its SamplingParams reads -1 as None) were refused: one value,
+    three verdicts (hunt65a). -1 is "no seed" at every door; -2 is refused at every door."""
+    from tests.cli_support import run_cli
+    from tests.serve_support import serving
+
+    base = ("generate", "tiny-llama", "--max_tokens", "4096", "--prompt-ids", "5,6", "--max_new_tokens", "2",
+            "--temperature", "1.0")
+    assert run_cli(capsys, *base, "--seed", "-1").code == 0
+    refused = run_cli(capsys, *base, "--seed", "-2")
+    assert refused.code == 2 and "--seed: expected an integer >= 0, or -1 for none (vLLM's), got '-2'" in refused.err
+    with serving("tiny-llama") as served:
+        body = {"prompt": [5, 6], "max_tokens": 2, "temperature": 1.0}
+        assert served.http.post("/v1/completions", json={**body, "seed": -1}).status_code == 200
+        r = served.http.post("/v1/completions", json={**body, "seed": -2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+        assert "an integer in [0, 2**63 - 1], or -1 for none" in r.json()["error"]["message"]
+
+
 def test_logprobs_true_is_one_as_in_vllm(llm):
     sp = SamplingParams(max_tokens=2, logprobs=True, prompt_logprobs=True, ignore_eos=True)
     assert (sp.logprobs, sp.prompt_logprobs) == (1, 1)

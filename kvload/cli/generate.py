@@ -261,8 +261,11 @@ def add_generate_command(sub: Any) -> None:
                    type=_bounded(integer, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
                    help="report the K most likely tokens' log-probabilities per generated token (printed after "
                         "each reply; in --json, each sample's logprobs)")
-    g.add_argument("--seed", default=None, metavar="S", type=at_least(0),
-                   help="sampling seed (each prompt's sample j uses S + j, vLLM's rule); absent = a fresh random seed")
+    # -1 is vLLM's "no seed" (SamplingParams(seed=-1), a request's "seed": -1), as the Python API and the server take it
+    g.add_argument("--seed", default=None, metavar="S",
+                   type=_bounded(integer, lambda v: v >= -1, "an integer >= 0, or -1 for none (vLLM's)"),
+                   help="sampling seed (each prompt's sample j uses S + j, vLLM's rule); absent or -1 = a fresh "
+                        "random seed")
     g.add_argument("--salt", default=None, metavar="TEXT",
                    help="prefix-reuse scope: prompts under different salts never share cached blocks")
     g.add_argument("--ignore_eos", "--ignore-eos", dest="ignore_eos", action="store_true",

@@ -384,7 +384,9 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     else:
         _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
     seed = body.get("seed")
-    _need(seed is None or (_is_int(seed) and 0 <= seed <= MAX_INT), "seed", "an integer in [0, 2**63 - 1]", seed)
+    # -1 is vLLM's "no seed" (its SamplingParams' rule, which kvload.SamplingParams and --seed keep too)
+    _need(seed is None or (_is_int(seed) and -1 <= seed <= MAX_INT), "seed",
+          "an integer in [0, 2**63 - 1], or -1 for none (vLLM's)", seed)
     n = body.get("n", 1)
     n = 1 if n is None else n
     _need(_is_int(n) and 1 <= n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", n)
