@@ -194,6 +194,9 @@ class GenerationExecutor:
         self._caller = "generate"  # the user's call (:meth:`called_as`), which titles the audit's generation_failed
         self._live: dict[str, _Live] = {}
         self._forks: dict[str, list[_Live]] = {}  # run's: a prompt's samples forked from its first one
+        #: the call's (SamplingParams id, setting) pairs a grammar overruled and said so (``_compute``): one
+        #: setting_ignored per SamplingParams of the call, however many samples or steps it was overruled in
+        self._overruled_said: set[tuple[int, str]] = set()
         width = max(-(-self.max_seq_len // g.tokens_per_block) for g in manager.layout.groups)
         #: every live request's block tables as tensor rows, appended to step by step
         self._block_tables = BlockTableStore(self.groups, width)
@@ -506,6 +509,7 @@ class GenerationExecutor:
         drafted = accepted = 0
         per_position: list[int] = []  # accepted drafts per draft position, summed over the steps
         self._live = {live.request.req_id: live for live in lives}
+        self._overruled_said = set()  # (the call's params live until it ends: their ids are not reused before)
         # a prompt's index -> its samples, a first sample's request id -> the samples forked from it, each live's place:
         # a step's report reads the lives the step touched through these. It scanned every live of the call per step
         # and per finished request, O(requests**2): 16,000 one-token prompts took 16.6 s, 5.4 s now (2-core CPU)
@@ -985,7 +989,9 @@ class GenerationExecutor:
             overruled: list[Constraint] = []
             picks = constrain(picks, logits, counts, [(live.constraint, live.request.draft_token_ids)
                                                       for live in lives], self.grammars(), overruled)
-            said: set[tuple[int, str]] = set()  # one line per SamplingParams, not per sample
+            # one line per SamplingParams of the call, not per sample, prompt or step: a set per step said one
+            # again for each step a sample sharing it (another prompt, another of its n) was first overruled in
+            said = self._overruled_said
             for live in (lv for lv in lives if any(lv.constraint is c for c in overruled)):
                 for name, value, why in overruled_settings(live.params):
                     if (id(live.params), name) not in said:

@@ -740,3 +740,24 @@ def test_a_schema_is_read_once_per_compile_unless_its_bounded_strings_are_rewrit
     compiled = backend.compile(StructuredOutputsParams(json=schema))
     assert len(reads) == 2, reads
     assert ("[^\\0-\\x1f" in str(compiled.grammar)) is strict  # bounded strings: control characters excluded
+
+
+
+def test_a_setting_the_grammar_overrules_is_said_once_per_sampling_params_whichever_step_overrules_it(llm):
+    """One SamplingParams over three prompts and n=4: its samples reach the grammar's end, where min_tokens is set
+    aside, at different steps ("no" before "yes yes yes yes"). It was said once per step that first overruled a
+    sample of it (3 lines here, rev65); the call says it once, as its other setting_ignored lines are said."""
+    said = lambda: [(e["field"], e["value"]) for e in llm.audit.of("setting_ignored")  # noqa: E731
+                    if "the grammar alone chose" in e["reason"]]
+    before = len(said())
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["no", "yes yes yes yes"]),
+                            min_tokens=12, n=4, temperature=1.0, seed=3, max_tokens=48)
+    outs = llm.generate([PROMPT, PROMPT + " x", PROMPT + " y"], params)
+    texts = {o.text for r in outs for o in r.outputs}
+    assert texts == {"no", "yes yes yes yes"}  # (both ends, so overruled at different steps: what this checks)
+    assert said()[before:] == [("generate.min_tokens", 12)]
+    # two SamplingParams in one call: each is said once
+    other = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["no"]), min_tokens=5, max_tokens=8)
+    before = len(said())
+    llm.generate([PROMPT, PROMPT + " x", PROMPT + " y"], [params, other, params])
+    assert sorted(said()[before:]) == [("generate.min_tokens", 5), ("generate.min_tokens", 12)]

@@ -249,3 +249,14 @@ class HostMoves:
         self._active_requests.add(cache.request)
         self._count_worst(cache, 1)
         self.counters["resumes"] += 1
+
+    def _forget_write_back(self, cache: SequenceCache) -> None:
+        """Drop a suspended cache's pages still waiting on the device from the write-back map (resumed or freed)."""
+        for name, marks in cache.reclaim.items():
+            later = self._write_back[name]
+            for j, (b, _) in marks.items():
+                entries = later.get(b)
+                if entries is not None:
+                    entries[:] = [e for e in entries if not (e[0] is cache and e[1] == j)]
+                    if not entries:
+                        del later[b]

@@ -183,7 +183,10 @@ class PrefixLookup:
     def probe_hit(self, request: Request, build: bool = False) -> HitProbe | None:
         """What :meth:`create` + :meth:`resume` would claim for ``request`` now (a whole-block cached prefix), found
         without claiming it, for the estimates (``start``/``probe`` arguments) and :meth:`refuse_hit`; None where
-        only building it answers: a partial block to copy (it allocates, and may evict), a whole-block hit on a
+        only building it answers: a partial block to copy (it allocates, and may evict), unless it is the history's
+        own partial last block where ``_tail_probes`` allows and no KV events are recorded (then probed: the copy is
+        counted in ``taken``, never made: ``HitProbe.partial``; but not where the copy would find no room or slide a
+        window at once); a whole-block hit on a
         shared arena whose groups' blocks span several token blocks, reuse off. With ``build``, a None comes with
         the request's cache built (:meth:`create` + :meth:`resume`, in this call), reusing the lookup just made
         where it found a partial block to copy. A request whose first token starts a

@@ -183,17 +183,6 @@ class TreeEvents:
         for g, got in by_group.items():
             self._detach(names[g], got)
 
-    def _forget_write_back(self, cache: SequenceCache) -> None:
-        """Drop a suspended cache's pages still waiting on the device from the write-back map (resumed or freed)."""
-        for name, marks in cache.reclaim.items():
-            later = self._write_back[name]
-            for j, (b, _) in marks.items():
-                entries = later.get(b)
-                if entries is not None:
-                    entries[:] = [e for e in entries if not (e[0] is cache and e[1] == j)]
-                    if not entries:
-                        del later[b]
-
     def _attach(self, run: RadixNode, i: int, group: str, block: int) -> None:
         """Hang ``group``'s ``block`` at position ``i`` of ``run`` unless either already has a partner."""
         pool = self._pool[group]
