@@ -37,8 +37,12 @@ def prompts_for(vocab: int, lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int
 def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
     """transformers' own greedy decode of one prompt (its attention and DynamicCache; stops at the model's EOS)."""
     device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    # the mask given: without it transformers infers one from pad_token_id, masking a prompt's own token 0 as padding
+    # (a follow-up turn holding an earlier output's 0 got another reference; diff65)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

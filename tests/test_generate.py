@@ -42,6 +42,18 @@ def test_greedy_equals_transformers_generate_together_and_staggered(tiny_checkpo
         assert model.config._attn_implementation == "sdpa"  # model.generate still works after generate
 
 
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_a_prompt_holding_token_id_0_generates_transformers_tokens(tiny_checkpoints, manager):
+    """Token id 0 is a token like any other inside a prompt (a follow-up turn holds earlier outputs, which may be 0):
+    kvload attends to it, as transformers does given the prompt's whole attention mask (``hf_greedy``; without the
+    mask transformers reads a 0 as padding when ``pad_token_id`` is 0, and the reference itself differed, diff65)."""
+    with load(tiny_checkpoints("qwen3"), manager) as result:
+        model = result.hf_model
+        ps = [[*p[:5], 0, *p[5:]] for p in prompts_for(model.config.vocab_size, (12, 20))]
+        outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p) for p in ps]
+
+
 def test_outputs_come_back_in_prompt_order_whatever_finishes_first(tiny_checkpoints):
     with load(tiny_checkpoints("llama"), "v2") as result:
         ps = prompts_for(result.hf_model.config.vocab_size, (30, 3))
