@@ -991,8 +991,8 @@ class GenerationExecutor:
                                                       for live in lives], self.grammars(), overruled)
             # one line per SamplingParams of the call, not per sample, prompt or step: a set per step said one
             # again for each step a sample sharing it (another prompt, another of its n) was first overruled in
-            said = self._overruled_said
-            for live in (lv for lv in lives if any(lv.constraint is c for c in overruled)):
+            said, first = self._overruled_said, {id(c) for c in overruled}
+            for live in (lv for lv in lives if id(lv.constraint) in first) if first else ():  # (most steps: none)
                 for name, value, why in overruled_settings(live.params):
                     if (id(live.params), name) not in said:
                         said.add((id(live.params), name))

@@ -1083,8 +1083,9 @@ class ServingEngine:
             logits = constrain(logits, raw, counts, [(lv.constraint, r.draft_token_ids)
                                                      for lv, r in zip(lives, reqs, strict=True)],
                                self.executor.grammars(), overruled)
-            for lv, r in zip(lives, reqs, strict=True):  # said once per request, as the grammar overrules them
-                if any(lv.constraint is c for c in overruled):
+            first = {id(c) for c in overruled}  # said once per request, as the grammar overrules them
+            for lv, r in zip(lives, reqs, strict=True) if first else ():  # (most steps: none)
+                if id(lv.constraint) in first:
                     for name, value, why in overruled_settings(lv.params):
                         self.executor._event(SettingIgnored(field=f"serve.{name}", value=value,
                                                             reason=f"{why} (request {r.req_id})", request=r.req_id))
