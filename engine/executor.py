@@ -25,73 +25,67 @@ Every ``generate`` call is one segment of the loaded result's audit log: ``gener
 the driver's ``request_admitted`` / ``request_suspended`` / ``request_resumed`` / ``request_finished``,
 then ``generation_finished`` (or ``generation_failed``), all with stage ``generate``, numbered on
 from the load's own events.
+
+The class holds the life cycle (build, attention and linear backends, the call's loop, failures and the audit);
+the rest comes from parts, one module per concern: ``engine.call_requests`` (a call's prompts and SamplingParams
+checked and made live requests), ``engine.step_forward`` (a step's forward, drafts verified, tokens sampled),
+``engine.step_outputs`` (new tokens reported, finished prompts' outputs) and ``engine.v4_side_state`` (DeepSeek
+V4's compressor snapshots).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from cache_backends.block_tables import BlockTableStore
 from cache_backends.interface import PrefixCacheInUseError, SchedulerOutput
 from cache_backends.layout import DECODE_KERNEL_KINDS, cannot_generate
-from cache_backends.paged_attention import PagedBatch, SeqChunk
 from cache_backends.request import Request
-from engine.driver import Arrival, Driver, StalledError, at_length
-from engine.messages import check_messages
+from engine.call_requests import CallRequests
+from engine.driver import Arrival, Driver, StalledError
+from engine.live_sample import LiveSample
 from engine.outputs import (
-    CompletionOutput,
     GenerationOutput,
     GenerationStats,
-    GenerationTimings,
-    RequestMetrics,
     RequestOutput,
     StreamEvent,
     TokenDelta,
 )
-from engine.penalties import penalize
 from engine.pooling import PooledRows
 from engine.prompts import (
     CHAT_OPTIONS,
     PromptOptions,
-    array_ints,
-    check_text,
-    is_conversation,
-    normalize,
     template_options,
-    templated,
 )
-from engine.sampling import Logprob, eos_token_ids, sample_rows, top_logprobs
+from engine.sampling import eos_token_ids
 from engine.sampling_params import (
     SamplingParams,
     check,
-    check_keywords,
     check_salt,
     defaulted_fields,
     greedy_ignored,
     inert_settings,
     is_int,
 )
-from engine.speculation import NgramProposer, verify_drafted
-from engine.stopping import SampleText
-from engine.structured import Constraint, GrammarBackend, constrain, overruled_settings
-from models.classifier import head_of, not_generative
-from models.deepseek_v4_paged import V4_NO_DRAFTS, V4Snapshot, V4States, prefix_digest, step_states, uses_v4
+from engine.speculation import NgramProposer
+from engine.step_forward import StepForward
+from engine.step_outputs import StepOutputs
+from engine.structured import GrammarBackend
+from engine.v4_side_state import V4SideState
+from models.deepseek_v4_paged import V4_NO_DRAFTS, V4States, uses_v4
 from models.geometry import head_dim as config_head_dim
 from models.geometry import kv_heads as config_kv_heads
 from models.geometry import text_config
-from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, run_forward, unfoldable_mla
+from models.paged_forward import ATTN_IMPLEMENTATION, route_paged_attention, unfoldable_mla
 from pipeline.config import ATTENTION_BACKENDS, AUTO, LINEAR_BACKENDS
-from pipeline.errors import GenerationError, KvBuildError, KvRuntimeError, first_line, retitled
+from pipeline.errors import GenerationError, KvRuntimeError, first_line, retitled
 from pipeline.events import (
     Event,
     GenerationFailed,
@@ -101,61 +95,17 @@ from pipeline.events import (
     RequestAdmitted,
     SettingIgnored,
 )
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, int_text, plain_scalar, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
-
-
-#: A pooled request as a refusal names it, by the call that makes it (``LLM.classify``, ``LLM.reward``; an
-#: embedding otherwise: ``LLM.embed``, ``LLM.score``'s embeddings)
-POOLED = {"embed": "an embedding", "classify": "a classification", "reward": "a reward (every token's scores)",
-          "encode": "a pooled request"}
 
 
 class StreamLeft(GenerationError):
     """A stream's consumer on rank 0 left: raised on every rank after the same step (``stream_stop``)."""
 
 
-@attrs.define(eq=False)
-class _Live:
-    """Executor-side state of one request of the current call."""
-
-    index: int
-    request: Request
-    prompt: str | None
-    arrival_step: int
-    generator: torch.Generator | None = None
-    params: SamplingParams = attrs.Factory(SamplingParams)
-    sample: int = 0  # which of the prompt's n samples
-    parent: _Live | None = None  # the prompt's first sample (which prefills for the others)
-    text: SampleText | None = None  # None without a tokenizer
-    logprobs: list[dict[int, float]] | None = None  # one entry per generated token, with SamplingParams.logprobs
-    #: with SamplingParams.prompt_logprobs, on the prompt's first sample (which prefills): one entry per prompt token,
-    #: None for the first (vLLM's shape)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    stop_reason: str | int | None = None
-    finish_reason: str | None = None
-    queued_at: float = 0.0
-    arrived_wall: float = 0.0  # time.time() when queued (RequestMetrics.arrival_time)
-    admitted_at: float | None = None  # first admission (RequestMetrics.scheduled_ts)
-    first_token_at: float | None = None
-    finished_at: float = 0.0
-    reported: int = 0  # generated tokens already reported (streamed)
-    #: with SamplingParams.structured_outputs: this sample's grammar state (``engine.structured``)
-    constraint: Constraint | None = None
-
-
-@attrs.frozen
-class PromptScores:
-    """Logprob entries of consecutive prompt tokens from one step (``prompt_logprobs``): ``entries[j]`` is the token at
-    position ``first + j``'s, as ``engine.sampling.top_logprobs`` gives them (its top alternatives plus itself)."""
-
-    first: int
-    entries: list[dict[int, float]]
-
-
-class GenerationExecutor:
+class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
     """Runs ``generate`` calls over a loaded model, its KV cache manager and scheduler (V1 or V2).
 
     Build it with :meth:`from_result` (``LoadResult.generate`` does). The model's attention is
@@ -192,8 +142,8 @@ class GenerationExecutor:
         #: outputs that name none of their own (their grammar holds only the answer after the thinking)
         self.reasoning_parser: str | None = None
         self._caller = "generate"  # the user's call (:meth:`called_as`), which titles the audit's generation_failed
-        self._live: dict[str, _Live] = {}
-        self._forks: dict[str, list[_Live]] = {}  # run's: a prompt's samples forked from its first one
+        self._live: dict[str, LiveSample] = {}
+        self._forks: dict[str, list[LiveSample]] = {}  # run's: a prompt's samples forked from its first one
         #: the call's (SamplingParams id, setting) pairs a grammar overruled and said so (``_compute``): one
         #: setting_ignored per SamplingParams of the call, however many samples or steps it was overruled in
         self._overruled_said: set[tuple[int, str]] = set()
@@ -513,7 +463,7 @@ class GenerationExecutor:
         # a prompt's index -> its samples, a first sample's request id -> the samples forked from it, each live's place:
         # a step's report reads the lives the step touched through these. It scanned every live of the call per step
         # and per finished request, O(requests**2): 16,000 one-token prompts took 16.6 s, 5.4 s now (2-core CPU)
-        samples: dict[int, list[_Live]] = {}
+        samples: dict[int, list[LiveSample]] = {}
         for live in lives:
             samples.setdefault(live.index, []).append(live)
         family = {first: list(kids) for first, kids in forks.items()}
@@ -646,19 +596,6 @@ class GenerationExecutor:
         return beam_search(self, prompts, params, max_beam_width=self.max_beam_width, salt=salt,
                            concurrency_limit=concurrency_limit)
 
-    def check_generates(self, call: str) -> None:
-        """``GenerationError`` when the model cannot generate: a sequence-classification model (``models.classifier``)
-        has a classifier head where a generative one has its language-model head."""
-        head = head_of(self.model)
-        if head is not None:
-            raise GenerationError(not_generative(call, head))
-
-    def beam_refusal(self) -> str | None:
-        """Why this model cannot beam search (one line, for ``LLM.beam_search`` and the server), or None."""
-        if self.v4 is None:
-            return None
-        return (f"beam_search: {self.name} is a DeepSeek V4 model, whose compressor side state kvload does not fork "
-                "or reorder between beams; use generate")
 
     def generate(
         self,
@@ -700,222 +637,6 @@ class GenerationExecutor:
                         priority=priority, **sampling)
         return [_flat(o) for o in outs]
 
-    def _params(self, sampling_params: Any, keywords: dict[str, Any], count: int,
-                pooled: bool = False) -> list[SamplingParams]:
-        """One SamplingParams per prompt (``count`` of them; 0: as many as a given list holds), checked; ``pooled``:
-        they stand for ``LLM.embed``'s list of ``pooling_params``, which a wrong length is said of."""
-        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
-            keywords = check_keywords(keywords)
-            if keywords:
-                raise GenerationError("generate: pass sampling settings either as sampling_params or as keywords "
-                                      f"({', '.join(sorted(keywords))}), not both")
-            for i, p in enumerate(sampling_params):  # a None here took kvload's built-in defaults, silently, where a
-                if not isinstance(p, SamplingParams):  # call given no SamplingParams takes the model's
-                    raise GenerationError(f"generate: sampling_params[{i}]: expected a SamplingParams, got "
-                                          f"{type(p).__name__}" + (" (sampling_params=None, not a list, takes the "
-                                                                   "model's defaults)" if p is None else ""))
-            params = self._fitted(list(sampling_params), True, count, pooled=pooled)
-        else:  # no SamplingParams: the keywords over the model's sampling defaults (vLLM's default params)
-            params = [SamplingParams.build(sampling_params, keywords, self.sampling_defaults,
-                                           self.sampling_sources)] * max(count, 1)
-        for p in {id(p): p for p in params}.values():  # a list changed in place since it was built (vLLM's habit)
-            p.recheck()
-        params = self._with_reasoning_parser(params)
-        for p in params:
-            if p.stop and self.tokenizer is None:
-                raise GenerationError(f"generate: stop: stop strings are matched on the text, but {self.name} has no "
-                                      "tokenizer; use stop_token_ids")
-            if p.logprobs is not None and p.logprobs > self.vocab_size:
-                raise GenerationError(f"generate: logprobs: expected at most the vocabulary size "
-                                      f"({self.vocab_size}), got {p.logprobs}")
-            self._check_vocab("stop_token_ids", p.stop_token_ids)
-            self._check_vocab("logit_bias", p.logit_bias)
-            self._check_vocab("allowed_token_ids", p.allowed_token_ids or ())
-        for p in {id(p): p for p in params}.values():
-            if p.bad_words:
-                object.__setattr__(p, "_bad_words_token_ids", self._bad_words_token_ids(p.bad_words))
-            self._check_something_allowed(p)
-            if p.structured_outputs is not None:  # compiled now: a bad schema is refused before anything runs
-                self.grammars().compile(p.structured_outputs)
-        return params
-
-    def _with_reasoning_parser(self, params: list[SamplingParams]) -> list[SamplingParams]:
-        """``params`` with the LLM's reasoning parser on each structured outputs that names none (vLLM's engine-wide
-        ``structured_outputs_config.reasoning_parser``): copies, so the caller's SamplingParams stay as given."""
-        if self.reasoning_parser is None:
-            return params
-        done: dict[int, SamplingParams] = {}
-        for p in params:
-            wanted = p.structured_outputs
-            if id(p) in done or wanted is None or wanted.reasoning_parser is not None:
-                continue
-            gated = copy.copy(p)
-            gate = attrs.evolve(wanted, reasoning_parser=self.reasoning_parser)
-            object.__setattr__(gated, "structured_outputs", gate)
-            done[id(p)] = gated
-        return [done.get(id(p), p) for p in params]
-
-    @staticmethod
-    def _fitted(params: list[SamplingParams], per_prompt: bool, count: int,
-                pooled: bool = False) -> list[SamplingParams]:
-        """:meth:`_params`' list for ``count`` prompts (0: any): a list given is as long, one given is repeated."""
-        if not per_prompt:
-            return params[:1] * max(count, 1)
-        if count and len(params) != count:
-            name, kind = ("pooling_params", "PoolingParams") if pooled else ("sampling_params", "SamplingParams")
-            raise GenerationError(f"generate: {name}: expected one {kind} or a list of {count} (one per prompt), "
-                                  f"got a list of {len(params)}")
-        return params
-
-    def grammars(self) -> GrammarBackend:
-        """xgrammar over this model's tokenizer (built once; the server's handler threads share it);
-        ``GenerationError`` without xgrammar or a tokenizer."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self.name)
-            return self._grammars
-
-    def _check_vocab(self, what: str, ids: Iterable[int]) -> None:
-        """``GenerationError`` naming ``what`` and the first of ``ids`` outside the vocabulary."""
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise GenerationError(f"generate: {what}: token id {int_text(bad)} is outside the vocabulary "
-                                  f"(0..{self.vocab_size - 1})")
-
-    def _check_something_allowed(self, p: SamplingParams) -> None:
-        """``GenerationError`` when no token is left to draw: every allowed id (``allowed_token_ids``, else the whole
-        vocabulary) is a one-token bad word, or a stop token held back by ``min_tokens``. Every logit would be -inf:
-        greedy would return token 0, a banned token, and sampling fail inside torch (vLLM has the same hole)."""
-        banned = {w[0] for w in p._bad_words_token_ids if len(w) == 1}
-        held = (set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))) if p.min_tokens else set()
-        if p.allowed_token_ids is None:
-            if len(banned) + len(held) < self.vocab_size:  # the usual case, without a set of the whole vocabulary
-                return
-            pool: set[int] = set(range(self.vocab_size))
-        else:
-            pool = set(p.allowed_token_ids)
-        if pool - banned:
-            if pool - banned - held:
-                return
-            by = "min_tokens (it holds back the stop and end-of-sequence tokens until then)"
-        else:
-            by = "bad_words"
-        if p.allowed_token_ids is not None:
-            raise GenerationError(f"generate: allowed_token_ids: every allowed token is banned by {by}, so no token "
-                                  "could be generated; allow another token")
-        if by == "bad_words":
-            raise GenerationError(f"generate: bad_words: they ban every token of the vocabulary ({self.vocab_size:,} "
-                                  "ids), so no token could be generated; ban fewer words")
-        also, fewer = (" or a one-token bad word", "ban fewer words") if banned else ("", "give fewer stop_token_ids")
-        raise GenerationError(f"generate: min_tokens: every token of the vocabulary ({self.vocab_size:,} ids) is a "
-                              f"stop or end-of-sequence token it holds back{also}, so no first token could be "
-                              f"generated; lower min_tokens or {fewer}")
-
-    def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        """``bad_words`` as token id sequences, vLLM's way: each word as given (left-stripped), and after a space
-        where that gives a different first token in as many tokens (a word inside the text, not at its start)."""
-        if self.tokenizer is None:
-            raise GenerationError(f"generate: bad_words: banned words are tokenized, but {self.name} has no tokenizer "
-                                  "(presets take token ids); use allowed_token_ids or logit_bias instead")
-        out: list[tuple[int, ...]] = []
-        for i, word in enumerate(words):
-            bare = tuple(int(t) for t in self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(int(t) for t in self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if not bare:
-                raise GenerationError(f"generate: bad_words[{i}]: {short(word)} gives no tokens")
-            for ids in (bare, spaced) if spaced and spaced[0] != bare[0] and len(spaced) == len(bare) else (bare,):
-                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-                if bad is not None:
-                    raise GenerationError(f"generate: bad_words[{i}]: {short(word)} tokenizes to id {int_text(bad)}, "
-                                          f"outside the vocabulary (0..{self.vocab_size - 1})")
-                out.append(ids)
-        return tuple(out)
-
-    def _salts(self, salt: str | None, options: list[PromptOptions]) -> list[str | None]:
-        """Each prompt's prefix-reuse salt: its dict's ``cache_salt`` (vLLM's), else the call's ``salt``; the two given
-        and different is refused, as the server refuses ``salt`` and ``cache_salt`` that differ."""
-        out = []
-        for i, said in enumerate(options):
-            if said.cache_salt is None:
-                out.append(salt)
-                continue
-            if salt is not None and said.cache_salt != salt:
-                raise GenerationError(f"generate: prompt {i}: its cache_salt and the call's salt differ; give one (a "
-                                      "prompt's cache_salt scopes that prompt, salt= every prompt of the call)")
-            check_salt(said.cache_salt, f"prompt {i}: cache_salt")
-            out.append(said.cache_salt)
-        return out
-
-    def _lives(self, call: int, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-               salts: list[str | None], arrivals: list[int], ranks: list[int] | None = None, *,
-               pool: bool = False, every_token: bool = False) -> list[_Live]:
-        """Every sample of every prompt as a request, with its generator (seeded as SamplingParams says); ``pool``:
-        each an embedding's prefill (``Request.prefill_only``), its one token dropped; ``every_token``: its prompt
-        computed whole (no cached prefix read), every token's row pooled."""
-        lives = []
-        # unseeded samples: a fresh base per call, or the next of the LLM's seeded sequence (vLLM's engine seed)
-        random_base = (self.call_seeds or random.SystemRandom()).getrandbits(62)
-        if self.lockstep is not None:
-            random_base = self.lockstep.ranks.broadcast(random_base)  # one fresh seed, rank 0's, on every rank
-        unseeded = 0  # unseeded samples drawn so far: each takes the next offset from random_base
-        for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
-            room = self.max_seq_len - len(ids)  # a sequence never grows past max_seq_len
-            base = p.seed if p.seed is not None else random_base
-            parent = None
-            for j in range(p.n):
-                req_id = f"{call}.{i}" if p.n == 1 else f"{call}.{i}.{j}"
-                # a scored prompt is prefilled whole by its first sample (a cached prefix computes no logits), whose
-                # blocks are cached as any request's: the later samples, and later requests, reuse them
-                cap = room if p.max_tokens is None else min(p.max_tokens, room)  # None: vLLM's "up to the context"
-                request = Request(req_id, ids, 1 if pool else cap, salt=salts[i], prefill_only=pool,
-                                  skip_prefix_read=(p.prompt_logprobs is not None and j == 0) or every_token,
-                                  priority=ranks[i] if ranks is not None else 0)
-                if j == 0:
-                    self._check_fits(i, request, p.max_tokens)
-                gen = None
-                if not p.greedy:  # vLLM's rule: a seeded prompt's sample j is seed + j, whatever else the call holds
-                    # (a prompt's samples do not change with its place in the batch); unseeded samples each draw on
-                    # from the call's base, so no two share a stream
-                    offset = j if p.seed is not None else unseeded
-                    unseeded += p.seed is None
-                    gen = torch.Generator(device=self.pools.device).manual_seed(base + offset)
-                live = _Live(i, request, text, arrivals[i], gen, params=p, sample=j, parent=parent)
-                if self.tokenizer is not None and p.detokenize:  # detokenize=False: token ids only, no decoding
-                    live.text = SampleText(self.tokenizer, p.stop, include_stop=p.include_stop_str_in_output,
-                                           skip_special=p.skip_special_tokens, spaced=p.spaces_between_special_tokens)
-                if p.logprobs is not None:
-                    live.logprobs = []
-                if p.prompt_logprobs is not None and j == 0:
-                    live.prompt_logprobs = [None] * len(ids)
-                if p.structured_outputs is not None:  # each sample its own grammar state
-                    live.constraint = self.grammars().constraint(p.structured_outputs,
-                                                                 skip_special=p.skip_special_tokens)
-                lives.append(live)
-                parent = parent or live
-        return lives
-
-    def _stops(self, request: Request, token: int) -> bool:
-        """The driver's stop hook: EOS (unless ignored), a stop token id, or a stop string in the text."""
-        live = self._live[request.req_id]
-        p = live.params
-        if live.constraint is not None and live.constraint.advance(token):
-            return True  # the grammar is complete (its end-of-sequence token taken, ignore_eos or not)
-        if token in self.eos_token_ids and not p.ignore_eos:
-            return True
-        if token in p.stop_token_ids:
-            live.stop_reason = token
-            return True
-        if p.stop:
-            # the sample's last token (max_tokens or max_seq_len ends it next): decode it as final, so a stop string
-            # completed by a token that also starts an unfinished character still ends it as "stop", not as a text
-            # cut at the stop string under "length"
-            hit = live.text.update(request.output_token_ids,
-                                   final=at_length(request, self.manager.options.max_seq_len),
-                                   search=len(request.output_token_ids) > p.min_tokens)
-            if hit is not None:
-                live.stop_reason = hit
-                return True
-        return False
 
     def _check_flex(self) -> None:
         """A compiled path that failed to build a shape is switched off, and the audit says why."""
@@ -925,16 +646,6 @@ class GenerationExecutor:
                                               "gather + SDPA"))
             self.flex = None
 
-    def _reuse_off(self) -> str | None:
-        """Why the manager shares no prefix between requests, or None when prefix reuse is on."""
-        off = getattr(self.manager, "reuse_off_reason", None)  # V2 says why (a layout that cannot be keyed, ...)
-        return off or (None if self.manager.options.enable_block_reuse else "enable_block_reuse is false")
-
-    def salt_ignored(self) -> str | None:
-        """Why a reuse salt does nothing here (the manager shares no prefix between requests), or None when it
-        scopes what is shared; ``generate`` and ``kvload serve`` report it as ``setting_ignored``."""
-        off = self._reuse_off()
-        return None if off is None else f"prefix reuse is off: nothing is shared to scope ({off})"
 
     def reset_prefix_cache(self, caller: str) -> tuple[bool, Event]:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``): (whether it did, the event that says so),
@@ -974,291 +685,6 @@ class GenerationExecutor:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
-        """The step's forward: every scheduled chunk packed into one row; next tokens of requests that reach the end
-        (with drafts: the drafts the model confirmed, then the token after them)."""
-        logits, rows, counts = self.forward_scored(out, self._live)
-        if not rows:
-            return {}
-        lives = [self._live[out.scheduled[i].request.req_id] for i in rows]
-        if self._forks:
-            logits, lives, counts = self._with_forks(out, rows, logits, lives, counts)
-        # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
-        picks = penalize(logits, counts, [(live.params, live.request) for live in lives], self.eos_token_ids)
-        if any(live.constraint is not None for live in lives):
-            overruled: list[Constraint] = []
-            picks = constrain(picks, logits, counts, [(live.constraint, live.request.draft_token_ids)
-                                                      for live in lives], self.grammars(), overruled)
-            # one line per SamplingParams of the call, not per sample, prompt or step: a set per step said one
-            # again for each step a sample sharing it (another prompt, another of its n) was first overruled in
-            said, first = self._overruled_said, {id(c) for c in overruled}
-            for live in (lv for lv in lives if id(lv.constraint) in first) if first else ():  # (most steps: none)
-                for name, value, why in overruled_settings(live.params):
-                    if (id(live.params), name) not in said:
-                        said.add((id(live.params), name))
-                        self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-        if len(logits) == len(lives):
-            tokens: dict[str, int | list[int]] = dict(self._sample(picks, lives, logits))
-        else:
-            tokens = self._verify(picks, lives, counts, logits)
-        if self.lockstep is not None and self.stream_stop is not None:
-            tokens, self._stream_left = self.lockstep.ranks.broadcast((tokens, self.stream_stop()))
-        elif self.lockstep is not None:
-            tokens = self.lockstep.ranks.broadcast(tokens)  # rank 0's tokens: the next step's inputs everywhere
-        return tokens
-
-    def _with_forks(self, out: SchedulerOutput, rows: list[int], logits: Any, lives: list[_Live],
-                    counts: list[int]) -> tuple[Any, list[_Live], list[int]]:
-        """The step's rows plus one per sample forked from a first sample whose prompt this step completes: a copy of
-        that sample's logits row, so every sample draws its first token from the one prefill (each with its own
-        generator, penalties and grammar, as if it had prefilled itself)."""
-        extra: list[int] = []  # logits row each forked sample draws from
-        starts = list(itertools.accumulate(counts, initial=0))
-        for k, i in enumerate(rows):
-            chunk = out.scheduled[i]
-            req = chunk.request
-            if req.req_id in self._forks and req.num_computed_tokens + chunk.num_tokens >= req.num_prompt_tokens:
-                kids = self._forks.pop(req.req_id)
-                extra += [starts[k]] * len(kids)
-                lives = [*lives, *kids]
-        if not extra:
-            return logits, lives, counts
-        return torch.cat([logits, logits[extra]]), lives, [*counts, *[1] * len(extra)]
-
-    def _verify(self, logits: Any, lives: list[_Live], counts: list[int], raw: Any) -> dict[str, int | list[int]]:
-        """Speculative decoding: each request's drafts up to the first the model's argmax disagrees with, then the
-        argmax after them (greedy), or kept and drawn as ``engine.speculation.verify_sampled`` says (sampled);
-        requests without drafts sample as usual. ``logits`` pick (penalized), ``raw`` give the logprobs."""
-        starts = list(itertools.accumulate(counts, initial=0))
-        plain = [i for i, c in enumerate(counts) if c == 1]
-        tokens: dict[str, int | list[int]] = {}
-        if plain:
-            rows = [starts[i] for i in plain]
-            tokens.update(self._sample(logits[rows], [lives[i] for i in plain], raw[rows]))
-        for i, _, kept in verify_drafted(logits, counts, [live.request.draft_token_ids for live in lives],
-                                         [(live.params, live.generator) for live in lives]):
-            live = lives[i]
-            tokens[live.request.req_id] = kept
-            if live.params.logprobs is not None:
-                rows = raw[starts[i]:starts[i] + len(kept)]
-                live.logprobs.extend(top_logprobs(rows, live.params.logprobs, kept))
-        return tokens
-
-    def forward_scored(self, out: SchedulerOutput, live: Mapping[str, Any]) -> tuple[Any, list[int], list[int]]:
-        """:meth:`forward` where some requests score their prompt: each scheduled one whose live entry (its
-        ``params``, ``request`` and ``prompt_logprobs`` list, None when not asked) is still in prefill has this step's
-        prompt entries written into its list. ``generate`` and the serving loop share it."""
-        scoring = {}
-        for chunk in out.scheduled:  # only a scheduled chunk can score: the step's requests, not every live one
-            lv = live.get(chunk.request.req_id)
-            if lv is not None and lv.prompt_logprobs is not None and chunk.request.in_prefill:
-                scoring[chunk.request.req_id] = lv.params.prompt_logprobs
-        logits, rows, counts, scores = self.forward(out, live, scoring or None)
-        for req_id, got in scores.items():
-            live[req_id].prompt_logprobs[got.first:got.first + len(got.entries)] = got.entries
-        return logits, rows, counts
-
-    def forward(self, out: SchedulerOutput, live: Collection[str],
-                scoring: Mapping[str, int] | None = None) -> tuple[Any, list[int], list[int], dict[str, PromptScores]]:
-        """One packed forward of the scheduled chunks: ``(logits, rows, counts, scores)``. ``rows``: the indices in
-        ``out.scheduled`` of the chunks that reach their request's last known token; ``counts``: how many logits rows
-        each has, in order (1, or 1 + the drafts it computed: the row before each draft verifies it, the last gives
-        the token after them); ``logits`` None when none reaches it. ``live``: the request ids whose block-table
-        rows must be kept (the serving loop shares this with ``generate``). ``scoring``: request id → top
-        alternatives, for requests whose prompt tokens are scored (``prompt_logprobs``): ``scores`` holds, per such
-        request with prompt tokens in this step, (first position, its tokens' logprob entries) — the logits row after
-        each prompt token gives the next one's entry."""
-        chunks, rows, step_tables, keep, count = [], [], [], [], []
-        need: list[int] = []  # of the kept rows, how many (the last ones) the step reads logits of
-        scored: list[tuple[int, Request, int, int]] = []  # (chunk, request, first position, rows) of prompt scores
-        store = self._block_tables
-        for i, scheduled in enumerate(out.scheduled):
-            req = scheduled.request
-            start = req.num_computed_tokens
-            end = start + scheduled.num_tokens
-            known = req.num_tokens
-            ids = req.token_span(start, min(end, known))
-            if end > known:  # this chunk computes drafts after the last known token
-                ids += req.draft_token_ids[:end - known]
-            count.append(1 + max(0, end - known))
-            # the rows after prompt tokens 0..P-2 give tokens 1..P-1's logprobs (token 0 has none)
-            n_scored = min(end, req.num_prompt_tokens - 1) - start if scoring and req.req_id in scoring else 0
-            if n_scored > 0:
-                scored.append((i, req, start + 1, n_scored))
-            # a row after every token: its logits for a scored prompt, its hidden state (the output projection's
-            # input) for a per-token pooled one, whose logits no one reads (PooledRows.capture projects only `need`)
-            need.append(max(count[-1], end - start) if n_scored > 0 else count[-1])
-            if n_scored > 0 or (self.pooled and self.pooled.every_token(req.req_id)):
-                keep.append(max(count[-1], end - start))
-            else:
-                keep.append(count[-1])
-            chunks.append(SeqChunk(ids, start, {}))
-            tables = self.manager.block_tables(req)  # every group's list, in self.groups order
-            step_tables.append(tables)
-            rows.append(store.update_all(req.req_id, tables))  # only what changed since the last step is written
-        if len(store) > 2 * len(live) + 8:  # rows of requests finished in earlier steps go back
-            store.keep_only(live)
-        if self.lockstep is not None:  # before the forward's collectives: a divergence fails here, never hangs
-            self.lockstep.check_schedule(out, [dict(zip(self.groups, t, strict=True)) for t in step_tables])
-        batch = PagedBatch.build(chunks, self.pools, store.tables(rows), flex=self.flex,
-                                 decode_kernel=self.decode_kernel)
-        if any(k > 1 for k in keep):
-            batch.keep_last(keep)
-        if self.v4 is not None:
-            self.v4.keep_only(live)  # a request that left (finished, aborted, preempted) takes its side state along
-            self._v4_restore(out)
-            step_states(batch, self.v4, [s.request.req_id for s in out.scheduled])
-        offsets = list(itertools.accumulate(keep, initial=0))  # of the output projection's input rows
-        # of the logits rows: the kept rows of each chunk but its unread per-token pooled ones
-        select = [r for i in range(len(keep)) for r in range(offsets[i + 1] - need[i], offsets[i + 1])] \
-            if need != keep else None
-        at = list(itertools.accumulate(need, initial=0))
-        # pooling requests: the output projection's input at the prompt's last token (embed, classify), or at each of
-        # its tokens as the prompt's chunks are computed (reward)
-        pooling = [(s.request.req_id, s.request.num_computed_tokens, offsets[i], offsets[i + 1], ends)
-                   for i, s in enumerate(out.scheduled)
-                   if self.pooled.wanted(s.request.req_id)
-                   and ((ends := s.request.num_computed_tokens + s.num_tokens >= s.request.num_prompt_tokens)
-                        or self.pooled.every_token(s.request.req_id))] \
-            if self.pooled else []
-        with self.linear.active() if self.linear is not None else contextlib.nullcontext(), \
-                self.pooled.capture(self.model, pooling, select):
-            logits = run_forward(self.model, batch)
-        if self._v4_key is not None:
-            self._v4_file(out)
-        if self.v4 is not None and self._forks:  # the samples forked from a prompt just computed continue its state
-            for s in out.scheduled:
-                req = s.request
-                if req.req_id in self._forks and req.num_computed_tokens + s.num_tokens >= req.num_prompt_tokens:
-                    for kid in self._forks[req.req_id]:
-                        self.v4.copy(req.req_id, kid.request.req_id)
-        scores: dict[str, PromptScores] = {}
-        for i, req, first, n in scored:
-            block = logits[at[i]:at[i] + n]
-            scores[req.req_id] = PromptScores(first, top_logprobs(block, scoring[req.req_id],
-                                                                  req.prompt_token_ids[first:first + n]))
-        reach = [i for i, s in enumerate(out.scheduled)
-                 if s.request.num_computed_tokens + s.num_tokens >= s.request.num_tokens]
-        if not reach:
-            return None, [], [], scores
-        counts = [count[i] for i in reach]
-        if len(reach) < len(out.scheduled) or need != count:  # the (last count) logits rows of the chunks that reach
-            # their end
-            picked = [r for i in reach for r in range(at[i + 1] - count[i], at[i + 1])]
-            logits = logits[picked]
-        return logits, reach, counts, scores
-
-    def _sample(self, logits: Any, lives: list[_Live], raw: Any) -> dict[str, int]:
-        """Next token of each live request from its logits row, drawn as its SamplingParams say; logprobs kept (of
-        ``raw``, the model's own logits, where ``logits`` are penalized)."""
-        groups: dict[int, list[int]] = {}  # rows sharing one SamplingParams are warped together
-        for row, live in enumerate(lives):
-            groups.setdefault(id(live.params), []).append(row)
-        tokens = [0] * len(lives)
-        for rows in groups.values():
-            params = lives[rows[0]].params
-            whole = len(rows) == len(lives)
-            block = logits if whole else logits[rows]
-            picked = sample_rows(block, params, [lives[r].generator for r in rows])
-            for r, token in zip(rows, picked, strict=True):
-                tokens[r] = token
-            if params.logprobs is not None:
-                own = raw if whole else raw[rows]
-                for r, entry in zip(rows, top_logprobs(own, params.logprobs, picked), strict=True):
-                    lives[r].logprobs.append(entry)
-        return {live.request.req_id: token for live, token in zip(lives, tokens, strict=True)}
-
-    def _report_tokens(self, finished: list[Request], touched: list[_Live], samples: Mapping[int, list[_Live]],
-                       outputs: dict[int, RequestOutput], on_delta: Callable[[TokenDelta], Any] | None) -> None:
-        """After a step: first-token times, finished samples and prompts, ``on_delta`` for each new token, of the
-        lives the step ``touched`` (``samples``: each prompt's, by its index)."""
-        now = time.perf_counter()
-        done = {r.req_id for r in finished}
-        for live in touched:
-            tokens = live.request.output_token_ids
-            if live.logprobs is not None and len(live.logprobs) > len(tokens):  # confirmed drafts after a stop token
-                del live.logprobs[len(tokens):]
-            if len(tokens) == live.reported:  # no token this step (mid-prefill, waiting, or finished earlier)
-                continue
-            new = tokens[live.reported:]
-            new_logprobs = live.logprobs[live.reported:] if live.logprobs is not None else None
-            live.reported = len(tokens)
-            if live.first_token_at is None:
-                live.first_token_at = now
-            ended = live.request.req_id in done
-            if ended:
-                live.finished_at = now
-                live.finish_reason = live.request.finish_reason or "length"
-            if live.text is not None:
-                ids = tokens
-                if (ended and live.finish_reason == "stop" and not isinstance(live.stop_reason, str)
-                        and not live.params.include_stop_str_in_output):
-                    ids = tokens[:-1]  # the EOS or stop token that ended it is not part of the text (vLLM: unless
-                    # include_stop_str_in_output, which keeps it, decoded as any token: a special one shows only
-                    # with skip_special_tokens false)
-                if ended:
-                    live.text.update(ids, final=True)
-                elif on_delta is not None:
-                    live.text.update(ids)
-            output = None
-            if ended and all(s.finish_reason is not None for s in samples[live.index]):
-                output = outputs[live.index] = self._output(samples[live.index])
-            if on_delta is not None:
-                text = live.text.delta(final=ended) if live.text is not None else ""
-                self._name_tokens(new_logprobs, live.params)
-                on_delta(TokenDelta(live.index, live.sample, list(new), text, new_logprobs,
-                                    live.finish_reason if ended else None,
-                                    live.stop_reason if ended else None, output))
-
-    def _name_tokens(self, entries: Sequence[Mapping[int, Any] | None] | None, params: SamplingParams) -> None:
-        """vLLM's ``Logprob.decoded_token`` on each entry's values: the token's text with special tokens shown (the
-        server's token text), decoded once per token id; left None without a tokenizer or with ``detokenize=False``."""
-        if entries is None or self.tokenizer is None or not params.detokenize:
-            return
-        texts = self._token_texts
-        for entry in entries:
-            for token, logprob in (entry or {}).items():
-                if isinstance(logprob, Logprob) and logprob.decoded_token is None:
-                    text = texts.get(token)
-                    if text is None:
-                        text = texts[token] = self.tokenizer.decode([token], skip_special_tokens=False,
-                                                                    clean_up_tokenization_spaces=False)
-                    logprob.decoded_token = text
-
-    def _output(self, samples: list[_Live]) -> RequestOutput:
-        """The RequestOutput of one prompt whose samples all finished."""
-        first = samples[0]
-        completions = []
-        for s in samples:
-            req = s.request
-            cumulative = sum(lp[t] for lp, t in zip(s.logprobs, req.output_token_ids, strict=True)) \
-                if s.logprobs is not None else None
-            # detokenize=False: "" as vLLM's text (a str); None only where the model has no tokenizer (a preset)
-            text = s.text.text if s.text is not None else "" if self.tokenizer is not None else None
-            completions.append(CompletionOutput(
-                index=s.sample, text=text,
-                token_ids=list(req.output_token_ids), cumulative_logprob=cumulative, logprobs=s.logprobs,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        for s in samples:
-            self._name_tokens(s.logprobs, s.params)
-        self._name_tokens(first.prompt_logprobs, first.params)
-        started = [s.first_token_at for s in samples if s.first_token_at is not None]
-        end = max(s.finished_at for s in samples)
-        first_token = min(started) if started else end
-        admitted = [s.admitted_at for s in samples if s.admitted_at is not None]
-        metrics = RequestMetrics(
-            arrival_time=first.arrived_wall, queued_ts=first.queued_at,
-            scheduled_ts=min(admitted) if admitted else first.queued_at, first_token_ts=first_token,
-            last_token_ts=end, first_token_latency=first_token - first.queued_at,
-            num_generation_tokens=sum(len(s.request.output_token_ids) for s in samples))
-        return RequestOutput(
-            request_id=first.request.req_id.rsplit(".", 1)[0] if first.params.n > 1 else first.request.req_id,
-            prompt=first.prompt, prompt_token_ids=list(first.request.prompt_token_ids), outputs=completions,
-            prompt_logprobs=first.prompt_logprobs,
-            computed_prompt_tokens=sum(s.request.num_prompt_tokens - s.request.num_cached_tokens for s in samples),
-            reused_prompt_tokens=sum(s.request.num_cached_tokens for s in samples),
-            timings=GenerationTimings(first_token_s=first_token - first.queued_at, total_s=end - first.queued_at),
-            metrics=metrics, num_cached_tokens=first.request.num_cached_tokens)
 
     # --- checks and bookkeeping ----------------------------------------------------------------
 
@@ -1269,230 +695,6 @@ class GenerationExecutor:
             raise GenerationError("generate: this result was closed (LoadResult.close released its KV pools and "
                                   "weights); load the model again")
 
-    def _prompts(self, prompts: Any, chat: bool | Mapping[str, Any], checked: bool = True,
-                 options: list[PromptOptions] | None = None) -> list[tuple[str | None, list[int]]]:
-        """Each prompt as (text or None, token ids), validated (``engine.prompts.normalize`` says what is taken).
-
-        ``chat``: true, or the chat template's options (``engine.prompts.template_options``, from ``LLM.chat``);
-        a chat prompt's text is the templated text. ``checked=False`` leaves the ids' checks (empty, vocabulary,
-        length) to :meth:`_check_items`, for a caller that cuts the prompts first. ``options``: a list to fill with
-        what each vLLM prompt dict says beside its prompt (its salt; a TokensPrompt's text is the item's text); None:
-        a dict's ``cache_salt`` is refused (``engine.prompts.normalize``)."""
-        template = dict(chat) if isinstance(chat, Mapping) else {}
-        items: list[tuple[str | None, list[int]]] = []
-        said: list[PromptOptions] = [] if options is None else options
-        for i, prompt in enumerate(normalize(prompts, said, take_salt=options is not None)):
-            if isinstance(prompt, str):
-                if chat:
-                    check_text(f"prompt {i}", prompt)
-                    items.append(self._converse(i, [{"role": "user", "content": prompt}], template))
-                else:
-                    items.append((prompt, self._tokenize(i, prompt)))
-                continue
-            if is_conversation(prompt):
-                if not chat:
-                    raise GenerationError(f"generate: prompt {i}: a conversation (a list of messages) needs "
-                                          "chat=True (or LLM.chat)")
-                items.append(self._converse(i, prompt, template))
-                continue
-            if chat:
-                raise GenerationError(f"generate: prompt {i}: chat=True needs text prompts, got token ids")
-            items.append((said[i].text, prompt))  # a TokensPrompt's own text, if it gave one (vLLM's)
-        return self._check_items(items) if checked else items
-
-    def _check_items(self, items: list[tuple[str | None, list[int]]], *, pool: bool = False,
-                     what: str | None = None) -> list[tuple[str | None, list[int]]]:
-        """``items`` unchanged once every prompt's ids are non-empty, in the vocabulary and leave room to generate
-        (``pool``, an embedding's: fit in ``max_seq_len``, vLLM's ``max_model_len``, nothing being generated).
-        ``what``: the pooled request as the refusal names it; None: as the call running names it (:data:`POOLED`)."""
-        what = what or POOLED.get(self._caller, POOLED["embed"])
-        for i, (_, ids) in enumerate(items):
-            if not ids:
-                raise GenerationError(f"generate: prompt {i}: empty (no tokens)")
-            self._check_vocab(f"prompt {i}", ids)
-            if pool and len(ids) > self.max_seq_len:
-                raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens; {what} takes at most "
-                                      f"max_seq_len={self.max_seq_len} (vLLM's max_model_len); shorten it, keep its "
-                                      "last tokens (truncate_prompt_tokens) or raise max_seq_len")
-            if not pool and len(ids) >= self.max_seq_len:
-                raise GenerationError(f"generate: prompt {i}: {len(ids)} tokens leave no room to generate under "
-                                      f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len")
-        return items
-
-    def _truncated(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-                   notes: list[tuple[str, Any, str]] | None = None, *,
-                   pool: bool = False) -> list[tuple[str | None, list[int]]]:
-        """Each prompt's ids cut to the last ``truncate_prompt_tokens`` of its SamplingParams (vLLM's left truncation,
-        a BOS included; the text stays as given, as vLLM's ``RequestOutput.prompt`` does); a k past ``max_seq_len``
-        (vLLM's ``max_model_len``) is refused, as vLLM's is. A cut to ``max_seq_len`` tokens keeps one fewer, leaving
-        room for the one token vLLM generates there (a sequence never grows past ``max_seq_len`` here), which is what
-        -1 asks for; ``notes`` gets a (field, value, reason) for each prompt a k of ``max_seq_len`` cut so. ``pool``
-        (an embedding's prefill, which generates nothing): -1 and k = ``max_seq_len`` keep ``max_seq_len`` tokens."""
-        out, short = [], []
-        for i, ((text, ids), p) in enumerate(zip(items, params, strict=True)):
-            keep = p.truncate_prompt_tokens
-            if keep is None:
-                out.append((text, ids))
-                continue
-            if keep == -1:  # vLLM's -1, "cap at the model's max length": here one token short of it (below)
-                keep = self.max_seq_len if pool else self.max_seq_len - 1
-            elif keep > self.max_seq_len:  # vLLM's _validate_truncation_size refuses it too
-                raise GenerationError(f"generate: truncate_prompt_tokens: {int_text(keep)} is greater than "
-                                      f"max_seq_len (vLLM's max_model_len) {self.max_seq_len}; use at most "
-                                      f"{self.max_seq_len} (or -1 for that many)")
-            if not pool and len(ids) >= self.max_seq_len and keep >= self.max_seq_len:
-                keep = self.max_seq_len - 1
-                short.append(i)
-            out.append((text, ids[-keep:] if len(ids) > keep else ids))
-        if short and notes is not None:  # one line for the call, however many prompts
-            which = f"prompt {short[0]}" if len(short) == 1 else f"{len(short)} prompts (the first: {short[0]})"
-            notes.append(("truncate_prompt_tokens", self.max_seq_len,
-                          f"{which} kept the last {self.max_seq_len - 1} tokens, not {self.max_seq_len}: a sequence "
-                          f"never grows past max_seq_len={self.max_seq_len}, so one token is left to generate "
-                          "(vLLM keeps max_model_len tokens and generates one past it)"))
-        return out
-
-    def _tokenize(self, i: int, text: str) -> list[int]:
-        check_text(f"prompt {i}", text)  # a lone surrogate would reach the tokenizer as a TypeError
-        return [int(t) for t in self._text_tokenizer(i)(text)["input_ids"]]
-
-    def _text_tokenizer(self, i: int) -> Any:
-        """The tokenizer for text prompt ``i``; ``GenerationError`` when the model has none."""
-        if self.tokenizer is None:
-            raise GenerationError(f"generate: prompt {i} is text, but {self.name} has no tokenizer (presets have "
-                                  "random weights and none); pass token ids instead")
-        return self.tokenizer
-
-    def _converse(self, i: int, messages: Any, template: Mapping[str, Any]) -> tuple[str, list[int]]:
-        """A conversation through the chat template (the tokenizer's, or ``template["chat_template"]``): (the
-        templated text, its token ids)."""
-        return templated(self.tokenizer, self.name, f"prompt {i}", check_messages(f"prompt {i}", messages), template)
-
-    @staticmethod
-    def _arrivals(arrival_steps: Sequence[int] | None, n: int) -> list[int]:
-        if arrival_steps is None:
-            return [0] * n
-        steps = list(arrival_steps)
-        if len(steps) != n or not all(is_int(s) and s >= 0 for s in steps):
-            raise GenerationError(f"generate: arrival_steps: expected {n} integers >= 0 (one per prompt), "
-                                  f"got {arrival_steps!r}")
-        return steps
-
-    def priority_refusal(self, value: Any) -> str | None:
-        """Why a user's (vLLM-signed) ``priority`` is refused, or None: an integer within int64, and under the "fcfs"
-        policy only 0 (vLLM's rule: "priority scheduling is not enabled")."""
-        if not is_int(value) or abs(value) > MAX_INT:
-            return f"expected an integer (at most 2**63 - 1 in size), got {short(value)}"
-        if value != 0 and not getattr(self.scheduler, "by_priority", False):
-            return (f"got priority {value} but priority scheduling is not enabled (scheduling_policy is \"fcfs\"); "
-                    "load with scheduling_policy=\"priority\" (--scheduling_policy priority) or send 0")
-        return None
-
-    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int] | None:
-        """vLLM's ``priority`` list (lower first) as kvload's ranks (higher first: each value negated); None: all 0."""
-        if priority is None:
-            return None
-        priority = array_ints(priority)  # a 1-D integer array, as a prompt's ids may be (it was refused whole)
-        if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or len(priority) != n:
-            raise GenerationError(f"generate: priority: expected a list of {n} integers (one per prompt), "
-                                  f"got {short(priority)}")
-        priority = [plain_scalar(v) for v in priority]  # a 0-d torch tensor item as an int, as numpy's int64 is
-        for i, value in enumerate(priority):
-            why = self.priority_refusal(value)
-            if why is not None:
-                raise GenerationError(f"generate: priority[{i}]: {why}")
-        return [-int(v) for v in priority]
-
-    def _check_fits(self, index: int, request: Request, asked: int | None = None) -> None:
-        """``KvBuildError`` when a request could not complete even alone in empty pools (it would never run).
-
-        ``asked``: the max_new_tokens the caller gave, when max_seq_len cut it to the request's (the
-        message quotes what was sent, then the cut).
-        """
-        short = self.manager.layout.sequence_shortfall(request.max_total_tokens, self.pools.num_blocks)
-        if short is not None:  # a shared arena: every group's blocks together
-            where, need, have = short
-            length = "nothing generated" if request.prefill_only else f"max_new_tokens {request.max_new_tokens}"
-            if asked is not None and asked > request.max_new_tokens:
-                length = (f"max_new_tokens {asked} (cut to {request.max_new_tokens} by "
-                          f"max_seq_len={self.max_seq_len})")
-            prompt = request.num_prompt_tokens
-            fits = self.manager.layout.longest_sequence(self.pools.num_blocks, request.max_total_tokens - 1)
-            if fits <= prompt:  # not one new token fits after this prompt: max_new_tokens cannot help
-                advice = f"or shorten the prompt (the pools hold one sequence of {fits:,} tokens)"
-            else:
-                advice = f"or lower max_new_tokens to at most {fits - prompt:,}"
-            shortfall = f"{prompt} prompt tokens + {length} need {need} blocks of {where} but the KV pools hold {have}"
-            exc = KvBuildError(f"generate: prompt {index}: {shortfall}; raise kv_cache_config.max_tokens "
-                               f"(--max_tokens) {advice}")
-            # the parts, for a face that words its own advice (the server: a client cannot raise --max_tokens)
-            exc.shortfall, exc.longest_sequence = shortfall, fits
-            raise exc
-
-    def _v4_reusable(self, request: Request, m: int, block: int) -> bool:
-        """The manager's :meth:`limit_reuse` check: whether the side state of ``request``'s first ``m`` tokens was
-        snapshotted with the window-group ``block`` that ends there (DeepSeek V4)."""
-        assert self.v4 is not None and self._v4_key is not None
-        if block < 0:
-            return False
-        gen = self.manager.block_life(self._v4_key, block)[0]
-        return self.v4.snapshots.get(block, gen, m, lambda: prefix_digest(request.salt, request.token_span(0, m))) \
-            is not None
-
-    def _v4_moved(self, group: str, pairs: list[tuple[int, int]]) -> None:
-        """The manager moved ``group``'s blocks (a slab arena's compaction): the snapshots kept with them follow."""
-        assert self.v4 is not None
-        if group == self._v4_key:
-            self.v4.snapshots.move(pairs, lambda b: self.manager.block_life(group, b)[0])
-
-    def _v4_restore(self, out: SchedulerOutput) -> None:
-        """A request that continues a reused prefix (no side state at its start) gets it back from the snapshot the
-        manager's check found (DeepSeek V4)."""
-        assert self.v4 is not None
-        states, key = self.v4.states, self._v4_key
-        for s in out.scheduled:
-            req = s.request
-            start = req.num_computed_tokens
-            state = states.get(req.req_id)
-            if not start or key is None or (state is not None and state.pos == start):
-                continue
-            block = self.manager.block_table(req, key)[start // self.v4.snapshots.T - 1]
-            if block < 0:
-                continue
-            snap = self.v4.snapshots.get(block, self.manager.block_life(key, block)[0], start,
-                                         lambda r=req, n=start: prefix_digest(r.salt, r.token_span(0, n)))
-            if snap is not None:  # else V4States.for_step says, in one line, that the state cannot be rebuilt
-                self.v4.restore(req.req_id, snap)
-
-    def _v4_file(self, out: SchedulerOutput) -> None:
-        """Keep the snapshots a step took at reuse boundaries, each with the window-group block that ends there."""
-        assert self.v4 is not None and self._v4_key is not None
-        key, T = self._v4_key, self.v4.snapshots.T
-        for s in out.scheduled:
-            req = s.request
-            state = self.v4.states.get(req.req_id)
-            if state is None or not state.captured:
-                continue
-            table = self.manager.block_table(req, key)
-            for pos, layers in state.captured.items():
-                block = table[pos // T - 1]
-                if block >= 0:
-                    self.v4.snapshots.put(block, self.manager.block_life(key, block)[0],
-                                          V4Snapshot(pos, prefix_digest(req.salt, req.token_span(0, pos)), layers))
-            state.captured = {}
-
-    def prune_v4(self) -> None:
-        """Drop the DeepSeek V4 snapshots whose block left the prefix cache (after each step, and a reset)."""
-        if self.v4 is not None and self._v4_key is not None and self.v4.snapshots.by_block:
-            key = self._v4_key
-            self.v4.snapshots.prune(lambda b: self.manager.block_life(key, b))
-
-    def _drop_v4(self, lives: Iterable[_Live]) -> None:
-        """Drop the side state of a call's requests (DeepSeek V4), finished or not."""
-        if self.v4 is not None:
-            for live in lives:
-                self.v4.free(live.request.req_id)
-            self.prune_v4()  # a call that failed freed its requests' blocks after its last step: their snapshots go
 
     def _counters(self) -> dict[str, int]:
         stats = self.manager.stats()
@@ -1528,7 +730,6 @@ def _flat(out: RequestOutput) -> GenerationOutput:
         prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
         reused_prompt_tokens=out.reused_prompt_tokens, timings=out.timings, stop_reason=c.stop_reason,
         logprobs=c.logprobs)
-
 
 
 class RankLockstep:

@@ -51,8 +51,9 @@ import torch
 from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.call_requests import POOLED
 from engine.driver import Driver, StalledError, StepStats, at_length
-from engine.executor import POOLED, GenerationExecutor
+from engine.executor import GenerationExecutor
 from engine.penalties import penalize
 from engine.prompts import apply_template, check_text, missing_template
 from engine.sampling import sample_rows, top_logprobs
@@ -448,7 +449,7 @@ class ServingEngine:
 
     def check_embedding_chars(self, where: str, text: str, what: str = POOLED["embed"]) -> None:
         """As :meth:`_check_chars` for an embedding's input (``what``: the pooled request, as
-        ``engine.executor.POOLED`` names it), which may fill ``max_seq_len`` (nothing is generated): worded as the
+        ``engine.call_requests.POOLED`` names it), which may fill ``max_seq_len`` (nothing is generated): worded as the
         executor words one past it."""
         limit = self.executor.max_seq_len
         fewest, per_token = self._fewest_tokens(text, limit + 1)
@@ -564,7 +565,7 @@ class ServingEngine:
         ``GenerationError``/``KvBuildError`` when it could never run. It reports nothing: a cut that keeps one token
         fewer than asked is said once, by the submit that queues the request (a server checks, then submits).
         ``pool``: an embedding's prefill (``Request.prefill_only``), whose prompt may fill ``max_seq_len``; ``what``:
-        the pooled request as a refusal names it (``engine.executor.POOLED``)."""
+        the pooled request as a refusal names it (``engine.call_requests.POOLED``)."""
         return self._check(prompt_token_ids, params, [], pool=pool, what=what)
 
     def _check(self, prompt_token_ids: Sequence[int], params: SamplingParams,

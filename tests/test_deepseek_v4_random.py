@@ -226,7 +226,7 @@ def test_a_lookup_through_cached_blocks_without_snapshots_hashes_no_prefix(v4_pa
     where none is (here its snapshots were dropped by hand) the answer must not hash the
     prompt's prefix each time (2 ms per boundary at 32k tokens, every lookup of every waiting request): the only
     hashes are of the boundaries the prompt's own forward files, nothing is reused, the tokens are transformers'."""
-    import engine.executor
+    import engine.v4_side_state
 
     result = load(v4_path, "v2", max_tokens=256, max_seq_len=64)
     try:
@@ -234,8 +234,8 @@ def test_a_lookup_through_cached_blocks_without_snapshots_hashes_no_prefix(v4_pa
         result.generate([prefix], max_new_tokens=2)
         result.executor.v4.snapshots.clear()
         hashed: list[int] = []
-        digest = engine.executor.prefix_digest
-        monkeypatch.setattr(engine.executor, "prefix_digest",
+        digest = engine.v4_side_state.prefix_digest
+        monkeypatch.setattr(engine.v4_side_state, "prefix_digest",
                             lambda salt, tokens: hashed.append(len(tokens)) or digest(salt, tokens))
         prompt = [*prefix, 5, 6, 7]
         (out,) = result.generate([prompt], max_new_tokens=3)

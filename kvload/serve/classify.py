@@ -22,7 +22,7 @@ import torch
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.executor import POOLED
+from engine.call_requests import POOLED
 from engine.prompts import TEMPLATE_OPTIONS
 from engine.sampling_params import SamplingParams
 from kvload.serve.embeddings import (

@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from engine.executor import POOLED
+from engine.call_requests import POOLED
 from engine.pooling import pooled
 from engine.sampling_params import SamplingParams
 from engine.serving import EngineStopped, ServeEvent
@@ -137,7 +137,7 @@ def prompt_list(body: dict[str, Any], field: str) -> tuple[list[Any], list[str]]
 def tokenized(state: ServeState, items: list[Any], wheres: list[str], params: SamplingParams, param: str,
               add_special_tokens: bool = True, what: str = POOLED["embed"]) -> list[list[int]]:
     """Each text tokenized (token ids as given), cut as ``params`` asks and checked to fit ``what`` (an embedding,
-    ``engine.executor.POOLED``); a ``BadRequest`` with ``param`` whose message names the item (``wheres[i]``)
+    ``engine.call_requests.POOLED``); a ``BadRequest`` with ``param`` whose message names the item (``wheres[i]``)
     otherwise."""
     engine = state.engine
     prompts = []

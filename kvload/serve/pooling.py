@@ -36,7 +36,7 @@ import torch
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.executor import POOLED
+from engine.call_requests import POOLED
 from engine.pooling import pooled
 from engine.prompts import TEMPLATE_OPTIONS
 from engine.sampling_params import SamplingParams
