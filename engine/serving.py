@@ -31,116 +31,41 @@ The loop never dies on one request's failure: an error inside a step fails the r
 Tensor parallel (the executor's ``lockstep``): rank 0 runs this loop for the HTTP server; every other rank runs
 :meth:`ServingEngine.follow`, which takes rank 0's :class:`StepOrders` before each step and steps with it (see there
 for the invariant).
+
+The class holds the loop, its requests' life cycle and tensor parallel's orders; the rest comes from parts, one
+module per concern: ``engine.serving_text`` (prompts to token ids, checked for length; ids to text and bytes),
+``engine.serving_step`` (a step's forward and each request's pick), ``engine.serving_beam`` (beam searches in the
+loop) and ``engine.served`` (the records: a request's loop-side state, its events and its end).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import random
-import re
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import attrs
 import torch
 
-from cache_backends.interface import SchedulerOutput
 from cache_backends.request import Request
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from engine.call_requests import POOLED
 from engine.driver import Driver, StalledError, StepStats, at_length
 from engine.executor import GenerationExecutor
-from engine.penalties import penalize
-from engine.prompts import apply_template, check_text, missing_template
-from engine.sampling import sample_rows, top_logprobs
 from engine.sampling_params import SamplingParams, check_salt, greedy_ignored, inert_settings
-from engine.speculation import verify_drafted
+from engine.served import BeamJob, EngineStopped, FinishedRequest, LiveRequest, ServeEvent
+from engine.serving_beam import ServingBeam
+from engine.serving_step import ServingStep
+from engine.serving_text import ServingText
 from engine.stopping import SampleText
-from engine.structured import Constraint, constrain, overruled_settings
-from engine.token_bound import Bound, fewest_tokens, token_bound
+from engine.token_bound import Bound
 from pipeline.errors import GenerationError, KvBuildError, KvloadError, KvRuntimeError, RankLostError, first_line
 from pipeline.events import EngineLoopFailed, EngineStepFailed, Event, RequestFinished, SettingIgnored
 from pipeline.ranks import lost_rank_message
 from pipeline.signals import stopping
 from pipeline.thread_end import EndingThread
-
-
-@attrs.frozen
-class ServeEvent:
-    """What a request's sink receives: its new tokens, and on the last event why it ended (or the error)."""
-
-    req_id: str
-    new_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]  # every generated token so far
-    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length", "abort" or "error"
-    error: str | None = None
-    #: with ``finish_reason == "stop"``: the stop token id or the stop string that ended it; None for EOS (vLLM's)
-    stop_reason: int | str | None = None
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0
-    #: per new token, when asked: (its log-probability, {token id: log-probability} of the top alternatives)
-    logprobs: tuple[tuple[float, dict[int, float]], ...] = ()
-    #: with ``prompt_logprobs``, on the first event: per prompt token, its entry (top alternatives and itself), None
-    #: for the first token
-    prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
-
-    @property
-    def finished(self) -> bool:
-        """Whether this is the request's last event."""
-        return self.finish_reason is not None
-
-    @property
-    def stopped_by_token(self) -> bool:
-        """Whether the last token ended it (EOS or a stop token id): that token is in ``token_ids``, not in the text
-        (as in ``generate``); a stop string is cut from the text by the face instead."""
-        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
-
-
-@attrs.frozen
-class FinishedRequest:
-    """What an observer learns of a request that ended: its sizes, its reason, and its moments on the loop's clock
-    (``time.perf_counter``): queued, first scheduled (None: it never ran), and when each token was sent (the end of
-    the step that made it; tokens of one step share it)."""
-
-    prompt_tokens: int
-    output_tokens: int
-    #: prompt tokens whose KV came from the prefix cache (or a sibling's prefill) when it was first scheduled; a
-    #: preempted request's later re-admissions do not change it (vLLM's ``num_cached_tokens``)
-    reused_prompt_tokens: int
-    reason: str  # "stop", "length", "abort" or "error"
-    params: SamplingParams
-    sample: int  # which of its prompt's samples (0 ... samples - 1)
-    samples: int  # the request's n: samples submitted for its prompt
-    queued_at: float
-    scheduled_at: float | None
-    token_times: tuple[float, ...]
-    group: str | None = None  # the first request id of its prompt's n samples (None: a group of one)
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Queued to first token; None when it never got one (aborted or failed before its prefill ended)."""
-        return self.token_times[0] - self.queued_at if self.token_times else None
-
-    @property
-    def inter_token_s(self) -> list[float]:
-        """Time between consecutive steps that gave it tokens (tokens of one step, drafts confirmed together, are
-        one interval: they reached the client together)."""
-        return [b - a for a, b in itertools.pairwise(self.token_times) if b > a]
-
-    @property
-    def phases(self) -> tuple[float, float, float, float] | None:
-        """(queue, prefill, decode, inference) seconds, vLLM's intervals: queued to first scheduled, first scheduled
-        to first token, first to last token, first scheduled to last token (prefill + decode; queue + inference is
-        the end-to-end latency). None without a first token. A preempted request's recompute counts in the phase
-        it interrupted (vLLM measures from the most recent scheduling instead)."""
-        if not self.token_times or self.scheduled_at is None:
-            return None
-        first, last = self.token_times[0], self.token_times[-1]
-        return (self.scheduled_at - self.queued_at, first - self.scheduled_at, last - first, last - self.scheduled_at)
 
 
 class EngineObserver(Protocol):
@@ -153,50 +78,10 @@ class EngineObserver(Protocol):
         """When a request ends (finished, aborted or failed)."""
 
 
-@attrs.define(eq=False)
-class _Live:
-    request: Request
-    params: SamplingParams
-    sink: Callable[[ServeEvent], Any]
-    generator: torch.Generator | None
-    stop_token_ids: frozenset[int]
-    text: SampleText | None  # with stop strings: the text they are looked for in
-    logprobs: int | None
-    queued_at: float
-    token_times: list[float] = attrs.Factory(list)
-    token_logprobs: list[tuple[float, dict[int, float]]] = attrs.Factory(list)
-    reported: int = 0
-    stop_reason: int | str | None = None  # what ended it with "stop": a stop token id or a stop string
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # with params.prompt_logprobs, filled by prefill
-    constraint: Constraint | None = None  # with params.structured_outputs: its grammar state
-    seed: int | None = None  # the seed its generator started from (with seed_offset): what followers rebuild it from
-    sample: int = 0  # its seed_offset: which of its prompt's n samples
-    samples: int = 1  # its prompt's n
-    scheduled_at: float | None = None  # when a step first scheduled it (the queue time ends there)
-    forked_from: _Live | None = None  # a choice given its first token from this first choice's prefill, until sent
-    group: str | None = None  # its prompt's first choice's request id (what metrics group the n choices by)
-
-
-@attrs.define(eq=False)
-class _BeamJob:
-    """One beam search the loop runs as a unit of work: its prompt, its choices' sinks and ids, and once started its
-    search (``engine.beam_search.BeamSearch``)."""
-
-    ids: list[int]
-    params: BeamSearchParams
-    sampling: SamplingParams  # what metrics see (max_tokens, greedy)
-    sinks: list[Callable[[ServeEvent], Any]]
-    req_ids: list[str]  # choice j's id: aborting any of them aborts the search
-    salt: str | None
-    queued_at: float
-    search: BeamSearch | None = None
-    scheduled_at: float | None = None
-
-
 class _ServeDriver(Driver):
     """The driver with per-request end-of-sequence rules (``ignore_eos``, stop token ids)."""
 
-    def __init__(self, *args: Any, live: dict[str, _Live], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, live: dict[str, LiveRequest], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._live_map = live
 
@@ -220,10 +105,6 @@ class _ServeDriver(Driver):
         if last:
             return "length"
         return None
-
-
-class EngineStopped(GenerationError):
-    """:meth:`ServingEngine.submit` after a stop was asked for: nothing was queued (the request would never end)."""
 
 
 #: Seconds a rank > 0 that got a stop signal waits for rank 0's stop order (sent as soon as rank 0 stops).
@@ -254,7 +135,7 @@ class StepOrders:
     stop: bool = False  # the server is stopping: the other ranks end their loop
 
 
-class ServingEngine:
+class ServingEngine(ServingText, ServingStep, ServingBeam):
     """Continuous batching over a loaded model for requests submitted from any thread.
 
     Build it over a ``GenerationExecutor`` (``ServingEngine.from_result(load_result)``), call
@@ -278,16 +159,16 @@ class ServingEngine:
         self.content_format = "auto"
         self.observer = observer
         self.idle_wait_s = idle_wait_s
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self.driver = _ServeDriver(self.manager, self.scheduler, eos_token_ids=executor.eos_token_ids,
                                    emit=executor._emit, live=self._live,
                                    propose=self._propose if executor.proposer is not None else None)
         self._cond = threading.Condition()
-        self._inbox: list[list[_Live] | _BeamJob] = []  # each entry: one request's choices, or a beam search
+        self._inbox: list[list[LiveRequest] | BeamJob] = []  # each entry: one request's choices, or a beam search
         #: entries that came after a beam search still waiting or running: applied, in order, once it has ended
-        self._held: list[list[_Live] | _BeamJob] = []
-        self._beam: _BeamJob | None = None  # the beam search the loop runs now
-        self._beam_ids: dict[str, _BeamJob] = {}  # each queued or running beam search, by each choice's id
+        self._held: list[list[LiveRequest] | BeamJob] = []
+        self._beam: BeamJob | None = None  # the beam search the loop runs now
+        self._beam_ids: dict[str, BeamJob] = {}  # each queued or running beam search, by each choice's id
         self._aborts: set[str] = set()
         self._notices: list[Event] = []  # events for the loop thread to emit (the event bus is not thread-safe)
         self._stopping = False
@@ -375,160 +256,6 @@ class ServingEngine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def encode(self, prompt: str | Sequence[int], *, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of one prompt (text through the tokenizer, ``chat`` wraps it as one user message), checked as
-        ``generate`` checks a prompt. ``add_special_tokens=False``: text without the tokenizer's BOS (vLLM's)."""
-        limit = self.executor.max_seq_len
-        if isinstance(prompt, str) and not chat:
-            self._check_chars("generate: prompt 0", prompt)
-        if isinstance(prompt, str) and not add_special_tokens and not chat:
-            prompt = self.prompt_ids(prompt, add_special_tokens=False)
-        if not chat and not isinstance(prompt, str) and len(prompt) >= limit:  # ids: refused by their count first, as
-            # generate words it, not after each of them is checked (a server's body of tens of millions of ids held
-            # its one parsing worker, which every request waits on, for a minute)
-            raise GenerationError(f"generate: prompt 0: {len(prompt)} tokens leave no room to generate under "
-                                  f"max_seq_len={limit}; shorten it or raise max_seq_len")
-        ((_, ids),) = self.executor._prompts([prompt], chat)
-        return ids
-
-    def prompt_ids(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of one prompt, unchecked but for being empty: text through the tokenizer
-        (``add_special_tokens``: its BOS), ids as given; ``GenerationError`` worded as ``generate`` words a prompt
-        of no tokens (what serving cuts to ``truncate_prompt_tokens`` before :meth:`encode` checks the rest)."""
-        ids = (self.tokenize(prompt, add_special_tokens=add_special_tokens, where="prompt 0")
-               if isinstance(prompt, str) else list(prompt))
-        if not ids:
-            raise GenerationError("generate: prompt 0: empty (no tokens)")
-        return ids
-
-    def encode_messages(self, messages: list[dict[str, str]], template: Mapping[str, Any] | None = None, *,
-                        add_special_tokens: bool = False, room: bool = True,
-                        instead: str = "use /v1/completions with token ids",
-                        tokenize: Callable[[str, bool], list[int]] | None = None, tokenizer: Any = None) -> list[int]:
-        """Token ids of a chat conversation through the chat template (the tokenizer's, or
-        ``template["chat_template"]``), ready for the reply. ``template``: ``engine.prompts.template_options``'
-        keywords (vLLM's add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs);
-        ``add_special_tokens``: the tokenizer's BOS on top of what the template writes (vLLM's, off by default);
-        ``room``: refuse a conversation that leaves no room to generate (off for /tokenize); ``instead``: what the
-        refusal of a tokenizer without a chat template offers (the endpoint's own field for a prompt); ``tokenize``:
-        ``tokenize(text, add_special_tokens)``, the templated text's ids as the tokenizer gives them (the server's
-        tokenizes a long one off its parse gate, on a copy of the tokenizer: the same ids); ``tokenizer``: a copy of
-        the engine's to render and tokenize with (the server's for a long conversation, off its parse gate)."""
-        template = dict(template or {})
-        for j, m in enumerate(messages):  # a lone surrogate would reach the tokenizer as a TypeError
-            check_text(f"messages[{j}].content", m["content"])
-        tok = self.tokenizer if tokenizer is None or self.tokenizer is None else tokenizer
-        missing = missing_template(tok, template, self.executor.name)
-        if missing is not None:
-            raise GenerationError(f"messages: {missing}; {instead}")
-        # what apply_chat_template(tokenize=True) does (and LLM.chat): the text, then its ids with no special
-        # tokens of the tokenizer's own unless asked (the template already holds them)
-        text = apply_template(tok, "messages", messages, tokenize=False, content_format=self.content_format, **template)
-        # what else the template renders (its variables, its own text) may hold a lone surrogate the checks above miss
-        check_text("messages: the chat template's text", text)
-        if room:
-            self._check_chars("messages", text, tok)
-        ids = ([int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]] if tokenize is None
-               else tokenize(text, add_special_tokens))
-        if room and len(ids) >= self.executor.max_seq_len:
-            raise GenerationError(f"messages: {len(ids)} tokens leave no room to generate under "
-                                  f"max_seq_len={self.executor.max_seq_len}")
-        return ids
-
-    def _check_chars(self, where: str, text: str, tokenizer: Any = None) -> None:
-        """``GenerationError`` worded as a prompt too long for ``max_seq_len`` when ``text`` has more characters than
-        that many of the tokenizer's longest tokens cover (``engine.token_bound``): refused before tokenizing it,
-        which for tens of megabytes took a minute of the server's one parsing worker. ``tokenizer``: the engine's
-        copy to read the bound from, the first time (off the server's parse gate)."""
-        limit = self.executor.max_seq_len
-        fewest, per_token = self._fewest_tokens(text, limit, tokenizer)
-        if fewest >= limit:
-            raise GenerationError(f"{where}: at least {fewest:,} tokens ({self._chars_said(text)}, a token of "
-                                  f"this tokenizer covering at most {per_token}) leave no room to generate "
-                                  f"under max_seq_len={limit}; shorten it or raise max_seq_len")
-
-    def check_embedding_chars(self, where: str, text: str, what: str = POOLED["embed"]) -> None:
-        """As :meth:`_check_chars` for an embedding's input (``what``: the pooled request, as
-        ``engine.call_requests.POOLED`` names it), which may fill ``max_seq_len`` (nothing is generated): worded as the
-        executor words one past it."""
-        limit = self.executor.max_seq_len
-        fewest, per_token = self._fewest_tokens(text, limit + 1)
-        if fewest > limit:
-            raise GenerationError(f"{where}: at least {fewest:,} tokens ({self._chars_said(text)}, a token of this "
-                                  f"tokenizer covering at most {per_token}); {what} takes at most "
-                                  f"max_seq_len={limit} (vLLM's max_model_len); shorten it, keep its last tokens "
-                                  "(truncate_prompt_tokens) or raise max_seq_len")
-
-    def _chars_said(self, text: str) -> str:
-        """``text``'s characters as a refusal by :meth:`_fewest_tokens` counts them: "its M characters", and where
-        the tokenizer drops some (``Bound.dropped``, not counted) how many, so the count follows from the kept ones."""
-        said = f"its {len(text):,} characters"
-        dropped = "" if isinstance(self._bound, bool) or self._bound is None else self._bound.dropped
-        left_out = sum(text.count(c) for c in dropped)  # on a refusal only: a pass over the text per dropped character
-        return said + (f", {left_out:,} of them ones this tokenizer drops" if left_out else "")
-
-    def _fewest_tokens(self, text: str, at_least: int, tokenizer: Any = None) -> tuple[int, int | None]:
-        """(the fewest tokens ``text`` can have, exact from ``at_least`` up, the most characters a token covers);
-        (0, None) when unbounded. ``tokenizer``: a copy of the engine's to read the vocabulary of (the same
-        bound)."""
-        if self.tokenizer is None:
-            return 0, None
-        if self._bound is False:  # found once: reading the tokenizer's vocabulary takes a tenth of a second
-            self._bound = token_bound(self.tokenizer if tokenizer is None else tokenizer)
-        bound = None if isinstance(self._bound, bool) else self._bound
-        return fewest_tokens(text, bound, at_least), None if bound is None else bound.per_token
-
-    def tokenize(self, text: str, *, add_special_tokens: bool = True, where: str = "prompt",
-                 tokenizer: Any = None) -> list[int]:
-        """Token ids of ``text`` as the tokenizer gives them (``add_special_tokens``: its BOS and the like), no
-        other check (vLLM's /tokenize); ``GenerationError`` naming ``where`` without a tokenizer. ``tokenizer``: a
-        copy of the engine's to encode with (the server's for a big prompt tokenized off its parse gate)."""
-        check_text(where, text)
-        if self.tokenizer is None:
-            raise GenerationError(f"{where}: the model {self.executor.name} has no tokenizer (presets have random "
-                                  "weights and none); only token ids are served")
-        tok = self.tokenizer if tokenizer is None else tokenizer
-        return [int(t) for t in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]
-
-    def check_prompt_chars(self, text: str) -> None:
-        """What :meth:`encode` checks of a text prompt before tokenizing it: refused when it has more characters
-        than ``max_seq_len`` of the tokenizer's longest tokens cover."""
-        self._check_chars("generate: prompt 0", text)
-
-    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
-        """The tokenizer's own string of each token (``convert_ids_to_tokens``: ``Ġthe``, ``<|im_end|>``)."""
-        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(list(token_ids))]
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """Text of token ids with special tokens shown (vLLM's /detokenize); ``GenerationError`` naming ``tokens``
-        without a tokenizer or for an id outside its vocabulary."""
-        tok = self.tokenizer
-        if tok is None:
-            raise GenerationError(f"tokens: the model {self.executor.name} has no tokenizer (presets have random "
-                                  "weights and none); there is no text to give")
-        size = len(tok)
-        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < size), None)
-        if bad is not None:
-            raise GenerationError(f"tokens[{bad}]: token id {token_ids[bad]} is outside the tokenizer's vocabulary "
-                                  f"(0..{size - 1})")
-        return tok.decode(list(token_ids))
-
-    def decode(self, token_ids: Sequence[int]) -> str | None:
-        """Text of token ids without special tokens; None without a tokenizer."""
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def token_piece(self, token_id: int) -> tuple[str, bytes]:
-        """One token as logprobs show it: its text with special tokens shown (``<|im_end|>``, not ""), and its raw
-        bytes (a byte-level piece of a multi-byte character is its own byte, not the UTF-8 of "\ufffd"); without a
-        tokenizer, the id as text."""
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            if self._byte_level is None:
-                self._byte_level = _byte_level(self.tokenizer)
-            piece = self._pieces[token_id] = _token_piece(self.tokenizer, token_id, self._byte_level)
-        return piece
 
     def report_ignored(self, params: SamplingParams, n: int, request: str = "", salt: str | None = None,
                        model_defaults: Collection[str] = ()) -> None:
@@ -680,47 +407,15 @@ class ServingEngine:
             self._cond.notify_all()
         return [live.request.req_id for live in group]
 
-    def submit_beam(self, prompt_token_ids: Sequence[int], params: BeamSearchParams,
-                    sinks: Sequence[Callable[[ServeEvent], Any]], *, salt: str | None = None) -> list[str]:
-        """Queue one beam search of one prompt (``engine.beam_search``, what ``LLM.beam_search`` does): choice ``j``
-        is its ``j``-th best hypothesis, reported to ``sinks[j]`` in one event once the search ends (module
-        docstring); ``len(sinks)`` is ``params.beam_width``. Their ids, in order; nothing queued (``GenerationError``
-        / ``KvBuildError``) when it could never run."""
-        if len(sinks) != params.beam_width:
-            raise GenerationError(f"beam_search: {len(sinks)} sinks for beam_width={params.beam_width}")
-        if self._stopping or self.loop_error is not None:
-            raise EngineStopped(self._why_stopped())
-        if self.ranks is not None:  # its ranking is not in StepOrders: the ranks could not be kept alike
-            raise GenerationError("beam_search: not served under tensor parallel; serve the model on one device")
-        refused = self.executor.beam_refusal()
-        if refused is not None:
-            raise GenerationError(refused)
-        width = self.executor.max_beam_width
-        if params.beam_width > width:
-            raise GenerationError(f"beam_search: beam_width={params.beam_width} exceeds max_beam_width={width}, the "
-                                  f"width the model was loaded for")
-        check_salt(salt)
-        sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        first = self.check(prompt_token_ids, sampling)  # the vocabulary, the length, one sequence fits the pools
-        ids = [first.req_id, *(f"srv-{next(self._ids)}" for _ in sinks[1:])]
-        job = _BeamJob(list(first.prompt_token_ids), params, sampling, list(sinks), ids, salt, time.perf_counter())
-        with self._cond:  # as submit's: checked again under the lock the loop's last drain takes
-            if self._stopping or self.loop_error is not None:
-                raise EngineStopped(self._why_stopped())
-            for req_id in ids:
-                self._beam_ids[req_id] = job
-            self._inbox.append(job)
-            self._cond.notify_all()
-        return ids
 
     def _new_live(self, request: Request, params: SamplingParams, sink: Callable[[ServeEvent], Any],
-                  seed: int | None) -> _Live:
+                  seed: int | None) -> LiveRequest:
         """A request's loop-side state: its generator from ``seed`` (None: greedy), its stop-string text."""
         gen = None if seed is None else torch.Generator(device=self.executor.pools.device).manual_seed(seed)
         text = SampleText(self.tokenizer, params.stop, skip_special=params.skip_special_tokens,
                           spaced=params.spaces_between_special_tokens) \
             if params.stop and self.tokenizer is not None else None  # finds the stop strings (the face cuts)
-        live = _Live(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
+        live = LiveRequest(request, params, sink, gen, frozenset(params.stop_token_ids), text, params.logprobs,
                      time.perf_counter(), seed=seed)
         if params.prompt_logprobs is not None:
             live.prompt_logprobs = [None] * request.num_prompt_tokens
@@ -764,7 +459,7 @@ class ServingEngine:
                 running += len(beam.driver.running)
                 waiting += len(beam.driver.waiting)
             # requests waiting behind a beam search, and the searches waiting for their turn (one per choice)
-            waiting += sum(len(entry.sinks) if isinstance(entry, _BeamJob) else len(entry) for entry in self._held)
+            waiting += sum(len(entry.sinks) if isinstance(entry, BeamJob) else len(entry) for entry in self._held)
             waiting += self.driver.forks_waiting  # choices waiting for their prompt's prefill
             stats = None if getattr(self.manager, "closed", False) else self.manager.stats()
             # the token totals a step adds to, at the same boundary: read apart from the queues, a step that ended
@@ -818,7 +513,7 @@ class ServingEngine:
                     break  # a heartbeat: the other ranks wait for the next orders in a collective with a timeout
             notices, self._notices = self._notices, []
             stopping = self._stopping
-            inbox: list[list[_Live] | _BeamJob] = []
+            inbox: list[list[LiveRequest] | BeamJob] = []
             aborts: list[str] = []
             if not stopping:
                 inbox, self._inbox = self._inbox, []
@@ -916,16 +611,16 @@ class ServingEngine:
             self._fail_all("the engine stopped", reason="abort")
             self.executor._block_tables.keep_only(())
 
-    def _apply(self, inbox: Sequence[list[_Live] | _BeamJob], aborts: list[str]) -> None:
+    def _apply(self, inbox: Sequence[list[LiveRequest] | BeamJob], aborts: list[str]) -> None:
         """New requests join the driver (a request's other choices as forks of its first), in order until a beam
         search: it starts once the driver has no work, and what comes after it waits until it ended (module
         docstring); then the aborted end (under ``state_lock``)."""
         entries, self._held = [*self._held, *inbox], []
         for k, entry in enumerate(entries):
-            if self._beam is not None or (isinstance(entry, _BeamJob) and self.driver.has_work):
+            if self._beam is not None or (isinstance(entry, BeamJob) and self.driver.has_work):
                 self._held = entries[k:]
                 break
-            if isinstance(entry, _BeamJob):
+            if isinstance(entry, BeamJob):
                 self._start_beam(entry)
                 continue
             first, *others = entry
@@ -942,85 +637,6 @@ class ServingEngine:
         if aborts:  # no step may follow: the snapshots of blocks the aborted held (and left uncached) go now
             self.executor.prune_v4()
 
-    def _start_beam(self, job: _BeamJob) -> None:
-        """Start a beam search (the driver has no work): its audit segment opens, its first step runs next."""
-        try:
-            job.search = BeamSearch(self.executor, [(None, job.ids)], job.params, job.salt)
-            job.search.start()
-        except Exception as exc:  # checked at submission: the pools changed since (say so, free nothing twice)
-            self._end_beam(job, None, "error", f"{type(exc).__name__}: {exc}")
-            return
-        self._beam = job
-
-    def _beam_step(self, job: _BeamJob) -> None:
-        """One step of the running beam search; when it ends, each choice gets its hypothesis (best first)."""
-        search = job.search
-        assert search is not None
-        started = time.perf_counter()
-        before = search.generated
-        try:
-            done = search.advance()
-        except Exception as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            self._end_beam(job, None, "error", message, failed=exc)
-            if self.executor._emit is not None:  # the operator's one error record, as a failed step gives
-                with contextlib.suppress(Exception):
-                    self.executor._emit(EngineStepFailed(error=type(exc).__name__, message=first_line(exc, ""),
-                                                         requests=len(job.sinks)))
-            return
-        self.steps += 1
-        st = search.last_step
-        if st is not None and st.scheduled_tokens and job.scheduled_at is None:
-            job.scheduled_at = started
-            self.prompt_tokens_total += len(job.ids)
-        self.generation_tokens_total += search.generated - before
-        if self.observer is not None and st is not None:
-            with contextlib.suppress(Exception):
-                self.observer.on_step(st, search.generated - before)
-        if done:
-            try:
-                outputs = search.finish()
-            except Exception as exc:
-                self._end_beam(job, None, "error", f"{type(exc).__name__}: {exc}", failed=exc)
-                return
-            self._end_beam(job, outputs[0], "length")
-
-    def _end_beam(self, job: _BeamJob, output: BeamSearchOutput | None, reason: str, error: str | None = None,
-                  failed: BaseException | None = None) -> None:
-        """A beam search ended: with ``output`` each choice gets its hypothesis; without (aborted, failed, stopped)
-        each ends with ``reason``, its beams freed and its audit segment closed as failed."""
-        if self._beam is job:
-            self._beam = None
-            if output is None and job.search is not None:
-                with contextlib.suppress(Exception):  # freeing must not take the loop down
-                    why = "its client went away, or the server stopped" if reason == "abort" else error or reason
-                    job.search.fail(failed or GenerationError(f"beam_search: aborted: {why}"))
-        elif job in self._held:
-            self._held.remove(job)
-        for req_id in job.req_ids:
-            self._beam_ids.pop(req_id, None)
-        now = time.perf_counter()
-        search = job.search
-        reused = search.firsts[0].num_cached_tokens if search is not None and output is not None else 0
-        sequences = output.sequences if output is not None else ()
-        for j, (req_id, sink) in enumerate(zip(job.req_ids, job.sinks, strict=True)):
-            # a vocabulary smaller than the width has fewer hypotheses: the choices past them end with no tokens
-            seq = sequences[j] if j < len(sequences) else None
-            tokens = seq.token_ids if seq is not None else ()
-            why = seq.finish_reason if seq is not None else reason
-            if self.observer is not None:
-                done = FinishedRequest(len(job.ids), len(tokens), reused, why, job.sampling, j, len(job.sinks),
-                                       job.queued_at, job.scheduled_at, (now,) * len(tokens), job.req_ids[0])
-                with contextlib.suppress(Exception):
-                    self.observer.on_finished(done)
-            # with logprobs asked, each token's as a plain request's: its entry from the step that chose it
-            k = job.params.logprobs
-            lps = tuple(_token_logprobs(t, entry, k) for t, entry in zip(tokens, seq.logprobs or (), strict=True)) \
-                if seq is not None and k is not None else ()
-            event = ServeEvent(req_id, tokens, tokens, finish_reason=why, error=error if seq is None else None,
-                               prompt_tokens=len(job.ids), reused_prompt_tokens=reused, logprobs=lps)
-            with contextlib.suppress(Exception):  # a broken sink is its client's problem, not the loop's
-                sink(event)
 
     def _step(self) -> None:
         """One step of the driver when there is work, its tokens sent (under ``state_lock``). A failed step fails its
@@ -1064,112 +680,8 @@ class ServingEngine:
         for live, event in outbox:
             self._send(live, event)
 
-    def _compute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
-        """The step's forward (the executor's packing), then each request's own pick: argmax or its generator (with
-        drafts: the drafts the argmax confirms, then its token after them)."""
-        logits, rows, counts = self.executor.forward_scored(out, self._live)
-        if not rows:
-            return {}
-        reqs = [out.scheduled[i].request for i in rows]
-        lives = [self._live[r.req_id] for r in reqs]
-        if self.driver.forks_pending:
-            logits, reqs, lives, counts = self._with_forks(out, rows, logits, reqs, lives, counts)
-        starts = list(itertools.accumulate(counts, initial=0))
-        # penalties and min_tokens pick from changed logits; logprobs stay the model's own (vLLM's raw_logprobs)
-        raw = logits
-        logits = penalize(logits, counts, [(lv.params, r) for lv, r in zip(lives, reqs, strict=True)],
-                          self.executor.eos_token_ids)
-        if any(lv.constraint is not None for lv in lives):
-            overruled: list[Constraint] = []
-            logits = constrain(logits, raw, counts, [(lv.constraint, r.draft_token_ids)
-                                                     for lv, r in zip(lives, reqs, strict=True)],
-                               self.executor.grammars(), overruled)
-            first = {id(c) for c in overruled}  # said once per request, as the grammar overrules them
-            for lv, r in zip(lives, reqs, strict=True) if first else ():  # (most steps: none)
-                if id(lv.constraint) in first:
-                    for name, value, why in overruled_settings(lv.params):
-                        self.executor._event(SettingIgnored(field=f"serve.{name}", value=value,
-                                                            reason=f"{why} (request {r.req_id})", request=r.req_id))
-        picked: dict[str, int | list[int]] = {}
-        plain = [i for i, c in enumerate(counts) if c == 1]
-        if len(plain) < len(rows):
-            picked.update(self._verify(logits, counts, starts, reqs, lives, raw))
-            keep = [starts[i] for i in plain]
-            logits, raw = logits[keep], raw[keep]
-            reqs, lives = [reqs[i] for i in plain], [lives[i] for i in plain]
-        greedy = [i for i, lv in enumerate(lives) if lv.params.greedy]
-        if greedy:
-            ids = logits[greedy].argmax(dim=-1).tolist()
-            picked.update((reqs[i].req_id, t) for i, t in zip(greedy, ids, strict=True))
-        for i, lv in enumerate(lives):
-            if not lv.params.greedy:
-                picked[reqs[i].req_id] = sample_rows(logits[i:i + 1], lv.params, [lv.generator])[0]
-        if self.ranks is not None:  # rank 0's picks: the next step's inputs on every rank (StepOrders' invariant)
-            picked = self.ranks.broadcast(picked)
-        asked = [i for i, lv in enumerate(lives) if lv.logprobs is not None]
-        if asked:
-            k = max(lives[i].logprobs or 0 for i in asked)
-            tokens = [picked[reqs[i].req_id] for i in asked]
-            for i, token, top in zip(asked, tokens, top_logprobs(raw[asked], k, tokens), strict=True):
-                self._keep_logprobs(lives[i], token, top)
-        return picked
 
-    def _with_forks(self, out: SchedulerOutput, rows: list[int], logits: torch.Tensor, reqs: list[Request],
-                    lives: list[_Live], counts: list[int],
-                    ) -> tuple[torch.Tensor, list[Request], list[_Live], list[int]]:
-        """The step's rows plus one per choice forked from a first choice whose prompt this step completes: a copy of
-        its logits row, so each choice draws its first token from the one prefill with its own generator, penalties
-        and grammar (as it would have from a prefill of its own); a scored prompt's entries are copied to it too."""
-        extra: list[int] = []
-        starts = list(itertools.accumulate(counts, initial=0))
-        for k, i in enumerate(rows):
-            chunk = out.scheduled[i]
-            req = chunk.request
-            if req.num_computed_tokens + chunk.num_tokens < req.num_prompt_tokens:
-                continue
-            parent = lives[k]
-            for kid in self.driver.forks_for(req.req_id):
-                if self.executor.v4 is not None:  # DeepSeek V4: the choice continues the prompt's side state
-                    self.executor.v4.copy(req.req_id, kid.req_id)
-                live = self._live[kid.req_id]
-                if parent.prompt_logprobs is not None and live.prompt_logprobs is not None:
-                    live.prompt_logprobs = list(parent.prompt_logprobs)
-                live.forked_from = parent
-                extra.append(starts[k])
-                reqs, lives = [*reqs, kid], [*lives, live]
-        if not extra:
-            return logits, reqs, lives, counts
-        return torch.cat([logits, logits[extra]]), reqs, lives, [*counts, *[1] * len(extra)]
-
-    def _verify(self, logits: torch.Tensor, counts: list[int], starts: list[int], reqs: list[Request],
-                lives: list[_Live], raw: torch.Tensor) -> dict[str, list[int]]:
-        """Verification of each drafting request, greedy or sampled (``engine.speculation.verify_drafted``), with
-        the kept tokens' logprobs when asked (of ``raw``, the model's own logits, where ``logits`` are penalized)."""
-        picked: dict[str, list[int]] = {}
-        for i, _, kept in verify_drafted(logits, counts, [r.draft_token_ids for r in reqs],
-                                         [(lv.params, lv.generator) for lv in lives]):
-            picked[reqs[i].req_id] = kept
-            if lives[i].logprobs is not None:
-                rows = raw[starts[i]:starts[i] + len(kept)]
-                for token, top in zip(kept, top_logprobs(rows, lives[i].logprobs, kept), strict=True):
-                    self._keep_logprobs(lives[i], token, top)
-        return picked
-
-    @staticmethod
-    def _keep_logprobs(live: _Live, token: int, top: dict[int, float]) -> None:
-        """One generated token's log-probability and the request's top ``logprobs`` alternatives."""
-        live.token_logprobs.append(_token_logprobs(token, top, live.logprobs or 0))
-
-    def _propose(self, request: Request, running: int) -> list[int]:
-        """The driver's propose hook: a live request's drafts, greedy or sampled (the proposer says while how many
-        may run)."""
-        live = self._live.get(request.req_id)
-        proposer = self.executor.proposer
-        if live is None or proposer is None:
-            return []
-        return proposer.propose(request, running)
-
-    def _collect(self, st: StepStats) -> list[tuple[_Live, ServeEvent]]:
+    def _collect(self, st: StepStats) -> list[tuple[LiveRequest, ServeEvent]]:
         """Each request's new tokens (and its end) after a step, to send; finished ones are retired."""
         now = time.perf_counter()
         outbox = []
@@ -1232,7 +744,7 @@ class ServingEngine:
                                     logprobs=tuple(live.token_logprobs[live.reported:len(tokens)])))
         live.reported = len(tokens)
 
-    def _retire(self, live: _Live, reason: str) -> None:
+    def _retire(self, live: LiveRequest, reason: str) -> None:
         self._live.pop(live.request.req_id, None)
         if self.executor.proposer is not None:
             self.executor.proposer.forget(live.request.req_id)
@@ -1262,10 +774,10 @@ class ServingEngine:
         with self._cond:
             pending, self._inbox = self._inbox, []
         pending, self._held = [*self._held, *pending], []
-        beams = [entry for entry in pending if isinstance(entry, _BeamJob)]
+        beams = [entry for entry in pending if isinstance(entry, BeamJob)]
         if self._beam is not None:
             beams.append(self._beam)
-        for live in (lv for group in pending if not isinstance(group, _BeamJob) for lv in group):
+        for live in (lv for group in pending if not isinstance(group, BeamJob) for lv in group):
             self._live[live.request.req_id] = live
         ended = list(self._live)
         for req_id in ended:
@@ -1277,66 +789,13 @@ class ServingEngine:
         return len(ended) + sum(len(job.sinks) for job in beams)
 
     @staticmethod
-    def _send(live: _Live, event: ServeEvent) -> None:
+    def _send(live: LiveRequest, event: ServeEvent) -> None:
         with contextlib.suppress(Exception):  # a broken sink is its client's problem, not the loop's
             live.sink(event)
 
 
-def _token_logprobs(token: int, entry: dict[int, float], k: int) -> tuple[float, dict[int, float]]:
-    """A generated token's log-probability and its entry's ``k`` most likely tokens (``ServeEvent.logprobs``)."""
-    return entry[token], dict(sorted(entry.items(), key=lambda kv: -kv[1])[:k])
-
-
 def _no_sink(event: ServeEvent) -> None:
     """A follower rank's requests have no client: rank 0 answers them."""
-
-
-#: a SentencePiece byte-fallback token: the byte it stands for
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-@functools.cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character → byte: byte-level BPE vocabularies spell every byte as one printable
-    character (bytes that are printable Latin-1 as themselves, the rest shifted past 255). Written out rather than
-    imported: transformers moved ``bytes_to_unicode`` between releases."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    shifted = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + shifted)
-            shifted += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
-def _byte_level(tokenizer: Any) -> bool:
-    """Whether the tokenizer's vocabulary is byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen): its pieces spell bytes."""
-    if tokenizer is None:
-        return False
-    if getattr(tokenizer, "byte_decoder", None) is not None:  # transformers' Python GPT-2-style tokenizers
-        return True
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    # a Sequence decoder does not list its parts but names them in its repr
-    return decoder is not None and (type(decoder).__name__ == "ByteLevel" or "ByteLevel(" in repr(decoder))
-
-
-def _token_piece(tokenizer: Any, token_id: int, byte_level: bool) -> tuple[str, bytes]:
-    """(text with special tokens shown, raw bytes) of one token; see :meth:`ServingEngine.token_piece`."""
-    if tokenizer is None:
-        return str(token_id), str(token_id).encode()
-    text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    spelled = tokenizer.convert_ids_to_tokens(token_id)
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    if isinstance(spelled, str) and token_id not in added:  # an added token is stored as its text, not as bytes
-        fallback = _BYTE_FALLBACK.fullmatch(spelled)
-        if fallback is not None:
-            return text, bytes([int(fallback[1], 16)])
-        decoder = _byte_decoder()
-        if byte_level and spelled and all(c in decoder for c in spelled):
-            return text, bytes(decoder[c] for c in spelled)
-    return text, text.encode()
 
 
 __all__ = ["EngineObserver", "EngineStopped", "FinishedRequest", "KvBuildError", "ServeEvent", "ServingEngine",
