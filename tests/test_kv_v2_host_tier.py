@@ -138,6 +138,22 @@ def _check_moving_pages(n, data, dtype):
     assert torch.equal(dst.view(torch.uint8), want)
 
 
+@pytest.mark.parametrize(("dst_ids", "src_ids", "error"), [
+    ([0, 3, 1], [2, 0, 9], IndexError),  # a source page past the 9 pages
+    ([11, 2], [0, 1], IndexError),  # a destination page past the 11 pages
+    ([0, 1, 2], [3, 4], ValueError),  # lists of two lengths
+])
+def test_unbacked_pages_refuse_the_ids_backed_ones_refuse(dst_ids, src_ids, error):
+    """A simulation's pools and host tier are unbacked (``meta``): nothing moves, but a page id past either tensor
+    or lists of two lengths are refused as on real memory. (torch's meta gather cannot check an id: a page past the
+    pool went through unnoticed in a simulation and failed only on real memory.)"""
+    with pytest.raises((error, RuntimeError)):  # (torch's own words on real memory: a shape mismatch)
+        move_pages(torch.empty((11, 2, 12)), dst_ids, torch.empty((9, 2, 12)), src_ids)
+    with pytest.raises(error):
+        move_pages(torch.empty((11, 2, 12), device="meta"), dst_ids, torch.empty((9, 2, 12), device="meta"), src_ids)
+    move_pages(torch.empty((11, 2, 12), device="meta"), [5, 0, 10], torch.empty((9, 2, 12), device="meta"), [8, 8, 0])
+
+
 def test_a_suspend_and_a_resume_each_copy_their_pages_in_one_call(monkeypatch):
     m = make_manager(full_sliding_layers(window=64), 12, dtype="bfloat16", enable_block_reuse=False)
     r = Request("a", list(range(1, 23)), 0)  # 22 tokens: 6 blocks in each of 3 groups, none cached
