@@ -2235,3 +2235,42 @@ def test_a_refused_tied_copy_writes_back_nothing_though_its_build_would_evict_a_
         manager.check_invariants()
     assert refused.host.bytes_stored == stored  # (also in _untouched: the host tier as it was)
     assert any(_refused_as_cancelled(refused, before, cached, m))
+
+
+@pytest.mark.parametrize("seed", [47, 88, 109, 1350])  # (of 1,420 seeds, those whose refusals on tied cuts move)
+def test_a_tied_copy_refused_step_after_step_is_moved_back_whole_as_the_per_block_refusal_queues_it(seed, monkeypatch):
+    """On tied cuts a turn whose history ends inside a block is refused step after step under pressure; from its
+    second refusal on, its history and the copy's source were queued by the last refusal and are moved back to the
+    queue's young end whole (``PrefixLookup._refuse_copy_moved``). Each such refusal must leave the arena as the
+    per-block refusal does on a copy of the same state: the same queue (buckets, clocks, shared pages, priorities),
+    free pages and ids, references and counters, and the tree's users on the path."""
+    import copy
+
+    from cache_backends.v2.lookup import PrefixLookup
+
+    moved_path = PrefixLookup._refuse_copy_moved
+    checked: list[str] = []
+
+    def users(last) -> list[int]:
+        out = []
+        while last is not None:
+            out.append(last.users)
+            last = last.parent
+        return out
+
+    def checked_move(self, probe, source, arena, priority) -> bool:
+        twin, twin_probe = copy.deepcopy((self, probe), {id(radix._NONE): radix._NONE})
+        moved = moved_path(self, probe, source, arena, priority)
+        if moved:  # the twin refuses per block: the slow path, on the state the move found
+            monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", lambda *args: False)
+            twin._refuse_copy_tied(twin_probe, priority)
+            monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", checked_move)
+            assert _queue_state(self) == _queue_state(twin)
+            assert _untouched(self) == _untouched(twin)
+            assert users(probe.last) == users(twin_probe.last)
+            checked.append(probe.partial.parent is probe.last)
+        return moved
+
+    monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", checked_move)
+    _probe_case(seed, build=False, twin=False)
+    assert checked  # moved, and checked
