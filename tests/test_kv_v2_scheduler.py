@@ -2274,3 +2274,37 @@ def test_a_tied_copy_refused_step_after_step_is_moved_back_whole_as_the_per_bloc
     monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", checked_move)
     _probe_case(seed, build=False, twin=False)
     assert checked  # moved, and checked
+
+
+def test_a_refusal_s_requeue_order_is_given_again_only_for_the_same_claim():
+    """A refused head's requeue order (``PrefixLookup._requeued``, kept from its last refusal) must be the one its
+    claim now calls for: once another request holds the history's first blocks, the order leaves them out (they are
+    not queued), though the claim's blocks are the same; once it lets go, they are in it again, now as a shared
+    prefix's (the history branches where the other request's prompt left it)."""
+    from cache_backends.v2.shared_pool import interleave
+
+    m = make_manager(full_sliding_layers(8), 30, enable_partial_reuse=True)
+    history = list(range(1, 23))  # five blocks and two tokens
+    prefill(m, h := Request("h", history, 0))
+    m.free(h)
+    turn = Request("turn", [*history, 50, 51], 4)
+
+    def fresh(probe) -> tuple[list[int], list[int]]:
+        leaves_of, shared_of = m._requeue_order(probe)
+        return interleave(leaves_of), interleave(shared_of)
+
+    first = m.probe_hit(turn)
+    assert first is not None and m._arena is not None
+    alone = m._requeued(first)
+    assert alone == fresh(first) and alone[0]
+    m.refuse_hit(first, turn)
+    prefill(m, other := Request("other", [*history[:8], 70, 71], 4))  # holds the history's first two blocks
+    held = m._requeued(second := m.probe_hit(turn))
+    assert held == fresh(second) and held != alone
+    assert not {b for blocks in m.cache(other).tables.values() for b in blocks} & {*held[0], *held[1]}
+    m.free(other)
+    third = m.probe_hit(turn)
+    again = m._requeued(third)
+    assert again == fresh(third) and sorted(again[0] + again[1]) == sorted(alone[0]) and again[1]
+    m.refuse_hit(third, turn)
+    m.check_invariants()

@@ -398,12 +398,40 @@ class PrefixLookup:
         if probe.partial is not None:
             (self._refuse_copy if self._arena is None else self._refuse_copy_tied)(probe, priority)
             return
-        leaves_of, shared_of = self._requeue_order(probe)
         if self._arena is not None:
-            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
+            self._arena.evictable.requeue(*self._requeued(probe), priority)
             return
+        leaves_of, shared_of = self._requeue_order(probe)
         for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
             pool.evictable.requeue(leaves, shared, priority)
+
+    #: :meth:`_requeued`'s last answer and what it was computed from (None: none yet)
+    _requeued_memo: tuple[tuple[Any, ...], tuple[list[int], list[int]]] | None = None
+
+    def _requeued(self, probe: HitProbe) -> tuple[list[int], list[int]]:
+        """:meth:`_requeue_order` of ``probe`` on a shared arena, each list interleaved position by position (the
+        release's order there): (leaves, shared prefixes' blocks). Callers read the lists and never change them.
+
+        Memo, exact: :meth:`_requeue_order` reads nothing but ``probe.claimed`` (blocks, references, first
+        position), ``probe.taken_groups``, whether ``probe.partial`` is None, the start and whether there are children
+        of ``probe.last``, and the manager's fixed layout (groups, spans, ``_unit_spans``); the last answer is given
+        again only where all of those equal, by value, what it was computed from (a copy, kept apart from the probe's
+        lists). Why: a head refused step after step is probed with the same claim every step (Gemma 3 27B
+        multi-turn at a quarter of the budget: 531 of 585 repeated probes found the same claim), and its order's
+        slices and interleaving were ~2% of V2's CPU (BENCHMARKS.md "perf66b")."""
+        last = probe.last
+        assert last is not None
+        key = (probe.claimed, probe.taken_groups, probe.partial is None, last.start, bool(last.children),
+               self._unit_spans)
+        memo = self._requeued_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        leaves_of, shared_of = self._requeue_order(probe)
+        out = interleave(leaves_of), interleave(shared_of)
+        kept = ([(list(blocks), list(refs), lo) for blocks, refs, lo in probe.claimed], list(probe.taken_groups),
+                *key[2:])
+        self._requeued_memo = (kept, out)
+        return out
 
     def _requeue_order(self, probe: HitProbe) -> tuple[list[list[int]], list[list[int]]]:
         """Per group, the claimed blocks of ``probe`` nobody else holds as the cancel's release queues them: (leaves,
@@ -507,8 +535,7 @@ class PrefixLookup:
         turn waited (Gemma 3 27B multi-turn at a quarter of the budget: ~5% of V2's CPU; BENCHMARKS.md "perf66b")."""
         queue, ref, tags = arena.evictable, arena.ref, arena.evictable._tag
         srcs = [b for b in (source.blocks[name][0] for name in self._names) if not ref[b]]  # queued: held, let go
-        leaves_of, shared_of = self._requeue_order(probe)
-        leaves, shared = interleave(leaves_of), interleave(shared_of)
+        leaves, shared = self._requeued(probe)
         runs: list[tuple[list[int], int, bool]] = []
         if srcs:
             prio, node = arena.priority, arena.node
