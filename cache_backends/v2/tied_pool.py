@@ -145,8 +145,10 @@ class RowQueue(EvictionQueue):
 
     def count_shared(self, blocks: Sequence[int]) -> int:
         """The pages of ``blocks`` (queued) queued as shared prefixes' blocks."""
-        tags = self._tag
-        return self._pages(b for b in blocks if tags[b] >> _SHARED_BIT & 1)
+        # (bit 64 of a tag, as ``tag >> _SHARED_BIT & 1`` reads it, in C passes: a refused head's probe counts its
+        # whole history every step; BENCHMARKS.md "perf66b")
+        return sum(itertools.compress(map(self._weight.__getitem__, blocks),
+                                      map(_SHARED.__and__, map(self._tag.__getitem__, blocks))))
 
     def requeue(self, leaves: list[int], shared: list[int], priority: int) -> None:
         """:meth:`EvictionQueue.requeue`: ``leaves`` and ``shared`` out, then queued again, weighed in pages; each list
