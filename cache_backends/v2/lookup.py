@@ -433,6 +433,47 @@ class PrefixLookup:
         self._requeued_memo = (kept, out)
         return out
 
+    def _refuse_copy_moved(self, probe: HitProbe, source: TailRun, arena: TiedArena, priority: int) -> bool:
+        """:meth:`_refuse_copy_tied` by moving whole queue segments, where the blocks it takes out and queues again are
+        each queued as one segment as it would queue them (the last refusal of the same turn left them so: the usual
+        for a head refused step after step); False where they are not, with nothing changed.
+
+        Exact, as :meth:`RowQueue.requeue_runs` moves them: what the slow path does to the queue is every claimed block
+        nobody holds and every queued source out, then the sources queued as the let-go (``TiedArena.decref_each``)
+        queues them (one call while no shared page is left queued and they share a priority and are leaves; else one
+        call each), then the leaves, then the shared prefixes' blocks. References and use counts are held and let go
+        (net nothing: a queued source is cached, so its owner keeps it); the path's claim and leave change nothing
+        where its last position holds a block (:meth:`probe_hit`), else they are made as there. Why: the slow path's
+        passes over the history (out of the queue and in again, tags and priorities set per block) ran every step a
+        turn waited (Gemma 3 27B multi-turn at a quarter of the budget: ~5% of V2's CPU; BENCHMARKS.md "perf66b")."""
+        queue, ref, tags = arena.evictable, arena.ref, arena.evictable._tag
+        srcs = [b for b in (source.blocks[name][0] for name in self._names) if not ref[b]]  # queued: held, let go
+        leaves, shared = self._requeued(probe)
+        runs: list[tuple[list[int], int, bool]] = []
+        if srcs:
+            prio, node = arena.priority, arena.node
+            ps = list(map(prio.__getitem__, srcs))
+            flags = [bool(getattr(node[b], "children", None)) for b in srcs]
+            # the shared pages queued once everything is out (the let-go's choice reads it): the shared list's, and
+            # those of the sources queued shared (the leaves' segment, checked below, is a leaf one)
+            left = queue.num_shared - queue._pages(shared) - queue._pages(
+                [b for b in srcs if tags[b] >= 0 and tags[b] >> _SHARED_BIT & 1])
+            if not left and not any(flags) and ps.count(ps[0]) == len(ps):
+                runs.append((srcs, ps[0], False))
+            else:
+                runs += [([b], p, f) for b, p, f in zip(srcs, ps, flags, strict=True)]
+        if leaves:
+            runs.append((leaves, priority, False))
+        if shared:
+            runs.append((shared, priority, True))
+        if not runs or not queue.requeue_runs(runs):
+            return False
+        last = probe.last
+        assert last is not None
+        if not last.held[-1]:  # (else the pair changes nothing: see probe_hit)
+            self._tree.leave(self._tree.claim(last, len(last.held) - 1))
+        return True
+
     def _requeue_order(self, probe: HitProbe) -> tuple[list[list[int]], list[list[int]]]:
         """Per group, the claimed blocks of ``probe`` nobody else holds as the cancel's release queues them: (leaves,
         shared prefixes' blocks), each tail first (:meth:`refuse_hit`)."""
@@ -519,47 +560,6 @@ class PrefixLookup:
         if shared:
             queue.add_many(shared, priority, True)
         tree.leave(held)
-
-    def _refuse_copy_moved(self, probe: HitProbe, source: TailRun, arena: TiedArena, priority: int) -> bool:
-        """:meth:`_refuse_copy_tied` by moving whole queue segments, where the blocks it takes out and queues again are
-        each queued as one segment as it would queue them (the last refusal of the same turn left them so: the usual
-        for a head refused step after step); False where they are not, with nothing changed.
-
-        Exact, as :meth:`RowQueue.requeue_runs` moves them: what the slow path does to the queue is every claimed block
-        nobody holds and every queued source out, then the sources queued as the let-go (``TiedArena.decref_each``)
-        queues them (one call while no shared page is left queued and they share a priority and are leaves; else one
-        call each), then the leaves, then the shared prefixes' blocks. References and use counts are held and let go
-        (net nothing: a queued source is cached, so its owner keeps it); the path's claim and leave change nothing
-        where its last position holds a block (:meth:`probe_hit`), else they are made as there. Why: the slow path's
-        passes over the history (out of the queue and in again, tags and priorities set per block) ran every step a
-        turn waited (Gemma 3 27B multi-turn at a quarter of the budget: ~5% of V2's CPU; BENCHMARKS.md "perf66b")."""
-        queue, ref, tags = arena.evictable, arena.ref, arena.evictable._tag
-        srcs = [b for b in (source.blocks[name][0] for name in self._names) if not ref[b]]  # queued: held, let go
-        leaves, shared = self._requeued(probe)
-        runs: list[tuple[list[int], int, bool]] = []
-        if srcs:
-            prio, node = arena.priority, arena.node
-            ps = list(map(prio.__getitem__, srcs))
-            flags = [bool(getattr(node[b], "children", None)) for b in srcs]
-            # the shared pages queued once everything is out (the let-go's choice reads it): the shared list's, and
-            # those of the sources queued shared (the leaves' segment, checked below, is a leaf one)
-            left = queue.num_shared - queue._pages(shared) - queue._pages(
-                [b for b in srcs if tags[b] >= 0 and tags[b] >> _SHARED_BIT & 1])
-            if not left and not any(flags) and ps.count(ps[0]) == len(ps):
-                runs.append((srcs, ps[0], False))
-            else:
-                runs += [([b], p, f) for b, p, f in zip(srcs, ps, flags, strict=True)]
-        if leaves:
-            runs.append((leaves, priority, False))
-        if shared:
-            runs.append((shared, priority, True))
-        if not runs or not queue.requeue_runs(runs):
-            return False
-        last = probe.last
-        assert last is not None
-        if not last.held[-1]:  # (else the pair changes nothing: see probe_hit)
-            self._tree.leave(self._tree.claim(last, len(last.held) - 1))
-        return True
 
     def _match(self, request: Request) -> tuple[int, RadixNode | None, int]:
         """Walk the radix tree over the request's full blocks, comparing tokens: (usable prefix, the run and offset
