@@ -540,7 +540,9 @@ class PrefixLookup:
         """:meth:`_refuse_copy` with the cuts tied: the claim's cached blocks out of the queue group by group (its
         ``incref_groups``), the path claimed, the source held and let go, then the cancel's release: the claim queued
         position by position (``TiedArena.release_tables``' order), the path let go. No logical block is taken for
-        the copy, so no page row is evicted for it; references, counts, free pages and ids end as they were."""
+        the copy, so no page row is evicted for it; references, counts, free pages and ids end as they were. Where the
+        last refusal of the same claim left its blocks and the source queued whole, they are moved back whole instead
+        (:meth:`_refuse_copy_moved`: the same queue)."""
         arena, tree, index = self._arena, self._tree, self._share_index
         last, source = probe.last, probe.partial
         assert isinstance(arena, TiedArena) and last is not None and source is not None
