@@ -2308,4 +2308,3 @@ def test_a_refused_tied_copy_writes_back_nothing_though_its_build_would_evict_a_
         manager.check_invariants()
     assert refused.host.bytes_stored == stored  # (also in _untouched: the host tier as it was)
     assert any(_refused_as_cancelled(refused, before, cached, m))
-
