@@ -756,6 +756,79 @@ def test_a_follow_up_turn_refused_for_room_is_not_built():
     m.check_invariants()
 
 
+@pytest.mark.parametrize("seed", [47, 88, 109, 1350])  # (of 1,420 seeds, those whose refusals on tied cuts move)
+def test_a_tied_copy_refused_step_after_step_is_moved_back_whole_as_the_per_block_refusal_queues_it(seed, monkeypatch):
+    """On tied cuts a turn whose history ends inside a block is refused step after step under pressure; from its
+    second refusal on, its history and the copy's source were queued by the last refusal and are moved back to the
+    queue's young end whole (``PrefixLookup._refuse_copy_moved``). Each such refusal must leave the arena as the
+    per-block refusal does on a copy of the same state: the same queue (buckets, clocks, shared pages, priorities),
+    free pages and ids, references and counters, and the tree's users on the path."""
+    import copy
+
+    from cache_backends.v2.lookup import PrefixLookup
+
+    moved_path = PrefixLookup._refuse_copy_moved
+    checked: list[str] = []
+
+    def users(last) -> list[int]:
+        out = []
+        while last is not None:
+            out.append(last.users)
+            last = last.parent
+        return out
+
+    def checked_move(self, probe, source, arena, priority) -> bool:
+        twin, twin_probe = copy.deepcopy((self, probe), {id(radix._NONE): radix._NONE})
+        moved = moved_path(self, probe, source, arena, priority)
+        if moved:  # the twin refuses per block: the slow path, on the state the move found
+            monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", lambda *args: False)
+            twin._refuse_copy_tied(twin_probe, priority)
+            monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", checked_move)
+            assert _queue_state(self) == _queue_state(twin)
+            assert _untouched(self) == _untouched(twin)
+            assert users(probe.last) == users(twin_probe.last)
+            checked.append(probe.partial.parent is probe.last)
+        return moved
+
+    monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", checked_move)
+    _probe_case(seed, build=False, twin=False)
+    assert checked  # moved, and checked
+
+
+def test_a_refusal_s_requeue_order_is_given_again_only_for_the_same_claim():
+    """A refused head's requeue order (``PrefixLookup._requeued``, kept from its last refusal) must be the one its
+    claim now calls for: once another request holds the history's first blocks, the order leaves them out (they are
+    not queued), though the claim's blocks are the same; once it lets go, they are in it again, now as a shared
+    prefix's (the history branches where the other request's prompt left it)."""
+    from cache_backends.v2.shared_pool import interleave
+
+    m = make_manager(full_sliding_layers(8), 30, enable_partial_reuse=True)
+    history = list(range(1, 23))  # five blocks and two tokens
+    prefill(m, h := Request("h", history, 0))
+    m.free(h)
+    turn = Request("turn", [*history, 50, 51], 4)
+
+    def fresh(probe) -> tuple[list[int], list[int]]:
+        leaves_of, shared_of = m._requeue_order(probe)
+        return interleave(leaves_of), interleave(shared_of)
+
+    first = m.probe_hit(turn)
+    assert first is not None and m._arena is not None
+    alone = m._requeued(first)
+    assert alone == fresh(first) and alone[0]
+    m.refuse_hit(first, turn)
+    prefill(m, other := Request("other", [*history[:8], 70, 71], 4))  # holds the history's first two blocks
+    held = m._requeued(second := m.probe_hit(turn))
+    assert held == fresh(second) and held != alone
+    assert not {b for blocks in m.cache(other).tables.values() for b in blocks} & {*held[0], *held[1]}
+    m.free(other)
+    third = m.probe_hit(turn)
+    again = m._requeued(third)
+    assert again == fresh(third) and sorted(again[0] + again[1]) == sorted(alone[0]) and again[1]
+    m.refuse_hit(third, turn)
+    m.check_invariants()
+
+
 def _refused_turn_with_a_copy(other_len: int, build: bool, layers: list[LayerKV] = FULL, blocks: int = 11,
                               lates: int = 2) -> tuple[list, Any, list, int, int, list]:
     """A follow-up turn whose history ends inside a block (its partial last block kept cached for the copy), refused

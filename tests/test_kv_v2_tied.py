@@ -846,3 +846,55 @@ def test_a_tied_take_hands_out_the_ids_and_pages_that_a_pop_per_block_did(ops):
         assert (sliced.used, sliced.cached, sliced.evicted) == (popped.used, popped.cached, popped.evicted)
         assert logs[0] == logs[1]
         assert sliced.check() == []
+
+
+def _queue_view(q: RowQueue) -> tuple:
+    """What a row queue decides from: its buckets with each entry's clock, its clock, length and shared pages, and
+    the queued entries' priorities."""
+    return q.buckets(), q._clock, len(q), q.num_shared, [q._prio[b] for b in q.blocks()]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_row_queue_moves_runs_queued_whole_as_taking_them_out_and_queueing_each_again(seed):
+    """``RowQueue.requeue_runs`` (a refused tied copy's history and source, every step a turn waits:
+    ``PrefixLookup._refuse_copy_moved``) must leave the queue as taking every run's entries out and then queueing
+    each run again in order with ``add_many`` (its priority, shared or not) does: the same buckets, clocks, pages,
+    shared pages and priorities, stale shared entries demoted between as there; and where a run is not one whole
+    segment of its bucket, answer False and change nothing (the caller then takes the slow path)."""
+    import random
+
+    rng = random.Random(seed)
+    q = RowQueue([0] * ROWS, list(K), PAGES, max(K))
+    q._stale = rng.choice([PAGES // 2, PAGES, 4 * PAGES])  # (stale demotions within a short run, or none)
+    rows = list(range(ROWS))
+    rng.shuffle(rows)
+    segments: list[tuple[list[int], int, bool]] = []
+    while rows:  # the queue: segments of one call each, at a few priorities, some shared
+        n = rng.randint(1, 3)
+        seg, rows = rows[:n], rows[n:]
+        priority, shared = rng.randint(0, 2), rng.random() < .4
+        q.add_many(seg, priority, shared)
+        segments.append((seg, priority, shared))
+    for _ in range(rng.randint(0, 3)):  # the clock moved on (a demotion may have made a shared segment a leaf one)
+        q.refresh([])
+        q.add_many([], 0)
+    picked = rng.sample(segments, rng.randint(1, min(3, len(segments))))
+    runs = [(list(blocks), p, s) for blocks, p, s in picked]
+    if rng.random() < .3:  # a run that is not a whole segment: part of one, or two blocks of two segments
+        blocks, p, s = runs[0]
+        other = next((seg[0] for seg, _, _ in segments if seg != blocks), None)
+        runs[0] = (blocks[:-1] if len(blocks) > 1 or other is None else [blocks[0], other], p, s)
+    whole = all(q._whole_segment(blocks, (s << 64) + p + (1 << 63)) for blocks, p, s in runs)
+    twin = copy.deepcopy(q)
+    before = _queue_view(q)
+    moved = q.requeue_runs(runs)
+    assert moved == whole
+    if not moved:
+        assert _queue_view(q) == before
+        return
+    twin.remove_many([b for blocks, _, _ in runs for b in blocks])
+    for blocks, p, s in runs:
+        twin.add_many(blocks, p, s)
+    assert _queue_view(q) == _queue_view(twin)
+    # and it goes on as the twin: pops take the same entries in the same order
+    assert q.pop_pages(len(q)) == twin.pop_pages(len(twin))

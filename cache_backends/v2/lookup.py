@@ -14,6 +14,7 @@ import attrs
 from cache_backends.hashing import pack_tokens
 from cache_backends.layout import LayerGroup
 from cache_backends.request import Request
+from cache_backends.v2.group_pool import _SHARED_BIT
 from cache_backends.v2.radix import RadixNode, TailRun
 from cache_backends.v2.shared_pool import interleave
 from cache_backends.v2.tied_pool import TiedArena
@@ -221,8 +222,14 @@ class PrefixLookup:
         if not self._probes:
             return self._unprobed(request, build)
         assert run is not None
-        last = tree.claim(*tree.position(run, m // T - 1))  # the build's split; its user is given back at once
-        tree.leave(last)
+        last, i = tree.position(run, m // T - 1)
+        if i + 1 < len(last.held) or not last.held[i]:
+            last = tree.claim(last, i)  # the build's split; its user is given back at once
+            tree.leave(last)
+        # else the pair changes nothing: no split (the path ends at the run's end), every run on the path gains a
+        # user and loses it, and the leave trims nothing (the path's last position holds a block, so ``last`` keeps
+        # it, and every run above has a child). Why skipped: a refused head is probed every step (BENCHMARKS.md
+        # "perf66b")
         partial, k = None, 0
         if self._partial and self._prefix_check is None:  # a copy follows (a limited prefix, DeepSeek V4's: none)
             partial, k = self._partial_source(request, last, m)
@@ -306,7 +313,9 @@ class PrefixLookup:
                 taken_groups = [t + 1 for t in taken_groups]
             weights = self._weights
             taken = [sum(taken_groups) if weights is None else sum(map(mul, taken_groups, weights))]
-            shared_taken = [arena.evictable.count_shared(list(chain.from_iterable(cached_of))) + evicted_shared]
+            # (no shared page queued: none of the cached blocks, all queued, is one; a pass over them saved)
+            shared_taken = [(arena.evictable.count_shared(list(chain.from_iterable(cached_of)))
+                             if arena.evictable.num_shared else 0) + evicted_shared]
         else:  # a pool per group: pool set i is group i
             if partial is not None:  # the copy's block, in use beside the claim's
                 for (name, _, pool), t in zip(self._group_pools, taken_groups, strict=True):
@@ -318,7 +327,7 @@ class PrefixLookup:
                         return self._unprobed(request, build, (m, last, (partial, k)) if last.held[-1] else None)
                 taken_groups = [t + 1 for t in taken_groups]
             taken = taken_groups
-            shared_taken = [pool.evictable.count_shared(cached)
+            shared_taken = [pool.evictable.count_shared(cached) if pool.evictable.num_shared else 0
                             for (_, _, pool), cached in zip(self._group_pools, cached_of, strict=True)]
         if partial is not None:
             return HitProbe(m + k, last, claimed, taken, taken_groups, shared_taken, partial)
@@ -389,12 +398,81 @@ class PrefixLookup:
         if probe.partial is not None:
             (self._refuse_copy if self._arena is None else self._refuse_copy_tied)(probe, priority)
             return
-        leaves_of, shared_of = self._requeue_order(probe)
         if self._arena is not None:
-            self._arena.evictable.requeue(interleave(leaves_of), interleave(shared_of), priority)
+            self._arena.evictable.requeue(*self._requeued(probe), priority)
             return
+        leaves_of, shared_of = self._requeue_order(probe)
         for (_, _, pool), leaves, shared in zip(self._group_pools, leaves_of, shared_of, strict=True):
             pool.evictable.requeue(leaves, shared, priority)
+
+    #: :meth:`_requeued`'s last answer and what it was computed from (None: none yet)
+    _requeued_memo: tuple[tuple[Any, ...], tuple[list[int], list[int]]] | None = None
+
+    def _requeued(self, probe: HitProbe) -> tuple[list[int], list[int]]:
+        """:meth:`_requeue_order` of ``probe`` on a shared arena, each list interleaved position by position (the
+        release's order there): (leaves, shared prefixes' blocks). Callers read the lists and never change them.
+
+        Memo, exact: :meth:`_requeue_order` reads nothing but ``probe.claimed`` (blocks, references, first
+        position), ``probe.taken_groups``, whether ``probe.partial`` is None, the start and whether there are children
+        of ``probe.last``, and the manager's fixed layout (groups, spans, ``_unit_spans``); the last answer is given
+        again only where all of those equal, by value, what it was computed from (a copy, kept apart from the probe's
+        lists). Why: a head refused step after step is probed with the same claim every step (Gemma 3 27B
+        multi-turn at a quarter of the budget: 531 of 585 repeated probes found the same claim), and its order's
+        slices and interleaving were ~2% of V2's CPU (BENCHMARKS.md "perf66b")."""
+        last = probe.last
+        assert last is not None
+        key = (probe.claimed, probe.taken_groups, probe.partial is None, last.start, bool(last.children),
+               self._unit_spans)
+        memo = self._requeued_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        leaves_of, shared_of = self._requeue_order(probe)
+        out = interleave(leaves_of), interleave(shared_of)
+        kept = ([(list(blocks), list(refs), lo) for blocks, refs, lo in probe.claimed], list(probe.taken_groups),
+                *key[2:])
+        self._requeued_memo = (kept, out)
+        return out
+
+    def _refuse_copy_moved(self, probe: HitProbe, source: TailRun, arena: TiedArena, priority: int) -> bool:
+        """:meth:`_refuse_copy_tied` by moving whole queue segments, where the blocks it takes out and queues again are
+        each queued as one segment as it would queue them (the last refusal of the same turn left them so: the usual
+        for a head refused step after step); False where they are not, with nothing changed.
+
+        Exact, as :meth:`RowQueue.requeue_runs` moves them: what the slow path does to the queue is every claimed block
+        nobody holds and every queued source out, then the sources queued as the let-go (``TiedArena.decref_each``)
+        queues them (one call while no shared page is left queued and they share a priority and are leaves; else one
+        call each), then the leaves, then the shared prefixes' blocks. References and use counts are held and let go
+        (net nothing: a queued source is cached, so its owner keeps it); the path's claim and leave change nothing
+        where its last position holds a block (:meth:`probe_hit`), else they are made as there. Why: the slow path's
+        passes over the history (out of the queue and in again, tags and priorities set per block) ran every step a
+        turn waited (Gemma 3 27B multi-turn at a quarter of the budget: ~5% of V2's CPU; BENCHMARKS.md "perf66b")."""
+        queue, ref, tags = arena.evictable, arena.ref, arena.evictable._tag
+        srcs = [b for b in (source.blocks[name][0] for name in self._names) if not ref[b]]  # queued: held, let go
+        leaves, shared = self._requeued(probe)
+        runs: list[tuple[list[int], int, bool]] = []
+        if srcs:
+            prio, node = arena.priority, arena.node
+            ps = list(map(prio.__getitem__, srcs))
+            flags = [bool(getattr(node[b], "children", None)) for b in srcs]
+            # the shared pages queued once everything is out (the let-go's choice reads it): the shared list's, and
+            # those of the sources queued shared (the leaves' segment, checked below, is a leaf one)
+            left = queue.num_shared - queue._pages(shared) - queue._pages(
+                [b for b in srcs if tags[b] >= 0 and tags[b] >> _SHARED_BIT & 1])
+            if not left and not any(flags) and ps.count(ps[0]) == len(ps):
+                runs.append((srcs, ps[0], False))
+            else:
+                runs += [([b], p, f) for b, p, f in zip(srcs, ps, flags, strict=True)]
+        if leaves:
+            runs.append((leaves, priority, False))
+        if shared:
+            runs.append((shared, priority, True))
+        if not runs or not queue.requeue_runs(runs):
+            return False
+        last = probe.last
+        assert last is not None
+        if not last.held[-1]:  # (else the pair changes nothing: see probe_hit)
+            self._tree.leave(self._tree.claim(last, len(last.held) - 1))
+        return True
 
     def _requeue_order(self, probe: HitProbe) -> tuple[list[list[int]], list[list[int]]]:
         """Per group, the claimed blocks of ``probe`` nobody else holds as the cancel's release queues them: (leaves,
@@ -462,11 +540,15 @@ class PrefixLookup:
         """:meth:`_refuse_copy` with the cuts tied: the claim's cached blocks out of the queue group by group (its
         ``incref_groups``), the path claimed, the source held and let go, then the cancel's release: the claim queued
         position by position (``TiedArena.release_tables``' order), the path let go. No logical block is taken for
-        the copy, so no page row is evicted for it; references, counts, free pages and ids end as they were."""
+        the copy, so no page row is evicted for it; references, counts, free pages and ids end as they were. Where the
+        last refusal of the same claim left its blocks and the source queued whole, they are moved back whole instead
+        (:meth:`_refuse_copy_moved`: the same queue)."""
         arena, tree, index = self._arena, self._tree, self._share_index
         last, source = probe.last, probe.partial
         assert isinstance(arena, TiedArena) and last is not None and source is not None
         queue, k = arena.evictable, arena.k
+        if self._refuse_copy_moved(probe, source, arena, priority):
+            return
         for (blocks, refs, _), i in zip(probe.claimed, index, strict=True):  # (a group's blocks weigh its k pages)
             queue.remove_weighing(list(compress(blocks, map(not_, refs))), k[i])
         held = tree.claim(last, len(last.held) - 1)  # the path ends at the run's end: no split

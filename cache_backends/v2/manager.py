@@ -111,7 +111,7 @@ from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
 from cache_backends.v2.tied_pool import CutTables, TiedArena
-from cache_backends.v2.token_runs import _common_prefix, _first_packed, _tokens
+from cache_backends.v2.token_runs import _common_prefix, _first_packed, _packed, _tokens
 from cache_backends.v2.tree_events import TreeEvents, _Heard
 
 #: Whether the V2 manager ties a shared arena's cuts of one group (``layout.share_pages`` cuts a group whose layers
@@ -1235,15 +1235,18 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         limit = min(self.T - 1, request.num_tokens - 1 - m)
         if limit < 1:  # nothing a partial block could add
             return None, 0
-        want_ids = _tokens(request, m, m + self.T)
-        want = pack_tokens(want_ids)
+        # the request's tokens [m, m + T) packed: a slice of its packed ids (kept on it: _packed), not packed again.
+        # Why: a refused head's probe asks this every step it waits (BENCHMARKS.md "perf66b")
+        end = min(m + self.T, request.num_tokens)
+        want = _packed(request, end)[8 * m:8 * end]
         best, best_k = None, 0
         groups = len(self._groups)
         # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with the
         # longest match shares two tokens if any does, so only those are compared; else every child that shares the
-        # first token is (any other shares no token).
+        # first token is (any other shares no token). A leaf run (a history's last run) has none to look at.
         two = parent.children_sharing_two(want) if self._partial_unit == 1 and limit >= 2 else None
-        for child in two if two is not None else parent.children_starting_with(want_ids[0]):
+        for child in (two if two is not None else parent.children_starting_with(_tokens(request, m, m + 1)[0])
+                      if parent.children else ()):
             if child.held[0] != groups:
                 continue
             k = min(_common_prefix(child.block(0), want), limit)
@@ -1252,12 +1255,17 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
                 best, best_k = child, k
         tail = parent.tail
         if tail is not None and tail.held[0] == groups and tail.adjacent():  # a finished history's partial block
-            k = min(_common_prefix(tail.block(0), want), limit, tail.valid)
+            k = min(limit, tail.valid)
+            # the tokens shared, at most k: k itself where the first k are equal (a follow-up turn on its history's
+            # tail: the usual), compared as bytes at once; else counted
+            if tail.tokens[:8 * k] != want[:8 * k]:
+                k = min(_common_prefix(tail.block(0), want), k)
             k -= k % self._partial_unit
             if k > best_k:
                 best, best_k = tail, k
         if best is None and two is not None:  # none shares two: the earliest that shares the first one, by one token
-            best = next((c for c in parent.children_starting_with(want_ids[0]) if c.held[0] == groups), None)
+            best = next((c for c in parent.children_starting_with(_tokens(request, m, m + 1)[0])
+                         if c.held[0] == groups), None)
             best_k = 1
         return best, best_k
 

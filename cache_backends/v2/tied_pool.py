@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from operator import mul
+from operator import itemgetter, mul
 
 from cache_backends.v2 import group_pool
 from cache_backends.v2.group_pool import _SHARED_BIT, EvictionQueue, _key_of
@@ -145,8 +145,10 @@ class RowQueue(EvictionQueue):
 
     def count_shared(self, blocks: Sequence[int]) -> int:
         """The pages of ``blocks`` (queued) queued as shared prefixes' blocks."""
-        tags = self._tag
-        return self._pages(b for b in blocks if tags[b] >> _SHARED_BIT & 1)
+        # (bit 64 of a tag, as ``tag >> _SHARED_BIT & 1`` reads it, in C passes: a refused head's probe counts its
+        # whole history every step; BENCHMARKS.md "perf66b")
+        return sum(itertools.compress(map(self._weight.__getitem__, blocks),
+                                      map(_SHARED.__and__, map(self._tag.__getitem__, blocks))))
 
     def requeue(self, leaves: list[int], shared: list[int], priority: int) -> None:
         """:meth:`EvictionQueue.requeue`: ``leaves`` and ``shared`` out, then queued again, weighed in pages; each list
@@ -176,6 +178,36 @@ class RowQueue(EvictionQueue):
             self.add_many(leaves, priority)
         if shared:
             self.add_many(shared, priority, True)
+
+    def requeue_runs(self, runs: Sequence[tuple[list[int], int, bool]]) -> bool:
+        """Where each run ``(blocks, priority, shared)`` (non-empty; no block in two) is exactly the live entries of one
+        segment of its bucket: every run's blocks out, then each run queued again in order as :meth:`add_many` of it
+        would (each segment moved whole to its bucket's young end, as :meth:`requeue` moves one), and True; else
+        False, the queue untouched.
+
+        Exact: the moved segment's blocks keep their tag (their bucket is the run's, so their priority and sharedness
+        are the run's), every block is out (no live entry) before the first is queued again, so a stale demotion in
+        a queue call between passes them by as :meth:`remove_many` would have left them, and each run is queued at the
+        clock then, its pages counted by :meth:`_queued` as :meth:`add_many`'s. Why: a refused turn's copy on the tied
+        arena queued its history and the copy's source again entry by entry every step it was refused
+        (``PrefixLookup._refuse_copy_tied``; BENCHMARKS.md "perf66b")."""
+        segs = []
+        for blocks, priority, shared in runs:
+            seg = self._whole_segment(blocks, _key_of(priority, shared))
+            if not seg:
+                return False
+            segs.append(seg)
+        pages = list(map(self._pages, map(itemgetter(0), runs)))
+        for seg, n, (_, _, shared) in zip(segs, pages, runs, strict=True):
+            seg[0] = 0  # (out: a demotion meanwhile passes it by as taken out)
+            self._len -= n
+            if shared:
+                self.num_shared -= n
+        for seg, n, (blocks, _, shared) in zip(segs, pages, runs, strict=True):
+            self._to_young_end(seg, len(blocks))
+            self._pending = n
+            self._queued(n, shared)
+        return True
 
     def refresh(self, blocks: Iterable[int], rows: Sequence[int] | None = None) -> None:
         """:meth:`EvictionQueue.refresh`, the clock moved by each refreshed entry's pages; each entry is a row already,
