@@ -1692,8 +1692,9 @@ def test_a_waiting_prompt_too_short_to_rank_is_not_looked_up_again(monkeypatch):
     s._steps = 1
     s._cache_aware(waiting)  # both join and are looked up once: no hit
     looked: list[str] = []
-    lookup = m.cached_prefix
-    monkeypatch.setattr(m, "cached_prefix", lambda r, *memo: looked.append(r.req_id) or lookup(r, *memo))
+    lookups = m.cached_prefixes  # (the tree unchanged, the answer kept from step 1 is long's: asked, not walked)
+    monkeypatch.setattr(m, "cached_prefixes",
+                        lambda rs, *memo: looked.extend(r.req_id for r in rs) or lookups(rs, *memo))
     s._steps = 2
     assert s._cache_aware(waiting) == [short, long]
     assert looked == ["long"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 from itertools import chain, compress, repeat
-from operator import attrgetter, getitem, itemgetter, mul, not_, or_, sub
+from operator import attrgetter, getitem, is_, itemgetter, mul, not_, or_, sub
 from typing import Any
 
 import attrs
@@ -20,6 +20,7 @@ from cache_backends.v2.tied_pool import TiedArena
 from cache_backends.v2.token_runs import _FIRST_TOKEN, _first_packed, _packed, _tokens
 
 _SALT = attrgetter("salt")
+_NO_HIT = (0, False)  # cached_prefix's answer where nothing cached starts like the request
 
 
 @attrs.define(eq=False)
@@ -172,35 +173,43 @@ class PrefixLookup:
         if not self._reuse or self._prefix_check is not None:
             if len(requests) < 2:
                 return [self.cached_prefix(r, memo) for r in requests]
-            return [self.cached_prefix(r, memo) if may else (0, False)
+            return [self.cached_prefix(r, memo) if may else _NO_HIT
                     for r, may in zip(requests, self.may_find_prefix(requests), strict=True)]
         tree = self._tree
         looked = tree.looked
+        todo: list[int] | None = None  # where the answers of ``rest`` go in ``got`` (None: rest is requests)
+        rest = requests
         if tree.looked_at == tree.version:
             got = list(map(looked.get, requests))
             if None not in got:  # (most passes under pressure)
                 return got  # type: ignore[return-value]
-            todo = [i for i, g in enumerate(got) if g is None]
+            if got.count(None) != len(got):
+                todo = list(compress(range(len(got)), map(is_, got, repeat(None))))
+                rest = list(map(requests.__getitem__, todo))
         else:
             looked.clear()
             tree.looked_at = tree.version
-            got, todo = [None] * len(requests), list(range(len(requests)))
-        rest = [requests[i] for i in todo] if len(todo) < len(requests) else requests
+        # (the passes over the requests in C: the relook's ~90 cold requests are mostly ruled out by their first token)
         if len(rest) > 1:
-            # the misses ruled out by their first token alone are kept at this version, before any lookup of the
-            # rest can move it (a lookup that hangs a pending prefix does)
             mays = self.may_find_prefix(rest)
-            for i, r, may in zip(todo, rest, mays, strict=True):
-                if not may:
-                    got[i] = looked[r] = (0, False)
-            todo = list(compress(todo, mays))
-        for i in todo:
-            r = requests[i]
-            got[i] = answer = self.cached_prefix(r, memo)
+            # those ruled out are kept at this version, before any lookup of the rest can move it (a lookup that hangs
+            # a pending prefix does)
+            looked.update(zip(compress(rest, map(not_, mays)), repeat(_NO_HIT)))
+            answers = [_NO_HIT] * len(rest)
+            ahead = compress(range(len(rest)), mays)
+        else:
+            answers, ahead = [_NO_HIT] * len(rest), range(len(rest))
+        for j in ahead:
+            r = rest[j]
+            answers[j] = answer = self.cached_prefix(r, memo)
             if tree.looked_at != tree.version:  # this lookup hung a pending prefix: the earlier answers go
                 looked.clear()
                 tree.looked_at = tree.version
             looked[r] = answer
+        if todo is None:
+            return answers
+        for i, answer in zip(todo, answers, strict=True):
+            got[i] = answer
         return got  # type: ignore[return-value]
 
     def may_find_prefix(self, requests: list[Request]) -> list[bool]:

@@ -657,7 +657,8 @@ class KVCacheV2Scheduler(SchedulerBase):
         relook = not now % LPM_RELOOK
         memo: dict | None = {} if relook or len(hinted) > 1 else None
         floors = (LPM_MIN_HIT, min(LPM_BRANCH_HIT, LPM_MIN_HIT))  # by whether a prefix others went on from
-        for i, (hit, branch) in zip(hinted, m.cached_prefixes([window[i] for i in hinted], memo), strict=True):
+        for i, (hit, branch) in zip(hinted, m.cached_prefixes([window[i] for i in hinted], memo) if hinted else (),
+                                    strict=True):
             r = window[i]
             floor = floors[branch]
             if r.cached_hint < 0:  # joined the queue: looked up once
@@ -680,8 +681,9 @@ class KVCacheV2Scheduler(SchedulerBase):
             again = [i for i, (k, q, r) in enumerate(zip(ranks, queued, window, strict=True))
                      if not k and q <= since and len(r.prompt_token_ids) > floor]
             # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
-            for i, (hit, branch) in zip(again, m.cached_prefixes([window[i] for i in again], memo) if again else (),
-                                        strict=True):
+            found = m.cached_prefixes([window[i] for i in again], memo) if again else []
+            # (only those with a hit, at C speed: most of them find none)
+            for i, (hit, branch) in itertools.compress(zip(again, found, strict=True), map(itemgetter(0), found)):
                 # from now on looked up every step, as a hit found on joining is
                 if hit >= floors[branch]:
                     ranks[i] = window[i].cached_hint = hit
