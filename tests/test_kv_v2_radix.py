@@ -449,3 +449,38 @@ def test_the_usable_prefix_jumps_over_gaps_to_the_length_a_scan_of_every_length_
         for p in range(len(run)):
             n = run.start + p + 1
             assert m._usable_prefix(run, n) == _usable_by_scan(m, run, n)
+
+
+def test_every_change_a_lookup_can_see_raises_the_tree_s_version():
+    """The cache-aware pass keeps a waiting request's lookup while ``RadixTree.version`` stays (``cached_prefixes``):
+    new positions (a new run, a run grown in place), a split, a block gone from a run that stays (a sliding
+    window's, with others still held there), a trimmed tail, an unhooked run and a pending prefix noted each move it;
+    a path claimed or let go without a split or a trim (users only) does not."""
+    from cache_backends.v2.radix import PendingPrefix
+
+    tree = _tree()
+    owner, pos = tree.owners["full"], tree.positions["full"]
+
+    def moves(change) -> bool:
+        before = tree.version
+        change()
+        return tree.version > before
+
+    got: dict[str, RadixNode] = {}
+    assert moves(lambda: got.update(a=_chain(tree, list(range(12)))[0]))  # a new run
+    a = got["a"]
+    for i in range(3):  # blocks 0-2 at its positions
+        a.blocks["full"][i], a.held[i], owner[i], pos[i] = i, 1, a, i
+    assert moves(lambda: tree.append(a, pack_tokens(list(range(12, 16))), T))  # grown in place (an empty position)
+    assert not moves(lambda: tree.claim(a, 3))  # the path ends at the run's end: users only
+    assert moves(lambda: got.update(top=tree.claim(a, 1)))  # a split
+    assert moves(lambda: tree.detach("full", [1]))  # a block gone from a used run: no trim, a held count falls
+    tree.leave(got["top"])
+    tree.leave(a)
+    assert not moves(lambda: tree.leave(got["top"]))  # a user less, nothing trimmed (the run goes on below it)
+    assert moves(lambda: tree.leave(a))  # nobody's path: its empty last position is trimmed
+    assert len(a) == 1 and a.parent is got["top"]
+    assert moves(lambda: tree.detach("full", [2]))  # its last block: the run is unhooked
+    assert a.parent is None
+    assert moves(lambda: tree.add_pending(PendingPrefix(None, pack_tokens([90]), Request("p", [90, 91], 1), None,
+                                                         8 * T)))

@@ -1765,8 +1765,9 @@ def test_a_waiting_prompt_too_short_to_rank_is_not_looked_up_again(monkeypatch):
     s._steps = 1
     s._cache_aware(waiting)  # both join and are looked up once: no hit
     looked: list[str] = []
-    lookup = m.cached_prefix
-    monkeypatch.setattr(m, "cached_prefix", lambda r, *memo: looked.append(r.req_id) or lookup(r, *memo))
+    lookups = m.cached_prefixes  # (the tree unchanged, the answer kept from step 1 is long's: asked, not walked)
+    monkeypatch.setattr(m, "cached_prefixes",
+                        lambda rs, *memo: looked.extend(r.req_id for r in rs) or lookups(rs, *memo))
     s._steps = 2
     assert s._cache_aware(waiting) == [short, long]
     assert looked == ["long"]
@@ -2308,3 +2309,81 @@ def test_a_refused_tied_copy_writes_back_nothing_though_its_build_would_evict_a_
         manager.check_invariants()
     assert refused.host.bytes_stored == stored  # (also in _untouched: the host tier as it was)
     assert any(_refused_as_cancelled(refused, before, cached, m))
+
+
+def test_a_lookup_kept_across_passes_is_made_again_once_the_tree_changes_along_its_path():
+    """The cache-aware pass keeps each waiting request's answer across steps while the tree does not change
+    (``cached_prefixes``); it must give what a lookup gives now once the path grows (a longer run cached: the hit
+    grows), once a running request's growth evicts the path's blocks (the hit goes) and once a prompt starting like
+    a waiting one is noted pending (its lookup hangs it: the hit appears)."""
+    from cache_backends.v2.lookup import PrefixLookup
+
+    m = make_manager(FULL, 12)
+    cached = Request("c", [*range(1, 13)], 1)  # three blocks of 4
+    prefill(m, cached)
+    m.free(cached)
+    running = Request("run", [*range(300, 306)], 40)  # pending (no cached run starts with 300): it grows below
+    prefill(m, running)
+    w = Request("w", [*range(1, 13), 50, 51, 52, 53, 54], 4)
+    later = Request("later", [*range(400, 410)], 4)  # nothing cached starts with 400 (yet)
+    walks = []
+    match = PrefixLookup._match
+
+    def counted(self, request):
+        walks.append(request.req_id)
+        return match(self, request)
+
+    def fresh() -> list[tuple[int, bool]]:
+        return [m.cached_prefix(r) for r in (w, later)]
+
+    import unittest.mock
+    with unittest.mock.patch.object(PrefixLookup, "_match", counted):
+        first = m.cached_prefixes([w, later])
+        assert first == fresh() and first[0][0] == 12 and first[1][0] == 0
+        walks.clear()
+        assert m.cached_prefixes([w, later]) == first and walks == []  # nothing changed: kept, no walk
+    longer = Request("l", [*range(1, 13), 50, 51, 52, 53, 60], 1)  # the path grows by w's next block
+    prefill(m, longer)
+    m.free(longer)
+    assert m.cached_prefixes([w, later]) == fresh() and fresh()[0][0] == 16
+    n = 0
+    while m.cached_prefix(w)[0] == 16:  # the running request grows (a pending prefix: only evictions change the tree)
+        assert n < 40
+        running.output_token_ids.append(1)
+        compute(m, running, 1)
+        n += 1
+        assert m.cached_prefixes([w, later]) == fresh()
+    assert m.cached_prefixes([w, later])[0][0] < 16
+    other = Request("o", [*range(400, 406)], 4)  # starts like ``later``: noted pending while it runs
+    prefill(m, other)
+    assert m.cached_prefixes([w, later]) == fresh() and fresh()[1][0] == 4
+
+
+@pytest.mark.parametrize("preset, workload, max_tokens", [("tiny-gemma3", "mixed", 1024),
+                                                          ("tiny-gemma3", "multi-turn", 1536),
+                                                          ("tiny-llama", "mixed", 3072),
+                                                          ("tiny-llama", "shared-prefix", 4096)])
+def test_every_answer_the_cache_aware_pass_keeps_is_what_a_lookup_finds_then(monkeypatch, preset, workload,
+                                                                             max_tokens):
+    """Replays under pressure (evictions, sliding windows, pending prefixes, preemptions): every answer
+    ``cached_prefixes`` gives, kept from an earlier pass or looked up, is the one a lookup of its own gives at that
+    moment, and most passes keep their answers (a tree change the version misses fails here)."""
+    from cache_backends.v2.lookup import PrefixLookup
+    from engine.simulator import simulate
+
+    batch_of = PrefixLookup.cached_prefixes
+    seen = {"answers": 0, "kept": 0}
+
+    def checked(self, requests, memo=None):
+        tree = self._tree
+        kept = [r in tree.looked for r in requests] if tree.looked_at == tree.version else [False] * len(requests)
+        got = batch_of(self, requests, memo)
+        assert got == [self.cached_prefix(r) for r in requests]
+        seen["answers"] += len(got)
+        seen["kept"] += sum(kept)
+        return got
+
+    monkeypatch.setattr(PrefixLookup, "cached_prefixes", checked)
+    simulate(preset, workload, requests=32, device="cpu", log=False, progress=False,
+             kv_cache_config={"max_tokens": max_tokens, "use_kv_cache_manager_v2": True})
+    assert seen["answers"] > 100 and seen["kept"] > seen["answers"] // 4

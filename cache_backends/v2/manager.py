@@ -1099,6 +1099,7 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         """Hang a pending prefix in the tree as keying it all along would have (lazy keying: radix module doc)."""
         tree, T = self._tree, self.T
         tree.drop_pending(prefix)
+        tree.version += 1  # its runs and blocks go in the tree (a lookup's memo: RadixTree.version)
         cache = prefix.cache
         if cache is not None:  # still running: key its full blocks now, and from now on as they fill
             cache.pending = None
@@ -1151,6 +1152,7 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         """Admission's end: ``m`` tokens are cached (a prefix-cache hit, unless ``hit`` is false: a fork); the cache
         becomes active and its window is released."""
         request = cache.request
+        self._tree.looked.pop(request, None)  # its tokens grow from now on: a lookup's kept answer goes with them
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
         self._active_requests.add(request)

@@ -237,6 +237,17 @@ class RadixTree:
         self.owners = {g: node for g, (node, _) in owners.items()}
         self.positions = {g: pos for g, (_, pos) in owners.items()}
         self.groups = list(owners)
+        #: Raised by every change a whole-block lookup can see (``PrefixLookup.cached_prefixes``): a run's tokens,
+        #: positions, held counts or blocks (which of them are -1), children or place (a split, an unhook, a trim,
+        #: a root gone), a pending prefix noted. Not by what no lookup reads: users, keys, block ids (a slab
+        #: compaction's renumbering), tails (``TailRun``), the ``latent`` counts, a pending prefix's own blocks or its
+        #: drop (a lookup hangs a pending prefix of its first token, so once one is looked up none is left there
+        #: until ``add_pending`` notes another: that raises it).
+        self.version = 0
+        #: per waiting request, what a lookup answered while ``version`` was ``looked_at`` (the cache-aware pass's
+        #: answers, kept across steps; cleared when the version moves)
+        self.looked: dict[object, tuple[int, bool]] = {}
+        self.looked_at = 0
 
     def root(self, salt: str | None) -> RadixNode | None:
         """The root of a reuse scope, if it has any run."""
@@ -302,6 +313,7 @@ class RadixTree:
         nothing branches from it: :meth:`extend`'s in-place case); the offset of the first one."""
         k = len(packed) // (8 * tokens_per_block)
         lo = len(run.held)
+        self.version += 1  # (extend's new positions too: they come here)
         run.tokens += packed[:k * 8 * tokens_per_block]
         run.held += [0] * k
         empty = [-1] * k
@@ -398,6 +410,7 @@ class RadixTree:
         unused, childless tail, or drop a released request's pending prefix left with nothing."""
         for run in runs:  # trimming is confluent: once after the batch leaves what once per block would
             if run.parent is not None:
+                self.version += 1  # a run in the tree lost blocks (a pending prefix's lose none a lookup reads)
                 if not run.users and not run.children and not run.held[-1]:
                     self.trim(run)
             elif type(run) is PendingPrefix and run.cache is None and not run.held[0] and not any(run.held) \
@@ -416,9 +429,11 @@ class RadixTree:
             while k and not held[k - 1]:
                 k -= 1
             self.num_nodes -= len(held) - k
-            if k < len(held) and node.tail is not None:
-                self.loose.add(node.tail)
-                node.tail = None
+            if k < len(held):
+                self.version += 1
+                if node.tail is not None:
+                    self.loose.add(node.tail)
+                    node.tail = None
             if k:
                 if k < len(held):
                     del node.tokens[k * node.width:], held[k:]
@@ -428,7 +443,7 @@ class RadixTree:
                         node.keys = {j: key for j, key in node.keys.items() if j < k}
                 return
             parent = node.parent
-            self._unhook(node)
+            self._unhook(node)  # (the version was raised above: an unhooked run had positions to drop)
             if type(node) is TailRun or parent.users or parent.children:  # (a tail's parent trims on its own)
                 return
             node = parent
@@ -438,6 +453,7 @@ class RadixTree:
     def _split(self, run: RadixNode, i: int) -> RadixNode:
         """Cut ``run`` before its position ``i`` (0 < i < len): the head becomes a new run in its place (the same
         users, the same place among its parent's children), ``run`` keeps the tail as its only child."""
+        self.version += 1  # the same prefixes, but the run and offset a walk ends at move
         w = run.width
         top = RadixNode(run.parent, run.salt, run.start, (), w)
         top.tokens = run.tokens[:i * w]
@@ -496,6 +512,7 @@ class RadixTree:
 
     def add_pending(self, prefix: PendingPrefix) -> None:
         """Note a new pending prefix (its first token is nobody else's: the caller checked)."""
+        self.version += 1  # a lookup with its first token now hangs it first
         by_first = self.pending.get(prefix.salt)
         if by_first is None:
             self.pending[prefix.salt] = {prefix.first: prefix}

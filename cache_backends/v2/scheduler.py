@@ -652,14 +652,14 @@ class KVCacheV2Scheduler(SchedulerBase):
         # the pass's lookups share their walks: the prompts on a system prompt walk the same path (manager docstring);
         # and 0 without a lookup where no cached run starts with the request's first token (manager.may_find_prefix:
         # the lookup's own cheap miss, for all of them at once). Only for several lookups: for one, both cost more
-        # than they save (the median step, BENCHMARKS.md "relook44")
+        # than they save (the median step, BENCHMARKS.md "relook44"). An answer the tree has not changed since an
+        # earlier pass is kept, not looked up again (manager.cached_prefixes: most steps under pressure)
         relook = not now % LPM_RELOOK
         memo: dict | None = {} if relook or len(hinted) > 1 else None
         floors = (LPM_MIN_HIT, min(LPM_BRANCH_HIT, LPM_MIN_HIT))  # by whether a prefix others went on from
-        for i, may in zip(hinted, m.may_find_prefix([window[i] for i in hinted]) if len(hinted) > 1
-                          else itertools.repeat(True, len(hinted)), strict=True):
+        for i, (hit, branch) in zip(hinted, m.cached_prefixes([window[i] for i in hinted], memo) if hinted else (),
+                                    strict=True):
             r = window[i]
-            hit, branch = m.cached_prefix(r, memo) if may else (0, False)
             floor = floors[branch]
             if r.cached_hint < 0:  # joined the queue: looked up once
                 ranks[i] = r.cached_hint = hit if hit >= floor else 0
@@ -681,8 +681,9 @@ class KVCacheV2Scheduler(SchedulerBase):
             again = [i for i, (k, q, r) in enumerate(zip(ranks, queued, window, strict=True))
                      if not k and q <= since and len(r.prompt_token_ids) > floor]
             # most are unrelated prompts that no cached run starts like: ruled out together (may_find_prefix)
-            for i in itertools.compress(again, m.may_find_prefix([window[i] for i in again]) if again else ()):
-                hit, branch = m.cached_prefix(window[i], memo)
+            found = m.cached_prefixes([window[i] for i in again], memo) if again else []
+            # (only those with a hit, at C speed: most of them find none)
+            for i, (hit, branch) in itertools.compress(zip(again, found, strict=True), map(itemgetter(0), found)):
                 # from now on looked up every step, as a hit found on joining is
                 if hit >= floors[branch]:
                     ranks[i] = window[i].cached_hint = hit

@@ -187,6 +187,7 @@ class TreeEvents:
         """Hang ``group``'s ``block`` at position ``i`` of ``run`` unless either already has a partner."""
         pool = self._pool[group]
         if run.blocks[group][i] < 0 and pool.node[block] is None:
+            self._tree.version += 1  # (a lookup's memo: RadixTree.version)
             run.blocks[group][i] = block
             run.held[i] += 1
             pool.node[block] = run
@@ -260,6 +261,7 @@ class TreeEvents:
         first, full = cache.keyed, cache.committed // T
         if first >= full:
             return
+        self._tree.version += 1  # new positions, or blocks on positions (a lookup's memo: RadixTree.version)
         packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once for the run
         cache.keyed = full
         cache.key_at = (full + 1) * T
