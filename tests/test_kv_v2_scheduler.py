@@ -2387,3 +2387,38 @@ def test_every_answer_the_cache_aware_pass_keeps_is_what_a_lookup_finds_then(mon
     simulate(preset, workload, requests=32, device="cpu", log=False, progress=False,
              kv_cache_config={"max_tokens": max_tokens, "use_kv_cache_manager_v2": True})
     assert seen["answers"] > 100 and seen["kept"] > seen["answers"] // 4
+
+
+def test_a_resume_that_hangs_its_reloaded_blocks_on_a_waiting_request_s_path_reorders_the_queue(monkeypatch):
+    """A suspended request's cached blocks evicted from its path (a waiting request's hit falls) and hung there again
+    by its resume from the host tier (``TreeEvents._attach``: nothing else in the tree moves, the blocks it takes
+    are another finish's parked ones) must count in the next cache-aware pass: the waiting request whose hit grew
+    back is ranked first again, not by the shorter hit kept from the step before (``cached_prefixes``)."""
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 4)
+    m = make_manager(FULL, 8)
+    s = Request("s", list(range(1, 14)), 4)  # three full blocks and a partial one
+    prefill(m, s)
+    assert m.suspend(s)  # hung in the tree (its cached blocks stay on the device; its partial one goes to the host)
+    held = Request("zc", [200, *range(201, 208)], 1)  # runs on: two blocks cached that nothing can evict
+    prefill(m, held)
+    sch = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64)
+    w = Request("w", [*range(1, 13), 50, 51, 52], 4, arrival=0)  # s's three blocks: a hit of 12
+    z = Request("z", [200, *range(201, 208), 60, 61], 4, arrival=1)  # zc's two: a hit of 8
+    waiting = deque([w, z])
+
+    def order(step: int) -> list[str]:
+        sch._steps = step
+        return [r.req_id for r in sch._cache_aware(waiting)]
+
+    assert order(1) == ["w", "z"]
+    other = Request("o", list(range(100, 120)), 4)  # five blocks: evicts two of s's, then parked by its finish
+    prefill(m, other)
+    m.free(other)
+    assert m.cached_prefix(w)[0] == 4
+    assert order(2) == ["z", "w"]
+    assert m.resume(s)  # takes o's parked blocks for s's two, reloads them, hangs them at their positions
+    assert m.cached_prefix(w)[0] == 12
+    assert order(3) == ["w", "z"]
+    m.check_invariants()
