@@ -2422,3 +2422,37 @@ def test_a_resume_that_hangs_its_reloaded_blocks_on_a_waiting_request_s_path_reo
     assert m.cached_prefix(w)[0] == 12
     assert order(3) == ["w", "z"]
     m.check_invariants()
+
+
+def test_requests_aborted_while_waiting_are_not_kept_by_the_cache_aware_pass():
+    """On a long-running server whose tree does not change (nothing keyed, nothing evicted), requests that join the
+    queue, are looked up and are aborted before admission must not pile up in the lookups the cache-aware pass keeps
+    across steps (``RadixTree.looked``): each aborted one is let go (garbage), and only the one still waiting is
+    kept. (Kept until the tree next changed: 200 aborted, 200 requests held.)"""
+    import gc
+    import weakref
+
+    m = make_manager(FULL, 16)
+    cached = Request("c", list(range(1, 14)), 1)
+    prefill(m, cached)
+    m.free(cached)
+    sch = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64)
+    still = Request("still", [*range(1, 13), 77], 4, arrival=0)  # a hit of 12: looked up every step
+    waiting = deque([still])
+    gone: list[weakref.ref] = []
+    version = -1
+    for i in range(200):
+        r = Request(f"a{i}", [*range(1, 9), 1000 + i, 5, 6], 4, arrival=i + 1)  # a hit of 8 each
+        waiting.append(r)
+        sch._steps = i + 1
+        assert sch._cache_aware(waiting)[0] is still
+        if not i:  # (the first pass hangs the cached prompt's pending prefix: the tree's last change)
+            version = m._tree.version
+        sch.finish(r, "abort")  # as the server's abort does: finished, then out of the queue
+        waiting.remove(r)
+        gone.append(weakref.ref(r))
+        del r
+    assert m._tree.version == version  # (the tree never changed: no pass cleared the kept lookups)
+    gc.collect()
+    assert sum(ref() is not None for ref in gone) == 0
+    assert list(m._tree.looked) == [still]
