@@ -2387,3 +2387,72 @@ def test_every_answer_the_cache_aware_pass_keeps_is_what_a_lookup_finds_then(mon
     simulate(preset, workload, requests=32, device="cpu", log=False, progress=False,
              kv_cache_config={"max_tokens": max_tokens, "use_kv_cache_manager_v2": True})
     assert seen["answers"] > 100 and seen["kept"] > seen["answers"] // 4
+
+
+def test_a_resume_that_hangs_its_reloaded_blocks_on_a_waiting_request_s_path_reorders_the_queue(monkeypatch):
+    """A suspended request's cached blocks evicted from its path (a waiting request's hit falls) and hung there again
+    by its resume from the host tier (``TreeEvents._attach``: nothing else in the tree moves, the blocks it takes
+    are another finish's parked ones) must count in the next cache-aware pass: the waiting request whose hit grew
+    back is ranked first again, not by the shorter hit kept from the step before (``cached_prefixes``)."""
+    import cache_backends.v2.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LPM_MIN_HIT", 4)
+    m = make_manager(FULL, 8)
+    s = Request("s", list(range(1, 14)), 4)  # three full blocks and a partial one
+    prefill(m, s)
+    assert m.suspend(s)  # hung in the tree (its cached blocks stay on the device; its partial one goes to the host)
+    held = Request("zc", [200, *range(201, 208)], 1)  # runs on: two blocks cached that nothing can evict
+    prefill(m, held)
+    sch = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64)
+    w = Request("w", [*range(1, 13), 50, 51, 52], 4, arrival=0)  # s's three blocks: a hit of 12
+    z = Request("z", [200, *range(201, 208), 60, 61], 4, arrival=1)  # zc's two: a hit of 8
+    waiting = deque([w, z])
+
+    def order(step: int) -> list[str]:
+        sch._steps = step
+        return [r.req_id for r in sch._cache_aware(waiting)]
+
+    assert order(1) == ["w", "z"]
+    other = Request("o", list(range(100, 120)), 4)  # five blocks: evicts two of s's, then parked by its finish
+    prefill(m, other)
+    m.free(other)
+    assert m.cached_prefix(w)[0] == 4
+    assert order(2) == ["z", "w"]
+    assert m.resume(s)  # takes o's parked blocks for s's two, reloads them, hangs them at their positions
+    assert m.cached_prefix(w)[0] == 12
+    assert order(3) == ["w", "z"]
+    m.check_invariants()
+
+
+def test_requests_aborted_while_waiting_are_not_kept_by_the_cache_aware_pass():
+    """On a long-running server whose tree does not change (nothing keyed, nothing evicted), requests that join the
+    queue, are looked up and are aborted before admission must not pile up in the lookups the cache-aware pass keeps
+    across steps (``RadixTree.looked``): each aborted one is let go (garbage), and only the one still waiting is
+    kept. (Kept until the tree next changed: 200 aborted, 200 requests held.)"""
+    import gc
+    import weakref
+
+    m = make_manager(FULL, 16)
+    cached = Request("c", list(range(1, 14)), 1)
+    prefill(m, cached)
+    m.free(cached)
+    sch = KVCacheV2Scheduler(m, max_batch_size=1, max_num_tokens=64)
+    still = Request("still", [*range(1, 13), 77], 4, arrival=0)  # a hit of 12: looked up every step
+    waiting = deque([still])
+    gone: list[weakref.ref] = []
+    version = -1
+    for i in range(200):
+        r = Request(f"a{i}", [*range(1, 9), 1000 + i, 5, 6], 4, arrival=i + 1)  # a hit of 8 each
+        waiting.append(r)
+        sch._steps = i + 1
+        assert sch._cache_aware(waiting)[0] is still
+        if not i:  # (the first pass hangs the cached prompt's pending prefix: the tree's last change)
+            version = m._tree.version
+        sch.finish(r, "abort")  # as the server's abort does: finished, then out of the queue
+        waiting.remove(r)
+        gone.append(weakref.ref(r))
+        del r
+    assert m._tree.version == version  # (the tree never changed: no pass cleared the kept lookups)
+    gc.collect()
+    assert sum(ref() is not None for ref in gone) == 0
+    assert list(m._tree.looked) == [still]

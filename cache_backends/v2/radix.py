@@ -245,7 +245,8 @@ class RadixTree:
         #: until ``add_pending`` notes another: that raises it).
         self.version = 0
         #: per waiting request, what a lookup answered while ``version`` was ``looked_at`` (the cache-aware pass's
-        #: answers, kept across steps; cleared when the version moves)
+        #: answers, kept across steps; cleared when the version moves; a request's own dropped when it is admitted,
+        #: its tokens grow from then on, or freed: one aborted while waiting is not kept)
         self.looked: dict[object, tuple[int, bool]] = {}
         self.looked_at = 0
 

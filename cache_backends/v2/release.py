@@ -28,6 +28,9 @@ class Release:
         self._check_open()
         cache = self._caches.pop(request, None)
         request.packed_ids = b""  # finished: no lookup reads it again (its bytes stay only as long as the request)
+        # its lookup kept by the cache-aware pass (a request aborted while waiting has one): else kept, and the request
+        # with it, until the tree next changes (``RadixTree.looked``: a thousand aborted, a thousand kept)
+        self._tree.looked.pop(request, None)
         if cache is None:
             return
         self._active_requests.discard(request)
