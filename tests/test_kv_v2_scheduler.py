@@ -829,6 +829,83 @@ def test_a_refusal_s_requeue_order_is_given_again_only_for_the_same_claim():
     m.check_invariants()
 
 
+@pytest.mark.parametrize("branch", [20, 8])  # at the history's end (its run gains a child), inside it (split there)
+def test_a_refusal_s_requeue_order_follows_a_branch_grown_on_the_same_claim(branch):
+    """A refused head's requeue order kept from its last refusal (``PrefixLookup._requeued``) must not be given
+    again once another request's prompt branched from the history and let go, though the claim (blocks, references,
+    first position) is the same: the blocks before the branch are a shared prefix's now, queued as such by the next
+    refusal, and those after it leaves."""
+    from cache_backends.v2.shared_pool import interleave
+
+    m = make_manager(full_sliding_layers(8), 30, enable_partial_reuse=True)
+    history = list(range(1, 21))  # five whole blocks: no copy
+    prefill(m, h := Request("h", history, 0))
+    m.free(h)
+    turn = Request("turn", [*history, 50, 51], 4)
+    first = m.probe_hit(turn)
+    assert first is not None and first.partial is None and m._arena is not None
+    alone = m._requeued(first)
+    assert alone[0] and not alone[1]  # the history is a leaf: all of it queued as one
+    m.refuse_hit(first, turn)
+    prefill(m, other := Request("other", [*history[:branch], 70, 71, 72, 73, 74], 4))
+    m.free(other)
+    second = m.probe_hit(turn)
+    assert second.claimed == first.claimed  # the same blocks, held by nobody, from the same position
+    leaves_of, shared_of = m._requeue_order(second)
+    assert m._requeued(second) == (interleave(leaves_of), interleave(shared_of))
+    m.refuse_hit(second, turn)
+    queue = m._arena.evictable
+    below = [b for b in alone[0] if m._arena.pos[b] < branch // 4]  # the blocks before the branch: now shared
+    assert below and queue.count_shared(below) == queue._pages(below)
+    assert queue.count_shared([b for b in alone[0] if b not in below]) == 0
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("between", [False, True])
+def test_a_tied_copy_refused_step_after_step_leaves_the_queue_as_the_per_block_refusal(between, monkeypatch):
+    """A turn whose history ends inside a block, refused twice on tied cuts, must leave the arena as the per-block
+    refusal (``PrefixLookup._refuse_copy_tied`` without its moved path) does on a copy of the same state: the
+    second refusal's moved path among them. ``between``: a system prompt queued as a shared prefix between the
+    refusals, so the copy's source (queued in one call by the first) is queued a call per block now; else the
+    history branches inside (another request's prompt left it so), its leaves and shared prefix queued apart."""
+    import copy
+
+    from cache_backends.v2.lookup import PrefixLookup
+
+    m = make_manager(full_sliding_layers(8), 30, enable_partial_reuse=True)
+    history = list(range(1, 23))  # five blocks and two tokens: a copy's source
+    prefill(m, h := Request("h", history, 0))
+    m.free(h)
+    if not between:
+        prefill(m, other := Request("other", [*history[:8], 70, 71, 72, 73, 74], 4))
+        m.free(other)
+    turn = Request("turn", [*history, 50, 51], 4)
+    first = m.probe_hit(turn)
+    assert first is not None and first.partial is not None and m._arena is not None
+    queue = m._arena.evictable
+    assert bool(queue.num_shared) is not between
+    m.refuse_hit(first, turn)
+    if between:
+        system = list(range(100, 108))  # a system prompt two requests branch from, let go
+        prefill(m, a := Request("a", [*system, 1, 2, 3, 4, 5], 0))
+        prefill(m, b := Request("b", [*system, 9, 8, 7, 6, 5], 0))
+        m.free(a)
+        m.free(b)
+        assert queue.num_shared
+    second = m.probe_hit(turn)
+    assert second is not None and second.partial is not None
+    twin, twin_probe = copy.deepcopy((m, second), {id(radix._NONE): radix._NONE})
+    moved_path, moved = PrefixLookup._refuse_copy_moved, []
+    monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", lambda *args: moved.append(moved_path(*args)) or moved[-1])
+    m.refuse_hit(second, turn)
+    assert moved == [not between]  # the moved path, where its runs are whole segments; else the per-block one
+    monkeypatch.setattr(PrefixLookup, "_refuse_copy_moved", lambda *args: False)
+    twin.refuse_hit(twin_probe, turn)
+    assert _queue_state(m) == _queue_state(twin)
+    assert _untouched(m) == _untouched(twin)
+    m.check_invariants()
+
+
 def _refused_turn_with_a_copy(other_len: int, build: bool, layers: list[LayerKV] = FULL, blocks: int = 11,
                               lates: int = 2) -> tuple[list, Any, list, int, int, list]:
     """A follow-up turn whose history ends inside a block (its partial last block kept cached for the copy), refused

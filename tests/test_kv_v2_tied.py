@@ -898,3 +898,23 @@ def test_a_row_queue_moves_runs_queued_whole_as_taking_them_out_and_queueing_eac
     assert _queue_view(q) == _queue_view(twin)
     # and it goes on as the twin: pops take the same entries in the same order
     assert q.pop_pages(len(q)) == twin.pop_pages(len(twin))
+
+
+def test_a_row_queue_s_stale_look_ahead_counts_a_requeued_shared_entry_once():
+    """``RowQueue.stale_pages`` (a probed tied copy's estimate of the shared pages its source's queueing demotes:
+    ``PrefixLookup.probe_hit``) must answer what queueing that many pages then demotes, also after a refusal moved a
+    shared segment that was not its bucket's youngest (``requeue``: the old segment, dead, hands its tag on to the
+    moved one; its entries must not be counted a second time)."""
+    weight = [1] * 8
+    q = RowQueue([0] * 8, weight, 4, 1)
+    q._stale = 100
+    q.add_many([0, 1], 0, True)
+    q.add_many([2, 3], 0, True)
+    q.add_many([4], 0, True)
+    q.requeue([], [2, 3], 0)  # a refused hit on [2, 3]: moved to the young end, past [4]
+    assert q.num_shared == 5
+    for n in range(1, 120):  # the pages the next queue call queues
+        twin = copy.deepcopy(q)
+        twin._weight[7] = n
+        twin.add_many([7], 0)
+        assert q.stale_pages(n, set()) == 5 - twin.num_shared, n

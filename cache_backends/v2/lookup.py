@@ -14,7 +14,6 @@ import attrs
 from cache_backends.hashing import pack_tokens
 from cache_backends.layout import LayerGroup
 from cache_backends.request import Request
-from cache_backends.v2.group_pool import _SHARED_BIT
 from cache_backends.v2.radix import RadixNode, TailRun
 from cache_backends.v2.shared_pool import interleave
 from cache_backends.v2.tied_pool import TiedArena
@@ -509,7 +508,7 @@ class PrefixLookup:
         where its last position holds a block (:meth:`probe_hit`), else they are made as there. Why: the slow path's
         passes over the history (out of the queue and in again, tags and priorities set per block) ran every step a
         turn waited (Gemma 3 27B multi-turn at a quarter of the budget: ~5% of V2's CPU; BENCHMARKS.md "perf66b")."""
-        queue, ref, tags = arena.evictable, arena.ref, arena.evictable._tag
+        queue, ref = arena.evictable, arena.ref
         srcs = [b for b in (source.blocks[name][0] for name in self._names) if not ref[b]]  # queued: held, let go
         leaves, shared = self._requeued(probe)
         runs: list[tuple[list[int], int, bool]] = []
@@ -518,9 +517,9 @@ class PrefixLookup:
             ps = list(map(prio.__getitem__, srcs))
             flags = [bool(getattr(node[b], "children", None)) for b in srcs]
             # the shared pages queued once everything is out (the let-go's choice reads it): the shared list's, and
-            # those of the sources queued shared (the leaves' segment, checked below, is a leaf one)
-            left = queue.num_shared - queue._pages(shared) - queue._pages(
-                [b for b in srcs if tags[b] >= 0 and tags[b] >> _SHARED_BIT & 1])
+            # those of the sources queued shared (the leaves' segment, checked below, is a leaf one; every source here
+            # is queued, cached and held by nobody, and as a tail's never shared in practice)
+            left = queue.num_shared - queue._pages(shared) - queue.count_shared(srcs)
             if not left and not any(flags) and ps.count(ps[0]) == len(ps):
                 runs.append((srcs, ps[0], False))
             else:

@@ -251,10 +251,12 @@ class RowQueue(EvictionQueue):
         n = 0
         for key, bucket in self._by_key.items():
             if key >> _SHARED_BIT:
-                for _, tag, blocks, at, clock in bucket:  # oldest first: a shared bucket's clocks never fall
+                for live, tag, blocks, at, clock in bucket:  # oldest first: a shared bucket's clocks never fall
                     if clock >= limit:  # no segment from here on is stale
                         break
-                    n += sum(weight[b] for b in itertools.islice(blocks, at, None) if tags[b] == tag and b not in skip)
+                    if live:  # (a dead one may have handed its tag on to a moved one: its entries are that one's)
+                        n += sum(weight[b] for b in itertools.islice(blocks, at, None)
+                                 if tags[b] == tag and b not in skip)
         return n
 
     def pop_pages(self, n: int) -> list[int]:
