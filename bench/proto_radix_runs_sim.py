@@ -204,6 +204,21 @@ class RunsTree:
         self.num_nodes = 0
         self.pending: dict = {}  # main's lazy keying is off here (the prototype keys every block, as main then did)
         self.latent: dict = {}
+        #: main's kept lookups (``RadixTree.version`` / ``looked``): the prototype tracks none of its changes, so its
+        #: version moves at every read and no answer is kept across passes (each pass looks up, as main did before)
+        self.looked: dict = {}
+        self.looked_at = -1
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        """A new number at every read: no kept lookup is ever taken as current (see ``looked``)."""
+        self._version += 1
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = value
 
     def pending_prefix(self, salt: str | None, first: bytes) -> None:
         """No pending prefixes here: every block is keyed (see ``pending``)."""
