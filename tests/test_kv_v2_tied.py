@@ -523,6 +523,123 @@ def test_a_refreshed_row_of_a_page_queue_is_demoted_whole_when_it_goes_stale():
     assert rows.num_shared == pages.num_shared == 0  # demoted: the row whole among the leaves
 
 
+def _walk_pages(q: EvictionQueue) -> None:
+    """``EvictionQueue._demote_stale`` as it was before its look for work (perf64b): the walk at every call."""
+    from cache_backends.v2.group_pool import _SHARED_BIT as BIT
+
+    limit = q._clock - q._stale
+    by_key, segs, tags = q._by_key, q._segs, q._tag
+    for key in [k for k in by_key if k >> BIT]:
+        bucket = by_key[key]
+        stale: list[tuple[list[int], int]] = []
+        while bucket:
+            live, tag, blocks, at, clock = bucket[0]
+            if live and clock >= limit:
+                break
+            bucket.popleft()
+            q._entries -= len(blocks) - at
+            if live:
+                del segs[tag]
+                stale.append(([b for b in blocks[at:] if tags[b] == tag], clock))
+        if not bucket:
+            del by_key[key]
+        if not stale:
+            continue
+        front: list[list] = []
+        for blocks, clock in stale:
+            tag = q._new_tag(key - (1 << BIT))
+            for b in blocks:
+                tags[b] = tag
+            seg = [len(blocks), tag, blocks, 0, clock]
+            segs[tag] = seg
+            front.append(seg)
+            q._entries += len(blocks)
+            q.num_shared -= len(blocks)
+        q._bucket(key - (1 << BIT)).extendleft(reversed(front))
+
+
+class _WalkingPages(EvictionQueue):
+    def _demote_stale(self) -> None:
+        _walk_pages(self)
+
+
+class _WalkingRows(RowQueue):
+    def _demote_stale(self) -> None:  # RowQueue's before perf64b: its pages counted, then the walk, every call
+        from cache_backends.v2.group_pool import _SHARED_BIT as BIT
+
+        limit, tags, demoted = self._clock - self._stale, self._tag, []
+        for key, bucket in self._by_key.items():
+            if key >> BIT:
+                for live, tag, blocks, at, clock in bucket:
+                    if live and clock >= limit:
+                        break
+                    if live:
+                        demoted += [b for b in blocks[at:] if tags[b] == tag]
+        _walk_pages(self)
+        self.num_shared += len(demoted) - self._pages(demoted)
+
+
+def _inside(q: EvictionQueue) -> tuple:
+    """Everything a queue keeps: its segments bucket by bucket (dead ones and taken-out entries included), tags,
+    counts, clock, heap and segment ids."""
+    return (len(q), q.num_shared, q._clock, q._entries, q._uid, list(q._tag), list(q._prio), sorted(q._heap),
+            sorted(q._in_heap), sorted(q._segs),
+            [(key, [list(seg) for seg in bucket]) for key, bucket in q._by_key.items()])
+
+
+_stale_op = st.tuples(st.sampled_from(["queue", "hit", "pop", "refresh"]),
+                      st.lists(st.integers(0, ROWS - 1), max_size=5, unique=True), st.integers(0, 2), st.booleans(),
+                      st.integers(1, PAGES))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_stale_op, max_size=40), st.integers(1, 2 * PAGES))
+def test_a_queue_call_that_looks_for_stale_shared_rows_leaves_what_the_whole_walk_leaves(ops, stale):
+    """A queue call while shared rows wait looks at each shared bucket's oldest segment and walks the buckets only
+    where one is dead or stale, or a bucket is empty (perf64b: the walk ran at every call, ~650 a tiny-gemma3 mixed
+    run, none of which demoted anything): every segment, tag, count, clock and heap entry after each call is what the
+    walk at every call left, on the page queue and on the row queue."""
+    pages, walked_pages = EvictionQueue([0] * PAGES), _WalkingPages([0] * PAGES)
+    rows, walked_rows = RowQueue([0] * ROWS, list(K), PAGES, max(K)), _WalkingRows([0] * ROWS, list(K), PAGES, max(K))
+    for q in (pages, walked_pages, rows, walked_rows):
+        q._stale = stale  # (a short threshold: rows go stale, and dead segments lie at a bucket's front, in a run)
+    queued: set[int] = set()
+    for what, picked, priority, shared, n in ops:
+        if what == "queue":
+            fresh = [r for r in picked if r not in queued]
+            for q in (pages, walked_pages):
+                q.add_many(_pages(fresh), priority, shared)
+            for q in (rows, walked_rows):
+                q.add_many(fresh, priority, shared)
+            queued.update(fresh)
+        elif what == "hit":
+            taken = [r for r in picked if r in queued]
+            for q in (pages, walked_pages):
+                q.remove_many(_pages(taken))
+            for q in (rows, walked_rows):
+                q.remove_many(taken)
+            queued.difference_update(taken)
+        elif what == "pop":
+            if not len(rows):
+                continue
+            popped = pages.pop_many(min(n, len(pages)))
+            assert popped == walked_pages.pop_many(min(n, len(walked_pages)))
+            touched = list(dict.fromkeys(ROW_OF[b] for b in popped))
+            for q in (pages, walked_pages):  # the rest of every row the pop touched leaves with it
+                q.remove_many([b for b in _pages(touched) if b not in popped])
+            got = rows.pop_pages(min(n, len(rows)))
+            assert got == walked_rows.pop_pages(min(n, len(walked_rows))) == touched
+            queued.difference_update(got)
+        else:
+            mine = [r for r in picked if r in queued]
+            for q in (pages, walked_pages):
+                q.refresh(_pages(mine))
+            for q in (rows, walked_rows):
+                q.refresh(mine)
+        assert _inside(pages) == _inside(walked_pages)
+        assert _inside(rows) == _inside(walked_rows)
+
+
 def test_a_tied_group_s_view_counts_logical_blocks_of_k_pages_and_has_no_page_free_list():
     """A logical group's view (what the manager's per-group code reads) counts blocks of its ``k`` pages: the arena's
     12 pages are 4 blocks of the 3-cut family and 12 of the uncut group; it has no ``_free`` list, so an inlined
