@@ -2473,47 +2473,6 @@ def test_a_kept_lookup_stands_past_a_change_off_its_path_and_is_made_again_when_
     m.check_invariants()
 
 
-def test_a_kept_miss_is_made_again_once_a_run_starting_like_it_is_hung_at_the_root():
-    """A waiting request whose first block no cached run at the root starts with (its first token does: a lookup,
-    a miss kept) must find the hit once a running request hangs a run with its blocks there: the root's children
-    changed, though no run its walk entered did (``RadixTree.kept``)."""
-    m = make_manager(FULL, 24)
-    done = Request("c", [1, 2, 5, 6, 7, 8, 9, 10], 1)  # cached at the root, starting with token 1
-    prefill(m, done)
-    m.free(done)
-    x = Request("x", [1, 2, 3, 4, 60, 61, 62, 63, 64], 4)
-    assert m.cached_prefixes([x]) == [(0, False)]
-    y = Request("y", [1, 2, 3, 4, 60, 61, 62, 63, 70], 4)  # x's first two blocks, hung as a new run at the root
-    prefill(m, y)
-    assert m.cached_prefix(x) == (8, False)
-    assert m.cached_prefixes([x]) == [(8, False)]
-
-
-def test_a_kept_hit_parts_no_more_once_the_last_child_of_its_run_is_evicted():
-    """A waiting request whose walk ended at a shared run's end with children (none its own: it parts from cached
-    blocks there) must be told it parts no more once the last of them is evicted (the run's children changed, not
-    the run: ``RadixTree.kept`` keeps its answer only while neither did)."""
-    m = make_manager(FULL, 10)
-    for tail in (30, 40):  # a shared run of two blocks with two cached children of one block
-        done = Request(f"p{tail}", [*range(1, 9), *range(tail, tail + 4)], 1)
-        prefill(m, done)
-        m.free(done)
-    x = Request("x", [*range(1, 9), 50, 51, 52, 53, 54], 4)
-    assert m.cached_prefixes([x]) == [(8, True)]
-    running = Request("run", [*range(300, 306)], 40)  # grows, evicting the leaves first, then the shared run
-    prefill(m, running)
-    seen = set()
-    for _ in range(24):
-        running.output_token_ids.append(1)
-        compute(m, running, 1)
-        fresh = m.cached_prefix(x)
-        assert m.cached_prefixes([x]) == [fresh]
-        seen.add(fresh)
-        if fresh[0] < 8:
-            break
-    assert (8, False) in seen  # the children went before the shared run's blocks did
-
-
 @pytest.mark.parametrize("preset, workload, max_tokens", [("tiny-gemma3", "mixed", 1024),
                                                           ("tiny-gemma3", "multi-turn", 1536),
                                                           ("tiny-llama", "mixed", 3072),
