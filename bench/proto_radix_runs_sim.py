@@ -209,14 +209,6 @@ class RunsTree:
         self.looked: dict = {}
         self.looked_at = -1
         self._version = 0
-        self.kept: dict = {}  # (main's answers kept past changes elsewhere: never taken here, see ``epoch``)
-        self._epoch = 0
-
-    @property
-    def epoch(self) -> int:
-        """A new number at every read: no answer in ``kept`` ever stands (see ``looked``)."""
-        self._epoch += 1
-        return self._epoch
 
     @property
     def version(self) -> int:

@@ -2436,43 +2436,6 @@ def test_a_lookup_kept_across_passes_is_made_again_once_the_tree_changes_along_i
     assert m.cached_prefixes([w, later]) == fresh() and fresh()[1][0] == 4
 
 
-def test_a_kept_lookup_stands_past_a_change_off_its_path_and_is_made_again_when_its_own_run_grows():
-    """A running request's own run growing at a block boundary (the tree changes) must not cost a walk for a
-    waiting request whose walk read none of it (it stopped at the shared system prompt's children: kept,
-    ``RadixTree.kept``), but must for one whose walk ended at that run's end: its hit grows with the run."""
-    from cache_backends.v2.lookup import PrefixLookup
-
-    m = make_manager(FULL, 24)
-    for tail in (30, 40):  # a shared prefix of two blocks with two cached children: the prompts' system prompt
-        done = Request(f"p{tail}", [*range(1, 9), *range(tail, tail + 4)], 1)
-        prefill(m, done)
-        m.free(done)
-    grow = Request("grow", [*range(1, 9), 20, 21, 22, 23, 24, 25], 40)  # its own child run below the shared one
-    prefill(m, grow)
-    off = Request("off", [*range(1, 9), 50, 51, 52, 53, 54], 4)  # no child starts like its third block: a hit of 8
-    own = Request("own", [*range(1, 9), *range(20, 28), 28], 4)  # grow's blocks, and the one it is about to fill
-    walks: list[str] = []
-    match = PrefixLookup._match
-
-    def counted(self, request):
-        walks.append(request.req_id)
-        return match(self, request)
-
-    import unittest.mock
-    with unittest.mock.patch.object(PrefixLookup, "_match", counted):
-        assert m.cached_prefixes([off, own]) == [(8, True), (12, False)]
-        version = m._tree.version
-        for token in (26, 27):  # grow fills its fourth block: its run grows by a position
-            grow.output_token_ids.append(token)
-            compute(m, grow, 1)
-        assert m._tree.version != version  # the tree changed
-        walks.clear()
-        got = m.cached_prefixes([off, own])
-        assert walks == ["own"]  # off's walk read nothing that changed: kept
-    assert got == [m.cached_prefix(off), m.cached_prefix(own)] == [(8, True), (16, False)]
-    m.check_invariants()
-
-
 @pytest.mark.parametrize("preset, workload, max_tokens", [("tiny-gemma3", "mixed", 1024),
                                                           ("tiny-gemma3", "multi-turn", 1536),
                                                           ("tiny-llama", "mixed", 3072),

@@ -70,7 +70,6 @@ class _Walk:
     off: int
     hit: int
     branch: bool = False  # the walk parted from cached blocks (see KVCacheManagerV2.cached_prefix)
-    end: RadixNode | None = None  # the run it ended at, else the salt's root (what a kept answer depends on)
 
     @classmethod
     def of(cls, root: RadixNode | None, run: RadixNode | None, i: int, request: Request, blocks: int, T: int,
@@ -81,8 +80,7 @@ class _Walk:
         else:
             n = run.start + i + 1
             stop, off = (None, -1) if n == blocks else (run, -1) if i + 1 == len(run.held) else (run, i + 1)
-        return cls(n, _packed(request, n * T)[:8 * n * T], stop, off, hit, _parts(run, i, n, blocks),
-                   root if run is None else run)
+        return cls(n, _packed(request, n * T)[:8 * n * T], stop, off, hit, _parts(run, i, n, blocks))
 
     def decides(self, request: Request, blocks: int, T: int) -> bool:
         """Whether ``request`` (of ``blocks`` whole blocks to look up) walks as this walk did."""
@@ -131,7 +129,6 @@ class PrefixLookup:
         every step, each walking the same path (tiny-llama ``mixed`` at a quarter of the budget: 11,512 lookups on
         2,583 first blocks; BENCHMARKS.md, "relook44")."""
         if not self._reuse or request.skip_prefix_read:
-            self._ended = None  # (an answer the tree does not change)
             return 0, False
         T = self.T
         blocks = (request.num_tokens - 1) // T
@@ -141,22 +138,18 @@ class PrefixLookup:
             key = (request.salt, _packed(request, blocks * T)[:8 * T])
             for walk in memo.get(key, ()):
                 if walk.decides(request, blocks, T):
-                    self._ended = walk.end  # (its walk would have read the same runs: _Walk)
                     return walk.hit, walk.branch
         first = _first_packed(request)
         prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
         elif self._cheap_miss(request, first):  # claims_nothing's answer, its first token packed once
-            self._ended = self._tree.root(request.salt)
             return 0, False
         hit, run, i = self._match(request)
         if key is not None:
             walk = _Walk.of(self._tree.root(request.salt), run, i, request, blocks, T, hit)
             memo.setdefault(key, []).append(walk)
-            self._ended = walk.end
             return hit, walk.branch
-        self._ended = self._tree.root(request.salt) if run is None else run
         return hit, _parts(run, i, 0 if run is None else run.start + i + 1, blocks)
 
     def cached_prefixes(self, requests: list[Request], memo: dict[Any, list[_Walk]] | None = None
@@ -183,7 +176,7 @@ class PrefixLookup:
             return [self.cached_prefix(r, memo) if may else _NO_HIT
                     for r, may in zip(requests, self.may_find_prefix(requests), strict=True)]
         tree = self._tree
-        looked, kept = tree.looked, tree.kept
+        looked = tree.looked
         todo: list[int] | None = None  # where the answers of ``rest`` go in ``got`` (None: rest is requests)
         rest = requests
         if tree.looked_at == tree.version:
@@ -196,23 +189,6 @@ class PrefixLookup:
         else:
             looked.clear()
             tree.looked_at = tree.version
-        # a lookup made since the tree last changed elsewhere stands (_stands), put back among the current answers
-        entries = list(map(kept.get, rest)) if kept else ()
-        if entries and entries.count(None) != len(entries):
-            stands = self._stands
-            left: list[int] = []
-            if todo is None:
-                got = [None] * len(requests)
-                todo = list(range(len(requests)))
-            for j, entry in zip(todo, entries, strict=True):
-                if entry is not None and stands(entry, requests[j].salt):
-                    got[j] = looked[requests[j]] = entry[0]
-                else:
-                    left.append(j)
-            if not left:
-                return got  # type: ignore[return-value]
-            todo = left
-            rest = list(map(requests.__getitem__, todo))
         # (the passes over the requests in C: the relook's ~90 cold requests are mostly ruled out by their first token)
         if len(rest) > 1:
             mays = self.may_find_prefix(rest)
@@ -230,46 +206,11 @@ class PrefixLookup:
                 looked.clear()
                 tree.looked_at = tree.version
             looked[r] = answer
-            kept[r] = (answer, tree.version, tree.epoch, self._ended)
         if todo is None:
             return answers
         for i, answer in zip(todo, answers, strict=True):
             got[i] = answer
         return got  # type: ignore[return-value]
-
-    def _stands(self, entry: tuple[tuple[int, bool], int, int, RadixNode | None], salt: str | None) -> bool:
-        """Whether a lookup's answer kept in ``RadixTree.kept`` is still what a lookup would answer.
-
-        Exact: the lookup read nothing but the runs from the one its walk ended at (``end``) up to the salt's root,
-        and the pending prefixes. ``_match`` walks from the root through children keyed by the request's blocks,
-        comparing each run's tokens, so every run it entered is an ancestor of the last (or that one); it stopped at
-        that run's children (none keyed by the next block), at a position inside it, or at the request's end;
-        ``_usable_prefix`` reads the held counts (and blocks) of the path's runs; ``_parts`` the last run's length
-        and children; the cheap miss and ``may_find_prefix`` the root's children (``end`` the root: no run entered);
-        a memo's shared walk read the same runs (``_Walk``). Every change to a run's tokens, positions, held counts,
-        blocks, children or parent stamps that run's ``changed`` with the raised ``version`` (a child hooked or
-        unhooked stamps its parent; a split both halves, the parent's keys unchanged), so all of them still at or
-        below the entry's version means none of what it read changed, the parents followed up included (a run whose
-        parent changed was stamped itself). A pending prefix noted or hung raises ``epoch``; a root dropped (a root
-        found again is a new one) or created (``end`` None: there was none) is seen by identity. What no lookup
-        reads (users, keys, tails, block ids) stamps nothing. A waiting request's tokens do not change (its entry
-        goes when it is admitted or freed).
-
-        Why: the tree changes at one pass in five under pressure, mostly a running request's own run growing at a
-        block boundary, which no waiting request's walk reads, yet every hinted one was looked up again then
-        (BENCHMARKS.md "perf67b")."""
-        _, version, epoch, node = entry
-        if epoch != self._tree.epoch:
-            return False
-        if node is None:
-            return self._tree.roots.get(salt) is None
-        while True:
-            if node.changed > version:
-                return False
-            parent = node.parent
-            if parent is None:
-                return self._tree.roots.get(salt) is node
-            node = parent
 
     def may_find_prefix(self, requests: list[Request]) -> list[bool]:
         """Per request, False where :meth:`cached_prefix_tokens` would answer 0 from its first token alone: no run

@@ -1100,7 +1100,6 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         tree, T = self._tree, self.T
         tree.drop_pending(prefix)
         tree.version += 1  # its runs and blocks go in the tree (a lookup's memo: RadixTree.version)
-        tree.epoch += 1  # (on runs along a path, not stamped one by one: rare, every kept answer goes)
         cache = prefix.cache
         if cache is not None:  # still running: key its full blocks now, and from now on as they fill
             cache.pending = None
@@ -1154,7 +1153,6 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         becomes active and its window is released."""
         request = cache.request
         self._tree.looked.pop(request, None)  # its tokens grow from now on: a lookup's kept answer goes with them
-        self._tree.kept.pop(request, None)
         cache.committed = cache.history = cache.capacity = m
         cache.state = CacheState.ACTIVE
         self._active_requests.add(request)

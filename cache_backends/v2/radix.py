@@ -76,8 +76,8 @@ INDEX_CHILDREN_AFTER = 8
 class RadixNode:
     """A run of full token blocks of a cached prefix (a root: a salt's empty run)."""
 
-    __slots__ = ("blocks", "by_first", "by_two", "changed", "children", "held", "keys", "parent", "salt", "start",
-                 "tail", "tokens", "users", "width")
+    __slots__ = ("blocks", "by_first", "by_two", "children", "held", "keys", "parent", "salt", "start", "tail",
+                 "tokens", "users", "width")
 
     def __init__(self, parent: RadixNode | None, salt: str | None, start: int, groups: Sequence[str],
                  width: int) -> None:
@@ -95,9 +95,6 @@ class RadixNode:
         self.users = 0
         #: a finished request's partial last block, kept past this run's end for partial matches only (TailRun)
         self.tail: TailRun | None = None
-        #: ``RadixTree.version`` at the last change a lookup can read of this run itself: its tokens, positions, held
-        #: counts, blocks (which are -1), children or parent (a kept lookup's check: ``RadixTree.kept``)
-        self.changed = 0
 
     def __len__(self) -> int:
         return len(self.held)
@@ -252,14 +249,6 @@ class RadixTree:
         #: its tokens grow from then on, or freed: one aborted while waiting is not kept)
         self.looked: dict[object, tuple[int, bool]] = {}
         self.looked_at = 0
-        #: per waiting request, its last lookup's answer kept past changes elsewhere in the tree: (answer, version and
-        #: epoch then, the run its walk ended at or the salt's root, None where there was none). It stands while
-        #: ``epoch`` is the same and no run from that one up to its root ``changed`` since (``PrefixLookup._still``:
-        #: why that is exact). Dropped with ``looked``'s entry.
-        self.kept: dict[object, tuple[tuple[int, bool], int, int, RadixNode | None]] = {}
-        #: Raised by the changes a lookup can read that are not stamped on the runs they touch (``changed``): a
-        #: pending prefix noted or hung in the tree (rare: a whole walk's worth of runs may change at once)
-        self.epoch = 0
 
     def root(self, salt: str | None) -> RadixNode | None:
         """The root of a reuse scope, if it has any run."""
@@ -307,8 +296,6 @@ class RadixTree:
             return node, segs
         if node.parent is None or node.users != 1 or node.children:  # a new child run
             run = RadixNode(node, salt, node.start + len(node.held), self.groups, stride)
-            self.version += 1  # (append below raises it again and stamps the run)
-            node.changed = self.version  # a child more: a walk that stopped at ``node`` may go on now
             first = packed[at:at + stride]
             children = node.children
             if children is _NONE:
@@ -328,7 +315,6 @@ class RadixTree:
         k = len(packed) // (8 * tokens_per_block)
         lo = len(run.held)
         self.version += 1  # (extend's new positions too: they come here)
-        run.changed = self.version
         run.tokens += packed[:k * 8 * tokens_per_block]
         run.held += [0] * k
         empty = [-1] * k
@@ -426,7 +412,6 @@ class RadixTree:
         for run in runs:  # trimming is confluent: once after the batch leaves what once per block would
             if run.parent is not None:
                 self.version += 1  # a run in the tree lost blocks (a pending prefix's lose none a lookup reads)
-                run.changed = self.version
                 if not run.users and not run.children and not run.held[-1]:
                     self.trim(run)
             elif type(run) is PendingPrefix and run.cache is None and not run.held[0] and not any(run.held) \
@@ -447,7 +432,6 @@ class RadixTree:
             self.num_nodes -= len(held) - k
             if k < len(held):
                 self.version += 1
-                node.changed = self.version
                 if node.tail is not None:
                     self.loose.add(node.tail)
                     node.tail = None
@@ -471,12 +455,8 @@ class RadixTree:
         """Cut ``run`` before its position ``i`` (0 < i < len): the head becomes a new run in its place (the same
         users, the same place among its parent's children), ``run`` keeps the tail as its only child."""
         self.version += 1  # the same prefixes, but the run and offset a walk ends at move
-        # both halves changed; the parent did not for a walk: the same children's keys, the key now naming ``top``,
-        # and a walk that took it went on into ``run`` (stamped: such a kept walk is looked up again)
-        run.changed = self.version
         w = run.width
         top = RadixNode(run.parent, run.salt, run.start, (), w)
-        top.changed = self.version
         top.tokens = run.tokens[:i * w]
         del run.tokens[:i * w]
         if run.keys:
@@ -514,10 +494,6 @@ class RadixTree:
                 self.loose.discard(node)
             node.parent = None
             return
-        # a walk through it ends elsewhere now, and one that stopped at the parent finds a child fewer (a tail is read
-        # by no whole-block lookup: above)
-        self.version += 1
-        node.changed = parent.changed = self.version
         first = node.block(0)
         del parent.children[first]  # type: ignore[attr-defined]
         if parent.by_first is not None:
@@ -538,7 +514,6 @@ class RadixTree:
     def add_pending(self, prefix: PendingPrefix) -> None:
         """Note a new pending prefix (its first token is nobody else's: the caller checked)."""
         self.version += 1  # a lookup with its first token now hangs it first
-        self.epoch += 1  # (a rule-out by first token read no run: every kept answer goes)
         by_first = self.pending.get(prefix.salt)
         if by_first is None:
             self.pending[prefix.salt] = {prefix.first: prefix}

@@ -31,7 +31,6 @@ class Release:
         # its lookup kept by the cache-aware pass (a request aborted while waiting has one): else kept, and the request
         # with it, until the tree next changes (``RadixTree.looked``: a thousand aborted, a thousand kept)
         self._tree.looked.pop(request, None)
-        self._tree.kept.pop(request, None)
         if cache is None:
             return
         self._active_requests.discard(request)

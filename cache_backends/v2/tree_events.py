@@ -188,7 +188,6 @@ class TreeEvents:
         pool = self._pool[group]
         if run.blocks[group][i] < 0 and pool.node[block] is None:
             self._tree.version += 1  # (a lookup's memo: RadixTree.version)
-            run.changed = self._tree.version
             run.blocks[group][i] = block
             run.held[i] += 1
             pool.node[block] = run
@@ -263,8 +262,6 @@ class TreeEvents:
         if first >= full:
             return
         self._tree.version += 1  # new positions, or blocks on positions (a lookup's memo: RadixTree.version)
-        # the runs whose positions or blocks change are stamped (RadixNode.changed): the cache's own run where it grows
-        # in place, else every run of extend's segments (the blocks offered below may hang on any of them)
         packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once for the run
         cache.keyed = full
         cache.key_at = (full + 1) * T
@@ -273,7 +270,6 @@ class TreeEvents:
         last = cache.last
         if last is not None and last.users == 1 and not last.children:
             # The common case: the cache's own leaf run grows in place (what extend() would do there).
-            last.changed = self._tree.version
             owner = self._one_owner
             if owner is not None and events is None and full > first + 1:
                 # Several new positions (a turn's prefill), a block per group at each, none hung yet: checked for
@@ -333,9 +329,6 @@ class TreeEvents:
             if cache.latent is not None:  # its path's first block: no longer latent
                 self._drop_latent(cache)
             cache.last, segs = self._tree.extend(last, cache.request.salt, packed, T)
-            version = self._tree.version
-            for run, _, _ in segs:
-                run.changed = version
         # Offer every group block that ends on a new position to it (= _attach; inlined, it runs for every block).
         # A scored prompt's copies are never hung where a block is (module doc); any other request's are noted.
         scored = cache.request.skip_prefix_read
