@@ -587,7 +587,7 @@ def _inside(q: EvictionQueue) -> tuple:
             [(key, [list(seg) for seg in bucket]) for key, bucket in q._by_key.items()])
 
 
-_stale_op = st.tuples(st.sampled_from(["queue", "hit", "pop", "refresh", "requeue"]),
+_stale_op = st.tuples(st.sampled_from(["queue", "hit", "pop", "refresh"]),
                       st.lists(st.integers(0, ROWS - 1), max_size=5, unique=True), st.integers(0, 2), st.booleans(),
                       st.integers(1, PAGES))
 
@@ -630,94 +630,14 @@ def test_a_queue_call_that_looks_for_stale_shared_rows_leaves_what_the_whole_wal
             got = rows.pop_pages(min(n, len(rows)))
             assert got == walked_rows.pop_pages(min(n, len(walked_rows))) == touched
             queued.difference_update(got)
-        elif what == "refresh":
+        else:
             mine = [r for r in picked if r in queued]
             for q in (pages, walked_pages):
                 q.refresh(_pages(mine))
             for q in (rows, walked_rows):
                 q.refresh(mine)
-        else:
-            mine = [r for r in picked if r in queued]
-            leaves, held = mine[: len(mine) // 2], mine[len(mine) // 2:]
-            for q in (pages, walked_pages):
-                q.requeue(_pages(leaves), _pages(held), priority)
-            for q in (rows, walked_rows):
-                q.requeue(leaves, held, priority)
         assert _inside(pages) == _inside(walked_pages)
         assert _inside(rows) == _inside(walked_rows)
-
-
-class _BatchPops(RowQueue):
-    def pop_pages(self, n: int) -> list[int]:  # RowQueue's before perf64b: a pop_many call a batch of entries
-        if n > self._len:
-            raise IndexError(f"{n} pages asked, {self._len} evictable")
-        out: list[int] = []
-        got = 0
-        while got < n:
-            m = 1 if self._heaviest is None else -(-(n - got) // self._heaviest)
-            before = self.num_shared
-            batch = EvictionQueue.pop_many(self, m)
-            pages = sum(self._weight[b] for b in batch)
-            self._len -= pages - m
-            shared = before - self.num_shared
-            if shared:
-                self.num_shared -= sum(self._weight[b] for b in batch[m - shared:]) - shared
-            out += batch
-            got += pages
-        return out
-
-
-_pop_op = st.tuples(st.sampled_from(["queue", "hit", "pop", "refresh", "requeue", "again"]),
-                    st.lists(st.integers(0, ROWS - 1), max_size=6, unique=True), st.integers(0, 2), st.booleans(),
-                    st.integers(1, PAGES), st.booleans())
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(_pop_op, max_size=40))
-def test_a_row_queue_s_pop_in_one_walk_leaves_what_a_pop_call_a_batch_left(ops):
-    """:meth:`RowQueue.pop_pages` walks the segments once (perf64b), where it called ``EvictionQueue.pop_many`` for
-    each batch of entries that go whatever they weigh: the same entries popped, and every segment, tag, count, heap
-    entry left as the calls left them, with leaves and shared rows of both weights, entries taken out between
-    (dead ones in a segment), and the heaviest row known or not."""
-    rows, batched = RowQueue([0] * ROWS, list(K), PAGES, max(K)), _BatchPops([0] * ROWS, list(K), PAGES, max(K))
-    queued: set[int] = set()
-    for what, picked, priority, shared, n, known in ops:
-        if what == "queue":
-            fresh = [r for r in picked if r not in queued]
-            for q in (rows, batched):
-                q.add_many(fresh, priority, shared)
-            queued.update(fresh)
-        elif what == "hit":
-            taken = [r for r in picked if r in queued]
-            for q in (rows, batched):
-                q.remove_many(taken)
-            queued.difference_update(taken)
-        elif what == "pop":
-            if not len(rows):
-                continue
-            for q in (rows, batched):
-                q._heaviest = max(K) if known else None
-            got = rows.pop_pages(min(n, len(rows)))
-            assert got == batched.pop_pages(min(n, len(batched)))
-            assert sum(K[r] for r in got[:-1]) < min(n, sum(K[r] for r in queued)) <= sum(K[r] for r in got)
-            queued.difference_update(got)
-        elif what == "refresh":
-            mine = [r for r in picked if r in queued]
-            for q in (rows, batched):
-                q.refresh(mine)
-        elif what == "requeue":
-            mine = [r for r in picked if r in queued]
-            for q in (rows, batched):
-                q.requeue(mine[: len(mine) // 2], mine[len(mine) // 2:], priority)
-        else:  # the last refusal's whole segment of leaves queued again: it moves, its old place left dead with its tag
-            whole = [(key, seg[2][seg[3]:]) for key, bucket in rows._by_key.items() if not key >> 64
-                     for seg in bucket if seg[0] and seg[0] == len(seg[2]) - seg[3]]
-            if not whole:
-                continue
-            key, again = whole[n % len(whole)]
-            for q in (rows, batched):
-                q.requeue(list(again), [], key - (1 << 63))
-        assert _inside(rows) == _inside(batched)
 
 
 def test_a_tied_group_s_view_counts_logical_blocks_of_k_pages_and_has_no_page_free_list():

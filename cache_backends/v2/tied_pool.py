@@ -26,7 +26,6 @@ to "tie58").
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter, mul
@@ -272,65 +271,32 @@ class RowQueue(EvictionQueue):
         queued."""
         if n > self._len:
             raise IndexError("no evictable block" if not self._len else f"{n} pages asked, {self._len} evictable")
-        # EvictionQueue.pop_many's walk, counting pages: one pass over the segments, where a pop_many call per batch
-        # of entries (~2.4 a take on tiny-gemma3 mixed) set its walk up again each time (BENCHMARKS.md "perf64b")
         out: list[int] = []
-        got = shared = 0  # pages popped, and those of shared prefixes' entries
-        weight, heaviest = self._weight, self._heaviest
-        heap, by_key, segs, tags = self._heap, self._by_key, self._segs, self._tag
+        got = 0
+        weight, pop_many, heaviest = self._weight, super().pop_many, self._heaviest
         while got < n:
-            key = heap[0]
-            bucket = by_key.get(key)
-            if bucket is None:
-                heapq.heappop(heap)
-                self._in_heap.discard(key)
+            # the entries that go whatever they weigh: the first m - 1 of them weigh less than the pages still asked,
+            # so popped at once they are the next m popped one at a time. Why: a prompt's take evicts tens of entries
+            # (tiny-gemma3 mixed at a quarter of the budget: up to 130), a pop call each
+            m = 1 if heaviest is None else -(-(n - got) // heaviest)
+            before = self.num_shared
+            if m == 1:  # one entry (most pops: a decode's boundary), without the batch's passes
+                (b,) = pop_many(1)
+                w = weight[b]
+                out.append(b)
+                got += w
+                self._len -= w - 1
+                if self.num_shared != before:
+                    self.num_shared -= w - 1
                 continue
-            if not bucket:
-                del by_key[key]
-                continue
-            seg = bucket[0]
-            live, tag, blocks, at, _ = seg
-            end = len(blocks)
-            i, took, before = at, 0, got
-            if live == end - at:  # every entry queued: at C speed, in batches
-                while i < end and got < n:
-                    # the entries that go whatever they weigh: the first m - 1 weigh less than the pages still asked
-                    # (pop_pages' batches: the same entries, popped a batch at a time)
-                    j = i + (1 if heaviest is None else -(-(n - got) // heaviest))
-                    got_now = blocks[i:j]
-                    for b in got_now:
-                        tags[b] = -1
-                    out += got_now
-                    got += sum(map(weight.__getitem__, got_now))
-                    took += len(got_now)
-                    i += len(got_now)
-            elif not live:  # every entry taken out before (its entries' tag may be a requeued segment's now)
-                i = end
-            else:  # entry by entry, skipping those taken out
-                while got < n and i < end:
-                    b = blocks[i]
-                    i += 1
-                    if tags[b] == tag:
-                        tags[b] = -1
-                        out.append(b)
-                        got += weight[b]
-                        took += 1
-            if tag >> _SHARED_BIT & 1:
-                shared += got - before
-            self._entries -= i - at
-            live -= took
-            if live and i < end:
-                seg[0] = live
-                seg[3] = i
-            else:  # consumed: whatever is left of it was taken out before
-                bucket.popleft()
-                self._entries -= end - i
-                if segs.get(tag) is seg:  # (a dead one may have handed its tag on: requeue)
-                    del segs[tag]
-                if not bucket:
-                    del by_key[key]
-        self._len -= got
-        self.num_shared -= shared
+            batch = pop_many(m)  # (counted one page off the length an entry, and off num_shared a shared one)
+            pages = sum(map(weight.__getitem__, batch))
+            self._len -= pages - m
+            shared = before - self.num_shared
+            if shared:  # the last ``shared`` popped: a pop takes every leaf bucket's entries before a shared one's
+                self.num_shared -= (pages if shared == m else sum(map(weight.__getitem__, batch[m - shared:]))) - shared
+            out += batch
+            got += pages
         return out
 
 
