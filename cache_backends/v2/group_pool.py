@@ -214,14 +214,6 @@ class EvictionQueue:
         shared bucket is in queue order, so only its oldest segments are looked at)."""
         limit = self._clock - self._stale
         by_key, segs, tags = self._by_key, self._segs, self._tag
-        for key, bucket in by_key.items():
-            if key >> _SHARED_BIT and (not bucket or not bucket[0][0] or bucket[0][4] < limit):
-                break  # a shared bucket to drop, or an oldest segment dead or stale: the walk below has work
-        else:
-            # every shared bucket's oldest segment live and fresh: the walk below would move and drop nothing. Why:
-            # this runs at every queue call while a shared block is queued (tiny-gemma3 mixed: 652 calls a run, none
-            # of which demoted), and the walk's snapshot of keys cost more than this look (BENCHMARKS.md "perf64b")
-            return
         for key in [k for k in by_key if k >> _SHARED_BIT]:  # a snapshot: buckets are made and dropped below
             bucket = by_key[key]
             stale: list[tuple[list[int], int]] = []

@@ -74,19 +74,13 @@ class RowQueue(EvictionQueue):
         # any shared entry was queued, ~200 us a call with 1,000 shared rows queued (BENCHMARKS.md "rev58")
         limit, tags = self._clock - self._stale, self._tag
         demoted: list[int] = []
-        work = False  # whether EvictionQueue._demote_stale has a segment to move or drop, or a bucket to drop
         for key, bucket in self._by_key.items():
             if key >> _SHARED_BIT:
                 for live, tag, blocks, at, clock in bucket:
                     if live and clock >= limit:
                         break
-                    work = True
                     if live:
                         demoted += [b for b in blocks[at:] if tags[b] == tag]
-                else:  # (emptied or every segment dead or stale: the bucket goes)
-                    work = True
-        if not work:  # the usual call (no demotion): its walk would change nothing
-            return
         super()._demote_stale()
         # EvictionQueue took one a demoted entry off num_shared; the pages they weigh come off instead
         self.num_shared += len(demoted) - self._pages(demoted)
