@@ -246,7 +246,7 @@ class _Run(_OpenAIDocuments):
                                                            sinks, salt=job.salt)
                         else:
                             rids = self.engine.submit_group(ids, params, sinks, salt=job.salt,
-                                                            priority=job.priority)
+                                                            priority=job.priority, drop_tokens=job.echo_only)
                     except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
                         if self.engine.loop_error is None:
                             raise shutting_down() from None
