@@ -117,6 +117,9 @@ class LiveRequest:
     #: a choice given its first token from this first choice's prefill, until sent
     forked_from: LiveRequest | None = None
     group: str | None = None  # its prompt's first choice's request id (what metrics group the n choices by)
+    #: an echo without generation (``max_tokens: 0``): the one token it draws is dropped, as an embedding's is, so it
+    #: reports and counts none (its end stays "length", what the answer says)
+    drops_token: bool = False
 
 
 @attrs.define(eq=False)

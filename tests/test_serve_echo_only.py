@@ -130,3 +130,25 @@ def test_max_tokens_zero_without_echo_is_refused_in_one_line_naming_what_is_acce
     r = served.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True, "min_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     assert "[0, max_tokens=0]" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics_count_no_generated_token_where_the_answer_says_none(served, stream):
+    """The token the engine draws for an echo without generation is dropped, and the answer's usage says 0 generated
+    tokens: /metrics said 1 per choice (``generation_tokens_total`` and the per-request histogram), so a dashboard's
+    token totals disagreed with what clients were billed. Its prompt and its end are counted as any request's."""
+    before = served.metrics()
+    r = _complete(served, n=2, logprobs=1, stream=stream, **({"stream_options": {"include_usage": True}}
+                                                             if stream else {}))
+    usage = [c for c in r if c.usage is not None][-1].usage if stream else r.usage
+    after = served.metrics()
+
+    def moved(name: str) -> float:
+        return after[name] - before[name]
+
+    assert usage.completion_tokens == 0
+    assert moved("kvload_generation_tokens_total") == 0
+    assert moved("kvload_request_generation_tokens_sum") == 0 and moved("kvload_request_generation_tokens_count") == 2
+    assert moved("kvload_request_max_num_generation_tokens_sum") == 0
+    assert moved("kvload_prompt_tokens_total") == 2 * usage.prompt_tokens  # each choice's, as vLLM counts them
+    assert moved("kvload_request_success_total{finished_reason=length}") == 2  # "length", as the answer says

@@ -208,7 +208,18 @@ class _Run(_OpenAIDocuments):
                     raise BadRequest(msg, param=field) from None
                 raise BadRequest(msg, param=head if head.isidentifier() else "prompt") from None
             except KvBuildError as exc:
-                raise self._never_fits(job, i, len(ids), exc) from None
+                fits = getattr(exc, "longest_sequence", None)
+                if job.max_tokens_given or fits is None or fits <= len(ids):
+                    raise self._never_fits(job, i, len(ids), exc) from None
+                # the default asks no more than the KV cache holds after the prompt, as it asks no more than
+                # max_seq_len leaves: a server whose --max_tokens is under prompt + default refused every client that
+                # sends no max_tokens (most chat clients), telling it to lower a max_tokens it never sent
+                cap = fits - len(ids)
+                params = attrs.evolve(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
+                try:
+                    self.engine.check(ids, params)
+                except KvBuildError as again:
+                    raise self._never_fits(job, i, len(ids), again) from None
             plan.append((ids, params))
         if job.params.logprobs is not None:
             most = sum(params.max_tokens for _, params in plan) * job.n
@@ -246,7 +257,7 @@ class _Run(_OpenAIDocuments):
                                                            sinks, salt=job.salt)
                         else:
                             rids = self.engine.submit_group(ids, params, sinks, salt=job.salt,
-                                                            priority=job.priority)
+                                                            priority=job.priority, drop_tokens=job.echo_only)
                     except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
                         if self.engine.loop_error is None:
                             raise shutting_down() from None
