@@ -356,7 +356,8 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
     @contextlib.contextmanager
     def called_as(self, caller: str) -> Iterator[None]:
         """Run calls in the block as the user's ``caller`` (``chat``, ``generate_stream``, ``beam_search``): the audit's
-        ``generation_failed`` message is titled as the error the caller raises (``kvload.llm``'s ``_named``)."""
+        ``generation_failed`` message is titled as the error the caller raises
+        (``kvload.llm_calls.errors_titled``)."""
         before, self._caller = self._caller, caller
         try:
             yield

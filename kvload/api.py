@@ -168,15 +168,14 @@ def _append_events(buffer: Any, path: str) -> dict[str, Any]:
     ``jsonl=5`` wrote into whatever descriptor 5 was."""
     import json
 
-    from pipeline.errors import ConfigError, OutputError, out_of_space
+    from pipeline.errors import OutputError, opening_error
 
     try:
         f = open(path, "ab", buffering=0)  # noqa: SIM115 - closed below, after the drain; unbuffered: close writes nothing
     except OSError as exc:
         # a full disk (no inode for the new file) or a quota is outside the settings: exit 1, as when it shows mid-write
-        error = OutputError if out_of_space(exc) else ConfigError
-        raise error(f"kv_cache_events: jsonl {path}: cannot append to it ({exc.strerror or exc}); the events stay in "
-                    "the buffer") from None
+        raise opening_error(exc)(f"kv_cache_events: jsonl {path}: cannot append to it ({exc.strerror or exc}); the "
+                                 "events stay in the buffer") from None
     with f:
         batch = buffer.drain()
         data = memoryview("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch["events"]).encode())

@@ -162,6 +162,12 @@ def out_of_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
 
 
+def opening_error(exc: BaseException) -> type[KvloadError]:
+    """What a file the user named that cannot be opened for writing raises: :class:`OutputError` (exit 1) for a full
+    disk or quota (:func:`out_of_space`), else :class:`ConfigError` (exit 2), the path refused."""
+    return OutputError if out_of_space(exc) else ConfigError
+
+
 class GenerationError(KvloadError, ValueError):
     """A generate call cannot run as asked: a bad prompt or sampling value, a result without weights, closed pools."""
 

@@ -48,7 +48,7 @@ from kvload.serve.state import CorsPolicy, ServeState
 from kvload.serve.stats_log import StatsLogger
 from kvload.serve.tls import Tls, tls_from_flags
 from kvload.serve.uds import UnixListener, uds_url
-from pipeline.errors import ConfigError, GenerationError, KvloadError, OutputError, out_of_space
+from pipeline.errors import ConfigError, GenerationError, KvloadError, opening_error
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
 from pipeline.limits import MAX_INT, short, short_text
 from pipeline.signals import stopping
@@ -274,8 +274,8 @@ def mirror_kv_events(state: ServeState, path: str, flag: str = "--kv-events-file
         mirror = KvEventMirror(path, flag, on_failure=failed)
     except OSError as exc:
         # a full disk (no inode for the new file) or a quota: outside the settings (exit 1), not a path refused
-        error = OutputError if out_of_space(exc) else ConfigError
-        raise error(f"{flag} {short_text(path, 200)}: cannot open it for writing ({exc.strerror or exc})") from None
+        raise opening_error(exc)(f"{flag} {short_text(path, 200)}: cannot open it for writing "
+                                 f"({exc.strerror or exc})") from None
     buffer.mirror = mirror
     return mirror
 
