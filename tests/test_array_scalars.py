@@ -112,3 +112,15 @@ def test_llm_seed_takes_a_torch_integer(tiny_checkpoints):
         assert llm.result.executor.llm_seed == 7 and type(llm.result.executor.llm_seed) is int
     with pytest.raises(ConfigError, match="seed: expected an integer in"):
         kvload.LLM("tiny-llama", seed=np.bool_(True))
+
+
+def test_llm_call_flags_take_numpy_and_torch_bools(tiny_checkpoints):
+    """``get_world_size(include_dp=)`` and ``reset_prefix_cache``'s flags as SamplingParams' take them (before:
+    "reset_prefix_cache: reset_running_requests: expected true or false, got np.True_")."""
+    with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False,
+                    kv_cache_config={"max_tokens": 256}) as llm:
+        assert llm.get_world_size(include_dp=np.False_) == 1
+        assert llm.reset_prefix_cache(np.True_, torch.tensor(False)) is True
+        with pytest.raises(GenerationError, match="reset_prefix_cache: reset_connector: expected true or false"):
+            llm.reset_prefix_cache(False, np.array([True, True]))
+
