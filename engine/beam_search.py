@@ -64,7 +64,7 @@ from pipeline.events import (
     RequestPreempted,
     SettingIgnored,
 )
-from pipeline.limits import MAX_INT, MAX_N, int_text
+from pipeline.limits import MAX_INT, MAX_N, int_text, plain_flag
 
 if TYPE_CHECKING:
     from engine.executor import GenerationExecutor as Executor
@@ -117,6 +117,7 @@ class BeamSearchParams:
         check(is_int(max_tokens) and max_tokens >= 1, "max_tokens", "an integer >= 1", max_tokens)
         if max_tokens > MAX_INT:  # as SamplingParams bounds it: an integer setting is at most int64
             raise GenerationError(f"generate: max_tokens: expected at most 2**63 - 1, got {int_text(max_tokens)}")
+        ignore_eos = plain_flag(ignore_eos)  # numpy's bool (a 0-d bool tensor) as Python's, as SamplingParams takes it
         check(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
         check(is_finite(length_penalty), "length_penalty", "a finite number",
               length_penalty)

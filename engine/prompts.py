@@ -21,6 +21,7 @@ from typing import Any, NotRequired, TypedDict
 import attrs
 
 from pipeline.errors import GenerationError, first_line
+from pipeline.limits import plain_flag
 
 #: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused. A TokensPrompt may
 #: carry its text too (vLLM's ``prompt``, the ``RequestOutput.prompt`` then), and either its prefix cache salt.
@@ -403,6 +404,8 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     if chat_template_content_format is not None and chat_template_content_format not in CONTENT_FORMATS:
         raise GenerationError(f"chat: chat_template_content_format: expected one of {', '.join(CONTENT_FORMATS)}, "
                               f"got {chat_template_content_format!r}"[:200])
+    add_generation_prompt = plain_flag(add_generation_prompt)  # numpy's bool as Python's, as SamplingParams' flags
+    continue_final_message = plain_flag(continue_final_message)
     for name, value in (("add_generation_prompt", add_generation_prompt),
                         ("continue_final_message", continue_final_message)):
         if not isinstance(value, bool):

@@ -36,6 +36,7 @@ from pipeline.limits import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
     int_text,
+    plain_flag,
     plain_scalar,
     short,
 )
@@ -357,6 +358,10 @@ class SamplingParams:
         max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens = map(
             _plain_int, (max_tokens, top_k, seed, n, logprobs, min_tokens, prompt_logprobs, truncate_prompt_tokens))
         seed = None if is_int(seed) and seed == -1 else seed
+        # numpy's bool and a 0-d bool tensor (a flag computed from an array) as Python's bool
+        ignore_eos, include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens, detokenize = map(
+            plain_flag, (ignore_eos, include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
+                         detokenize))
         temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p = map(
             _plain_number, (temperature, top_p, repetition_penalty, presence_penalty, frequency_penalty, min_p))
         check(max_tokens is None or (is_int(max_tokens) and max_tokens >= 1), length_name, "an integer >= 1",

@@ -15,7 +15,14 @@ from engine.reasoning import PARSERS
 from engine.schema_ignored import ignored_settings
 from pipeline.errors import GenerationError, did_you_mean
 from pipeline.json_ints import LongInts, too_long_int, too_long_message
-from pipeline.limits import MAX_SCHEMA_DEPTH, MAX_STRUCTURED_CHARS, MAX_STRUCTURED_CHOICES, nesting_depth, unique_keys
+from pipeline.limits import (
+    MAX_SCHEMA_DEPTH,
+    MAX_STRUCTURED_CHARS,
+    MAX_STRUCTURED_CHOICES,
+    nesting_depth,
+    plain_flag,
+    unique_keys,
+)
 from pipeline.vllm_compat import reasoning_parser_named
 
 #: The ways to constrain an output, in vLLM's order; exactly one is given.
@@ -178,6 +185,7 @@ class StructuredOutputsParams:
             raise _unknown_field(next(iter(unknown)))
         # TensorRT-LLM's name of a parser (deepseek-r1) is that parser, as kvload.LLM(reasoning_parser=...) takes it
         reasoning_parser = reasoning_parser_named(reasoning_parser) or reasoning_parser
+        json_object, disable_any_whitespace = plain_flag(json_object), plain_flag(disable_any_whitespace)
         self.__attrs_init__(json, regex, _choices(choice), grammar, json_object, disable_any_whitespace,
                             reasoning_parser)
 

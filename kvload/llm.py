@@ -49,7 +49,7 @@ from pipeline.errors import (
     OutputError,
 )
 from pipeline.events import SettingIgnored
-from pipeline.limits import MAX_INT, plain_scalar, short
+from pipeline.limits import MAX_INT, plain_flag, plain_scalar, short
 from pipeline.ranks import ranks_from_env
 from pipeline.vllm_compat import reasoning_parser as vllm_reasoning_parser
 from stages import load_stages
@@ -325,7 +325,7 @@ class LLM(PoolingCalls, StreamCalls):
     def get_world_size(self, include_dp: bool = True) -> int:
         """vLLM's ``LLM.get_world_size``: the ranks the model runs on, ``tensor_parallel_size`` (kvload has no
         pipeline or data parallelism, so ``include_dp`` changes nothing: both counts are the same)."""
-        if not isinstance(include_dp, bool):
+        if not isinstance(plain_flag(include_dp), bool):
             raise GenerationError(f"get_world_size: include_dp: expected true or false, got {short(include_dp)}")
         return int(self.args.tensor_parallel_size)
 
@@ -486,10 +486,8 @@ class LLM(PoolingCalls, StreamCalls):
     def _no_progress_bar(self, use_tqdm: Any, call: str = "generate") -> None:
         """vLLM's ``use_tqdm``: false needs nothing; true (or a tqdm factory) is said to be ignored, once; anything
         else (a text, a number, a list) is refused, as vLLM's type says, rather than read as true or false."""
-        flag = plain_scalar(use_tqdm)
-        # numpy's bool (np.bool_, np.bool in numpy 2) as a bool
-        boolean = isinstance(flag, bool) or type(flag).__name__ in ("bool", "bool_") or (
-            type(flag) is int and flag in (0, 1))
+        flag = plain_scalar(plain_flag(use_tqdm))  # numpy's bool (a 0-d bool tensor) as a bool
+        boolean = isinstance(flag, bool) or (type(flag) is int and flag in (0, 1))
         if not (flag is None or boolean or callable(flag)):
             raise GenerationError(f"{call}: use_tqdm: expected true, false or a tqdm factory (a callable), got "
                                   f"{short(use_tqdm)}")
@@ -516,6 +514,7 @@ class LLM(PoolingCalls, StreamCalls):
         (vLLM's KV connector's cache too; kvload has no KV connector, so true is reported ``setting_ignored``, once
         per LLM).
         """
+        reset_running_requests, reset_connector = plain_flag(reset_running_requests), plain_flag(reset_connector)
         for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
             if not isinstance(value, bool):
                 raise GenerationError(f"reset_prefix_cache: {name}: expected true or false, got {short(value)}")

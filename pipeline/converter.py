@@ -31,7 +31,7 @@ from pipeline.config import (
     public_fields,
 )
 from pipeline.errors import ConfigError, did_you_mean
-from pipeline.limits import MAX_INT, plain_scalar
+from pipeline.limits import MAX_INT, plain_flag, plain_scalar
 
 T = TypeVar("T")
 
@@ -65,12 +65,19 @@ def _bytes(value: Any, _type: Any) -> Any:
     return value
 
 
-for _t in (bool, str, DTypeName, DeviceName):
+def _flag(value: Any, _type: Any) -> Any:
+    """numpy's bool (a 0-d bool tensor) as Python's, as numbers are taken (``enable_block_reuse=mask.any()``);
+    everything else unchanged for the field's check to judge (1 and "yes" stay refused)."""
+    return plain_flag(value)
+
+
+for _t in (str, DTypeName, DeviceName):
     converter.register_structure_hook(_t, _passthrough)
+converter.register_structure_hook(bool, _flag)
 for _t in (int, float, SeqLen):
     converter.register_structure_hook(_t, _number)
 converter.register_structure_hook(Bytes, _bytes)
-converter.register_structure_hook_func(lambda t: t == TriState, _passthrough)
+converter.register_structure_hook_func(lambda t: t == TriState, _flag)  # true | false | "auto"
 
 
 #: What a config class's mapping holds, where its class name would tell a user nothing.

@@ -104,6 +104,21 @@ def plain_scalar(value: Any) -> Any:
     return value
 
 
+def plain_flag(value: Any) -> Any:
+    """A numpy bool or 0-d torch bool tensor as Python's bool (a flag computed from an array: ``ignore_eos=mask.any()``,
+    which vLLM takes as it takes any truthy value); anything else unchanged for the checks to judge (1, "yes" and a
+    bool tensor of more than one value stay refused where a flag is wanted, and a bool stays no count)."""
+    if type(value) is bool or value is None:
+        return value
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.bool_):
+        return bool(value)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.bool:
+        return bool(value.item())
+    return value
+
+
 def int_text(value: int) -> str:
     """An integer for an error message: its digits when short, its size when long (never a 5,000-digit line)."""
     if abs(value) < 10**24:

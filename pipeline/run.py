@@ -13,7 +13,7 @@ from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
 from pipeline.errors import ConfigError, KvloadError
-from pipeline.limits import short_text
+from pipeline.limits import plain_flag, short_text
 from pipeline.logs import StructlogSubscriber
 from pipeline.ranks import close_rank_audit, rank_audit_sink, ranks_from_env
 from pipeline.runner import Pipeline, Stage
@@ -145,6 +145,7 @@ def execute(
     Under torchrun each rank runs the stages; rank 0 writes ``audit_log`` as given, rank N writes
     ``<stem>.rankN<suffix>`` beside it (:func:`pipeline.ranks.rank_audit_path`).
     """
+    log = plain_flag(log)  # numpy's bool as Python's
     if not isinstance(log, bool):  # "no" or 0 would silently mean the opposite of what was meant
         raise ConfigError(f"log: expected true or false, got {log!r}"[:300])
     subscribers = _subscribers(subscribers)

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError, close_names, did_you_mean
-from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_flag, short
 from pipeline.vllm_compat import (
     DUMMY_LOAD,
     DUMMY_LOAD_FORMATS,
@@ -139,7 +139,7 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
     for key, value in tree.items():
         _dashed(key, value, python, vllm_first, own)
         if key == "trust_remote_code" and key not in own:
-            if not isinstance(value, bool):
+            if not isinstance(plain_flag(value), bool):
                 raise ConfigError(f"trust_remote_code: expected true or false, got {short(value)}",
                                   path="trust_remote_code", detail="not a bool")
             # vLLM scripts pass true habitually; vLLM itself runs its own implementation of the families kvload
@@ -300,7 +300,7 @@ def trtllm_speculative_config(value: Mapping[str, Any]) -> tuple[dict[str, Any],
         ignored.append((f"{where}.max_total_draft_tokens", total, "kvload drafts one chain of max_draft_len tokens "
                                                                   "(no draft tree)"))
     for key, why in _TRTLLM_NGRAM_SWITCHES.items():
-        given = value.get(key)
+        given = plain_flag(value.get(key))
         if given is not None and not isinstance(given, bool):
             raise ConfigError(f"{where}: {key}: expected true or false, got {short(given)}", path=where,
                               detail="not a bool")

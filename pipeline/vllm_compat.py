@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 from pipeline.config import AUTO, LlmArgs, describe
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
-from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_scalar, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_flag, plain_scalar, short
 from pipeline.paths import get_in, unflatten
 
 #: vLLM's name → kvload's dotted field, where vLLM's setting means exactly what kvload's does (defaults may differ:
@@ -127,9 +127,8 @@ def _count_at_least(low: int) -> Callable[[Any], bool]:
 
 def _on_off(value: Any) -> bool:
     """vLLM's boolean knobs take true or false (0 and 1 too, as Python's bool does; numpy's bool as a bool)."""
-    value = plain_scalar(value)
-    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or (
-        type(value) is int and value in (0, 1))
+    value = plain_scalar(plain_flag(value))
+    return isinstance(value, bool) or (type(value) is int and value in (0, 1))
 
 
 #: vLLM's on/off engine knobs kvload ignores (``bool`` in vLLM's ``EngineArgs``; ``--X`` / ``--no-X`` switches): a NaN,

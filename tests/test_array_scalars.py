@@ -1,6 +1,7 @@
 """numpy scalars and 0-d torch tensors where the Python API takes numbers, as vLLM takes them: load arguments
-(through the one converter), SamplingParams and ``LLM``'s seed; bools and non-integral floats are still refused, shown
-as Python's own."""
+(through the one converter), SamplingParams and ``LLM``'s seed; where a flag is wanted, numpy's bool and a 0-d bool
+tensor as Python's bool; a bool where a count is wanted and non-integral floats are still refused, shown as Python's
+own."""
 
 from __future__ import annotations
 
@@ -35,8 +36,49 @@ def test_load_arguments_take_numpy_and_torch_integers_and_floats():
     for flag in (np.bool_(True), torch.tensor(True)):  # a bool is no count, whoever's it is
         with pytest.raises(ConfigError, match="max_num_seqs: expected an integer >= 1, got "):
             _plan(max_num_seqs=flag)
+
+
+@pytest.mark.parametrize("flag", [np.bool_(False), torch.tensor(False)], ids=["numpy", "torch"])
+def test_config_flags_take_numpy_and_torch_bools(flag):
+    """A flag computed from an array (``enable_block_reuse=mask.any()``) is taken as Python's bool, as numbers are
+    (before: "kv_cache_config.enable_block_reuse: expected true or false, got np.False_"); the tri-state's too."""
+    r = _plan(kv_cache_config={"enable_block_reuse": flag, "use_kv_cache_manager_v2": ~flag})
+    kv = r.args.kv_cache_config
+    assert kv.enable_block_reuse is False and kv.use_kv_cache_manager_v2 is True  # held (and audited) as Python's
+    assert r.route.kv_manager == "KVCacheManagerV2"
+    parsed = {e["field"]: e["new"] for e in r.audit.events if e["event"] == "args_parsed"}
+    assert parsed["kv_cache_config.enable_block_reuse"] is False
+    json.dumps(r.audit.events)  # plain JSON
+    assert kvload.plan("tiny-llama", log=np.False_).args.kv_cache_config.enable_block_reuse  # the API's own flag too
+
+
+@pytest.mark.parametrize("bad", [1, "yes", np.array([True]), torch.tensor([True, False]), np.int64(1)])
+def test_config_flags_still_refuse_what_is_no_bool(bad):
+    """Only a bool's own kinds are a flag: an int, a text or an array of several is refused naming the field."""
     with pytest.raises(ConfigError, match="kv_cache_config.enable_block_reuse: expected true or false"):
-        _plan(kv_cache_config={"enable_block_reuse": np.bool_(True)})
+        _plan(kv_cache_config={"enable_block_reuse": bad})
+
+
+def test_sampling_and_chat_flags_take_numpy_and_torch_bools():
+    """SamplingParams', BeamSearchParams', structured outputs' and chat's flags take numpy's bool and a 0-d bool
+    tensor as Python's (before: "generate: ignore_eos: expected true or false, got np.True_")."""
+    from engine.beam_search import BeamSearchParams
+    from engine.prompts import template_options
+    from engine.structured_params import StructuredOutputsParams
+
+    p = SamplingParams(ignore_eos=np.True_, skip_special_tokens=torch.tensor(False), detokenize=np.True_,
+                       include_stop_str_in_output=np.False_, spaces_between_special_tokens=torch.tensor(True))
+    got = (p.ignore_eos, p.skip_special_tokens, p.detokenize, p.include_stop_str_in_output,
+           p.spaces_between_special_tokens)
+    assert got == (True, False, True, False, True) and all(type(v) is bool for v in got)
+    assert BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=np.True_).ignore_eos is True
+    s = StructuredOutputsParams(json_object=np.True_, disable_any_whitespace=torch.tensor(True))
+    assert s.json_object is True and s.disable_any_whitespace is True
+    options = template_options(add_generation_prompt=np.False_, continue_final_message=torch.tensor(True))
+    assert options["add_generation_prompt"] is False and options["continue_final_message"] is True
+    for bad in (1, np.array([True, False])):
+        with pytest.raises(GenerationError, match="ignore_eos: expected true or false"):
+            SamplingParams(ignore_eos=bad)
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -70,3 +112,15 @@ def test_llm_seed_takes_a_torch_integer(tiny_checkpoints):
         assert llm.result.executor.llm_seed == 7 and type(llm.result.executor.llm_seed) is int
     with pytest.raises(ConfigError, match="seed: expected an integer in"):
         kvload.LLM("tiny-llama", seed=np.bool_(True))
+
+
+def test_llm_call_flags_take_numpy_and_torch_bools(tiny_checkpoints):
+    """``get_world_size(include_dp=)`` and ``reset_prefix_cache``'s flags as SamplingParams' take them (before:
+    "reset_prefix_cache: reset_running_requests: expected true or false, got np.True_")."""
+    with kvload.LLM(str(tiny_checkpoints("llama")), device="cpu", log=False,
+                    kv_cache_config={"max_tokens": 256}) as llm:
+        assert llm.get_world_size(include_dp=np.False_) == 1
+        assert llm.reset_prefix_cache(np.True_, torch.tensor(False)) is True
+        with pytest.raises(GenerationError, match="reset_prefix_cache: reset_connector: expected true or false"):
+            llm.reset_prefix_cache(False, np.array([True, True]))
+
