@@ -124,3 +124,60 @@ def test_llm_call_flags_take_numpy_and_torch_bools(tiny_checkpoints):
         with pytest.raises(GenerationError, match="reset_prefix_cache: reset_connector: expected true or false"):
             llm.reset_prefix_cache(False, np.array([True, True]))
 
+
+
+def test_ignored_flags_and_counts_are_audited_as_json(tmp_path):
+    """A vLLM knob kvload ignores, ``trust_remote_code`` and TensorRT-LLM's kv_cache_config switches take numpy's
+    bool and a 0-d bool tensor; their ``setting_ignored`` records hold Python's values (before: the record held
+    ``np.True_``, so ``json.dumps`` of the audit's events raised, and the file's line read ``"tensor(True)"``)."""
+    audit = tmp_path / "audit.jsonl"
+    r = kvload.plan("tiny-llama", log=False, audit_log=str(audit), enforce_eager=np.True_,
+                    trust_remote_code=torch.tensor(True), max_seq_len_to_capture=np.int64(64),
+                    kv_cache_config={"copy_on_partial_reuse": np.False_})
+    ignored = {e["field"]: e["value"] for e in r.audit.events if e["event"] == "setting_ignored"}
+    wanted = {"enforce_eager": True, "trust_remote_code": True, "max_seq_len_to_capture": 64,
+              "kv_cache_config.copy_on_partial_reuse": False}
+    assert {k: ignored[k] for k in wanted} == wanted
+    assert [type(ignored[k]) for k in wanted] == [bool, bool, int, bool]
+    json.dumps(r.audit.events)
+    written = {e["field"]: e["value"] for e in map(json.loads, audit.read_text().splitlines())
+               if e["event"] == "setting_ignored"}
+    assert {k: written[k] for k in wanted} == wanted
+
+
+def test_pooling_params_use_activation_takes_numpy_and_torch_bools():
+    """``PoolingParams(use_activation=)`` is a flag as SamplingParams' are (before: "PoolingParams: use_activation:
+    expected true, false or None, got np.False_"); 1 and arrays stay refused."""
+    from engine.pooling import PoolingParams
+
+    assert PoolingParams(use_activation=np.False_).use_activation is False
+    assert PoolingParams(use_activation=torch.tensor(True)).use_activation is True
+    for bad in (1, np.array([True, False])):
+        with pytest.raises(GenerationError, match="use_activation: expected true, false or None"):
+            PoolingParams(use_activation=bad)
+
+
+def test_generate_chat_and_use_tqdm_take_numpy_and_torch_bools(tiny_checkpoints, tmp_path_factory):
+    """``generate(chat=)`` / ``generate_stream(chat=)`` take numpy's bool as ``chat``'s template options' flags do
+    (before: "generate: chat: expected true or false, ... got np.True_"); ``use_tqdm=torch.tensor(True)`` is taken
+    (before: refused) and said ignored with ``true``, not the text ``"np.True_"``."""
+    from tests.llm_support import with_tokenizer
+
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("words") / "ckpt", 512)
+    with kvload.LLM(str(words), device="cpu", log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+        params = SamplingParams(max_tokens=2, temperature=0)
+        (out,) = llm.generate("w5", params, chat=np.True_)
+        assert out.prompt == "w5 w1" and out.prompt_token_ids == [5, 1]
+        (plain,) = llm.generate("w5", params, chat=torch.tensor(False))
+        assert plain.prompt_token_ids == [5]
+        deltas = list(llm.generate_stream("w5", params, chat=np.True_))
+        assert deltas[-1].output.prompt_token_ids == [5, 1]
+        for bad in (1, np.array([True, True])):
+            with pytest.raises(GenerationError, match="chat: expected true or false"):
+                llm.generate("w5", params, chat=bad)
+        llm.generate("w5", params, use_tqdm=torch.tensor(True))
+        said = [e["value"] for e in llm.audit.of("setting_ignored") if e["field"] == "generate.use_tqdm"]
+        assert said == [True]
+        with pytest.raises(GenerationError, match="use_tqdm: expected true, false or a tqdm factory"):
+            llm.generate("w5", params, use_tqdm=torch.tensor([True, False]))
