@@ -133,12 +133,15 @@ def test_ignored_flags_and_counts_are_audited_as_json(tmp_path):
     audit = tmp_path / "audit.jsonl"
     r = kvload.plan("tiny-llama", log=False, audit_log=str(audit), enforce_eager=np.True_,
                     trust_remote_code=torch.tensor(True), max_seq_len_to_capture=np.int64(64),
-                    kv_cache_config={"copy_on_partial_reuse": np.False_})
+                    disable_log_stats=torch.tensor(False), kv_cache_config={"copy_on_partial_reuse": np.False_},
+                    speculative_config={"decoding_type": "Eagle", "max_draft_len": np.int64(3)})
     ignored = {e["field"]: e["value"] for e in r.audit.events if e["event"] == "setting_ignored"}
     wanted = {"enforce_eager": True, "trust_remote_code": True, "max_seq_len_to_capture": 64,
-              "kv_cache_config.copy_on_partial_reuse": False}
+              "disable_log_stats": False, "kv_cache_config.copy_on_partial_reuse": False,
+              "speculative_config": {"decoding_type": "Eagle", "max_draft_len": 3}}
     assert {k: ignored[k] for k in wanted} == wanted
-    assert [type(ignored[k]) for k in wanted] == [bool, bool, int, bool]
+    assert [type(ignored[k]) for k in list(wanted)[:5]] == [bool, bool, int, bool, bool]
+    assert type(ignored["speculative_config"]["max_draft_len"]) is int  # inside a mapping too
     json.dumps(r.audit.events)
     written = {e["field"]: e["value"] for e in map(json.loads, audit.read_text().splitlines())
                if e["event"] == "setting_ignored"}
@@ -181,3 +184,16 @@ def test_generate_chat_and_use_tqdm_take_numpy_and_torch_bools(tiny_checkpoints,
         assert said == [True]
         with pytest.raises(GenerationError, match="use_tqdm: expected true, false or a tqdm factory"):
             llm.generate("w5", params, use_tqdm=torch.tensor([True, False]))
+
+
+def test_trtllm_ngram_switches_take_numpy_and_torch_bools():
+    """TensorRT-LLM's NGram switches are flags: true is said ignored (with ``true``), false is what kvload does;
+    1 stays refused (before the flags change: "speculative_config: is_keep_all: expected true or false, got
+    tensor(True)")."""
+    ngram = {"decoding_type": "NGram", "max_draft_len": 2, "max_matching_ngram_size": 2}
+    r = _plan(speculative_config={**ngram, "is_keep_all": torch.tensor(True), "is_use_oldest": np.False_})
+    ignored = {e["field"]: e["value"] for e in r.audit.events if e["event"] == "setting_ignored"}
+    assert ignored.get("speculative_config.is_keep_all") is True and "speculative_config.is_use_oldest" not in ignored
+    assert r.args.max_draft_len == 2
+    with pytest.raises(ConfigError, match="speculative_config: is_public_pool: expected true or false, got 1"):
+        _plan(speculative_config={**ngram, "is_public_pool": 1})
