@@ -197,3 +197,22 @@ def test_trtllm_ngram_switches_take_numpy_and_torch_bools():
     assert r.args.max_draft_len == 2
     with pytest.raises(ConfigError, match="speculative_config: is_public_pool: expected true or false, got 1"):
         _plan(speculative_config={**ngram, "is_public_pool": 1})
+
+
+def test_a_numpy_count_beside_speculative_configs_own_agrees_with_it():
+    """``max_draft_len=np.int64(2)`` beside a speculative_config of 2 is one value given twice, as 2 and 2 are (before:
+    "its max_draft_len 2 and the top-level max_draft_len np.int64(2) set one field to different values"), and
+    speculative_config's own counts take numpy's and torch's integers as the top-level fields do (before: "expected
+    an integer from 1 to 64, got tensor(2)"); a different value, or a bool for the count, is still refused."""
+    ngram = {"decoding_type": "NGram", "max_draft_len": 2, "max_matching_ngram_size": 2}
+    assert _plan(speculative_config=ngram, max_draft_len=np.int64(2)).args.max_draft_len == 2
+    r = _plan(speculative_config={**ngram, "max_draft_len": torch.tensor(2)}, max_draft_len=2)
+    assert r.args.max_draft_len == 2 and type(r.args.max_draft_len) is int
+    vllm = _plan(speculative_config={"method": "ngram", "num_speculative_tokens": np.int64(3),
+                                     "prompt_lookup_max": torch.tensor(2)})
+    assert (vllm.args.max_draft_len, vllm.args.max_matching_ngram_size) == (3, 2)
+    for bad in (np.int64(3), np.True_):
+        with pytest.raises(ConfigError, match="set one field to different values"):
+            _plan(speculative_config=ngram, max_draft_len=bad)
+    with pytest.raises(ConfigError, match="speculative_config: max_draft_len: expected an integer from 1 to 64, got "):
+        _plan(speculative_config={**ngram, "max_draft_len": np.True_})
