@@ -216,3 +216,16 @@ def test_a_numpy_count_beside_speculative_configs_own_agrees_with_it():
             _plan(speculative_config=ngram, max_draft_len=bad)
     with pytest.raises(ConfigError, match="speculative_config: max_draft_len: expected an integer from 1 to 64, got "):
         _plan(speculative_config={**ngram, "max_draft_len": np.True_})
+
+
+def test_load_weights_is_a_flag():
+    """``kvload.load(load_weights=)`` takes numpy's bool as ``log`` does, and refuses what is no bool (before: any
+    value was read for its truth, so ``load_weights="no"`` loaded the weights)."""
+    def weights_loaded(flag):
+        r = kvload.load("tiny-llama", log=False, load_weights=flag, device="cpu", kv_cache_config={"max_tokens": 256})
+        return any(e["event"] == "weights_loaded" for e in r.audit.events)
+
+    assert weights_loaded(np.True_) and not weights_loaded(torch.tensor(False))
+    for bad in ("no", 0, np.array([True, True])):
+        with pytest.raises(ConfigError, match="^load_weights: expected true or false, got "):
+            kvload.load("tiny-llama", log=False, load_weights=bad)
