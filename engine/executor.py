@@ -95,7 +95,7 @@ from pipeline.events import (
     RequestAdmitted,
     SettingIgnored,
 )
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, plain_flag
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -416,6 +416,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
                                       f"{', '.join(sorted(CHAT_OPTIONS))}")
             chat = template_options(**chat)
         else:
+            chat = plain_flag(chat)  # numpy's bool (a 0-d bool tensor) as Python's, as the other flags
             check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
         # a chat's sampling settings are checked before its template is applied: a mistyped keyword is the first
         # mistake to fix, and on a tokenizer without a template it read "chat needs a chat template"

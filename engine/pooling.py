@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from pipeline.errors import GenerationError, close_names, did_you_mean
-from pipeline.limits import plain_scalar, short
+from pipeline.limits import plain_flag, plain_scalar, short
 
 
 def _check_dimensions(_: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -73,9 +73,10 @@ class PoolingParams:
                 raise PoolingParamsError(f"{listed}; did you mean 'normalize'? {_NORMALIZE_REMOVED}")
             raise PoolingParamsError(f"{listed}{did_you_mean(name, POOLING_FIELDS)}")
         # a numpy integer or 0-d torch tensor (a length taken from an array) as Python's int, as SamplingParams'
-        # truncate_prompt_tokens takes it: the same value was refused here and taken by generate
-        self.__attrs_init__(use_activation=use_activation, truncate_prompt_tokens=plain_scalar(truncate_prompt_tokens),
-                            dimensions=dimensions)
+        # truncate_prompt_tokens takes it: the same value was refused here and taken by generate; numpy's bool (a 0-d
+        # bool tensor) as Python's, as SamplingParams' flags take it
+        self.__attrs_init__(use_activation=plain_flag(use_activation),
+                            truncate_prompt_tokens=plain_scalar(truncate_prompt_tokens), dimensions=dimensions)
 
 
 #: :class:`PoolingParams`' fields, as its unknown-field error lists them

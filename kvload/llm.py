@@ -496,7 +496,7 @@ class LLM(PoolingCalls, StreamCalls):
         self._said_no_tqdm = True
         if self.result.bus is not None:
             self.result.bus.emitter("generate")(SettingIgnored(
-                field="generate.use_tqdm", value=use_tqdm if isinstance(use_tqdm, bool) else repr(use_tqdm),
+                field="generate.use_tqdm", value=flag if isinstance(flag, bool) else repr(use_tqdm),
                 reason="kvload.LLM draws no progress bar; llm.last_stats has the call's totals"))
 
 

@@ -39,7 +39,8 @@ from pipeline.errors import GenerationError, RankError
 from pipeline.ranks import LAUNCHER_ENV
 
 #: The ``LLM`` methods that run the engine: rank 0 sends each call to the other ranks, which make it too.
-FOLLOWED = ("generate", "chat", "embed", "score", "beam_search", "reset_prefix_cache")
+FOLLOWED = ("generate", "chat", "embed", "score", "classify", "reward", "encode", "beam_search",
+            "reset_prefix_cache")
 #: The variable naming the file descriptor of a rank's socket to rank 0.
 CHANNEL_ENV = "KVLOAD_LLM_CHANNEL"
 #: Seconds the ranks get to close their LLM and exit after rank 0 asks; then SIGTERM, then SIGKILL as long again.

@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 import attrs
 
+from pipeline.limits import plain_values
+
 #: A field's metadata key: the field is left out of the record when None (a record reads as it did before the field
 #: came, and carries no ``request=None`` on a line no request gave).
 OMIT_NONE = "omit_none"
@@ -287,7 +289,8 @@ class SettingIgnored(Event):
     """A setting the user asked for has no effect with the resolved configuration."""
 
     field: str
-    value: Any
+    #: numpy's and torch's scalars as Python's (an ignored ``enforce_eager=np.True_``): the audit's records are JSON
+    value: Any = attrs.field(converter=plain_values)
     reason: str
     #: The served request that gave it (``kvload serve``; its reason ends ``(request ID)`` too, for the log line):
     #: ``kvload audit`` counts the same warning of many requests as one.

@@ -119,6 +119,20 @@ def plain_flag(value: Any) -> Any:
     return value
 
 
+def plain_values(value: Any) -> Any:
+    """``value`` with each numpy scalar and 0-d torch tensor in it (in dicts, lists and tuples too) as Python's bool,
+    int or float (:func:`plain_flag`, :func:`plain_scalar`): what an event records of a user's value stays JSON (a
+    flag ``np.True_`` an ignored knob took broke ``json.dumps`` of the audit's events; the file's line read the
+    text ``"tensor(True)"`` for a 0-d tensor's)."""
+    if type(value) in (bool, int, float, str) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {k: plain_values(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(plain_values(v) for v in value)
+    return plain_scalar(plain_flag(value))
+
+
 def int_text(value: int) -> str:
     """An integer for an error message: its digits when short, its size when long (never a 5,000-digit line)."""
     if abs(value) < 10**24:

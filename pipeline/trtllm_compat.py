@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError, close_names, did_you_mean
-from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_flag, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_flag, plain_scalar, short
 from pipeline.vllm_compat import (
     DUMMY_LOAD,
     DUMMY_LOAD_FORMATS,
@@ -191,7 +191,9 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
             _near_miss("", key, own, IGNORED_LLM_ARGS)
             kept[key] = value
     for field, value in mapped.items():  # a speculative_config beside kvload's own names: they must agree
-        if field in tree and not (tree[field] == value and type(tree[field]) is type(value)):
+        # numpy's and torch's integers as Python's, as the fields take them: np.int64(2) and 2 agree (True and 1 not)
+        given, value = plain_scalar(tree.get(field)), plain_scalar(value)
+        if field in tree and not (given == value and type(given) is type(value)):
             whose = "vLLM's" if names is _SPECULATIVE_NAMES else "TensorRT-LLM's"
             same = names[field] == field
             also = "" if same else f" ({names[field]} is {whose} name for {field})"

@@ -717,7 +717,7 @@ def spec_int(value: Mapping[str, Any], key: str, low: int, high: int | None,
     """``speculative_config[key]``, an integer from ``low`` to ``high``; None when absent (or null), refused when
     absent if ``required`` (what the key is required with, said in the error). vLLM's shape and TensorRT-LLM's NGram
     (``pipeline.trtllm_compat``) check theirs through this."""
-    given = value.get(key)
+    given = plain_scalar(value.get(key))  # numpy's and torch's integers as Python's, as the top-level fields take them
     if given is None:
         if required is not None:
             raise ConfigError(f"speculative_config: {key}: required with {required}", path="speculative_config",

@@ -124,3 +124,108 @@ def test_llm_call_flags_take_numpy_and_torch_bools(tiny_checkpoints):
         with pytest.raises(GenerationError, match="reset_prefix_cache: reset_connector: expected true or false"):
             llm.reset_prefix_cache(False, np.array([True, True]))
 
+
+
+def test_ignored_flags_and_counts_are_audited_as_json(tmp_path):
+    """A vLLM knob kvload ignores, ``trust_remote_code`` and TensorRT-LLM's kv_cache_config switches take numpy's
+    bool and a 0-d bool tensor; their ``setting_ignored`` records hold Python's values (before: the record held
+    ``np.True_``, so ``json.dumps`` of the audit's events raised, and the file's line read ``"tensor(True)"``)."""
+    audit = tmp_path / "audit.jsonl"
+    r = kvload.plan("tiny-llama", log=False, audit_log=str(audit), enforce_eager=np.True_,
+                    trust_remote_code=torch.tensor(True), max_seq_len_to_capture=np.int64(64),
+                    disable_log_stats=torch.tensor(False), kv_cache_config={"copy_on_partial_reuse": np.False_},
+                    speculative_config={"decoding_type": "Eagle", "max_draft_len": np.int64(3)})
+    ignored = {e["field"]: e["value"] for e in r.audit.events if e["event"] == "setting_ignored"}
+    wanted = {"enforce_eager": True, "trust_remote_code": True, "max_seq_len_to_capture": 64,
+              "disable_log_stats": False, "kv_cache_config.copy_on_partial_reuse": False,
+              "speculative_config": {"decoding_type": "Eagle", "max_draft_len": 3}}
+    assert {k: ignored[k] for k in wanted} == wanted
+    assert [type(ignored[k]) for k in list(wanted)[:5]] == [bool, bool, int, bool, bool]
+    assert type(ignored["speculative_config"]["max_draft_len"]) is int  # inside a mapping too
+    json.dumps(r.audit.events)
+    written = {e["field"]: e["value"] for e in map(json.loads, audit.read_text().splitlines())
+               if e["event"] == "setting_ignored"}
+    assert {k: written[k] for k in wanted} == wanted
+
+
+def test_pooling_params_use_activation_takes_numpy_and_torch_bools():
+    """``PoolingParams(use_activation=)`` is a flag as SamplingParams' are (before: "PoolingParams: use_activation:
+    expected true, false or None, got np.False_"); 1 and arrays stay refused."""
+    from engine.pooling import PoolingParams
+
+    assert PoolingParams(use_activation=np.False_).use_activation is False
+    assert PoolingParams(use_activation=torch.tensor(True)).use_activation is True
+    for bad in (1, np.array([True, False])):
+        with pytest.raises(GenerationError, match="use_activation: expected true, false or None"):
+            PoolingParams(use_activation=bad)
+
+
+def test_generate_chat_and_use_tqdm_take_numpy_and_torch_bools(tiny_checkpoints, tmp_path_factory):
+    """``generate(chat=)`` / ``generate_stream(chat=)`` take numpy's bool as ``chat``'s template options' flags do
+    (before: "generate: chat: expected true or false, ... got np.True_"); ``use_tqdm=torch.tensor(True)`` is taken
+    (before: refused) and said ignored with ``true``, not the text ``"np.True_"``."""
+    from tests.llm_support import with_tokenizer
+
+    words = with_tokenizer(tiny_checkpoints("llama"), tmp_path_factory.mktemp("words") / "ckpt", 512)
+    with kvload.LLM(str(words), device="cpu", log=False, kv_cache_config={"max_tokens": 256}) as llm:
+        llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+        params = SamplingParams(max_tokens=2, temperature=0)
+        (out,) = llm.generate("w5", params, chat=np.True_)
+        assert out.prompt == "w5 w1" and out.prompt_token_ids == [5, 1]
+        (plain,) = llm.generate("w5", params, chat=torch.tensor(False))
+        assert plain.prompt_token_ids == [5]
+        deltas = list(llm.generate_stream("w5", params, chat=np.True_))
+        assert deltas[-1].output.prompt_token_ids == [5, 1]
+        for bad in (1, np.array([True, True])):
+            with pytest.raises(GenerationError, match="chat: expected true or false"):
+                llm.generate("w5", params, chat=bad)
+        llm.generate("w5", params, use_tqdm=torch.tensor(True))
+        said = [e["value"] for e in llm.audit.of("setting_ignored") if e["field"] == "generate.use_tqdm"]
+        assert said == [True]
+        with pytest.raises(GenerationError, match="use_tqdm: expected true, false or a tqdm factory"):
+            llm.generate("w5", params, use_tqdm=torch.tensor([True, False]))
+
+
+def test_trtllm_ngram_switches_take_numpy_and_torch_bools():
+    """TensorRT-LLM's NGram switches are flags: true is said ignored (with ``true``), false is what kvload does;
+    1 stays refused (before the flags change: "speculative_config: is_keep_all: expected true or false, got
+    tensor(True)")."""
+    ngram = {"decoding_type": "NGram", "max_draft_len": 2, "max_matching_ngram_size": 2}
+    r = _plan(speculative_config={**ngram, "is_keep_all": torch.tensor(True), "is_use_oldest": np.False_})
+    ignored = {e["field"]: e["value"] for e in r.audit.events if e["event"] == "setting_ignored"}
+    assert ignored.get("speculative_config.is_keep_all") is True and "speculative_config.is_use_oldest" not in ignored
+    assert r.args.max_draft_len == 2
+    with pytest.raises(ConfigError, match="speculative_config: is_public_pool: expected true or false, got 1"):
+        _plan(speculative_config={**ngram, "is_public_pool": 1})
+
+
+def test_a_numpy_count_beside_speculative_configs_own_agrees_with_it():
+    """``max_draft_len=np.int64(2)`` beside a speculative_config of 2 is one value given twice, as 2 and 2 are (before:
+    "its max_draft_len 2 and the top-level max_draft_len np.int64(2) set one field to different values"), and
+    speculative_config's own counts take numpy's and torch's integers as the top-level fields do (before: "expected
+    an integer from 1 to 64, got tensor(2)"); a different value, or a bool for the count, is still refused."""
+    ngram = {"decoding_type": "NGram", "max_draft_len": 2, "max_matching_ngram_size": 2}
+    assert _plan(speculative_config=ngram, max_draft_len=np.int64(2)).args.max_draft_len == 2
+    r = _plan(speculative_config={**ngram, "max_draft_len": torch.tensor(2)}, max_draft_len=2)
+    assert r.args.max_draft_len == 2 and type(r.args.max_draft_len) is int
+    vllm = _plan(speculative_config={"method": "ngram", "num_speculative_tokens": np.int64(3),
+                                     "prompt_lookup_max": torch.tensor(2)})
+    assert (vllm.args.max_draft_len, vllm.args.max_matching_ngram_size) == (3, 2)
+    for bad in (np.int64(3), np.True_):
+        with pytest.raises(ConfigError, match="set one field to different values"):
+            _plan(speculative_config=ngram, max_draft_len=bad)
+    with pytest.raises(ConfigError, match="speculative_config: max_draft_len: expected an integer from 1 to 64, got "):
+        _plan(speculative_config={**ngram, "max_draft_len": np.True_})
+
+
+def test_load_weights_is_a_flag():
+    """``kvload.load(load_weights=)`` takes numpy's bool as ``log`` does, and refuses what is no bool (before: any
+    value was read for its truth, so ``load_weights="no"`` loaded the weights)."""
+    def weights_loaded(flag):
+        r = kvload.load("tiny-llama", log=False, load_weights=flag, device="cpu", kv_cache_config={"max_tokens": 256})
+        return any(e["event"] == "weights_loaded" for e in r.audit.events)
+
+    assert weights_loaded(np.True_) and not weights_loaded(torch.tensor(False))
+    for bad in ("no", 0, np.array([True, True])):
+        with pytest.raises(ConfigError, match="^load_weights: expected true or false, got "):
+            kvload.load("tiny-llama", log=False, load_weights=bad)

@@ -587,7 +587,7 @@ def test_errors_name_the_call_the_user_made(words):
 
 @pytest.mark.parametrize("call", ["chat", "generate_stream"])
 def test_the_audits_generation_failed_names_the_call_as_the_error_does(words, call):
-    """chat and generate_stream raised ``chat: ...`` / ``generate_stream: ...`` (``_named``), but the audit's
+    """chat and generate_stream raised ``chat: ...`` / ``generate_stream: ...`` (``errors_titled``), but the audit's
     generation_failed kept the shared executor's ``generate: ...``: the record and the error disagreed."""
     armed = [True]
 

@@ -80,6 +80,22 @@ def test_generate_with_two_ranks_gives_one_processs_tokens_greedy_and_sampled(pa
         [[list(s.token_ids) for s in o.sequences] for o in alone.beam_search(prompts, beams)]
 
 
+def test_followed_names_every_call_the_ranks_follow():
+    """``llm_ranks.FOLLOWED`` (public) lists each LLM method decorated ``followed_by_ranks``, wherever the split of
+    kvload/llm.py put it (classify, reward and encode were followed but not listed)."""
+    import ast
+    from pathlib import Path
+
+    import kvload.llm_ranks as llm_ranks
+
+    decorated = set()
+    for module in ("llm", "llm_pooling", "llm_stream"):
+        tree = ast.parse((Path(llm_ranks.__file__).parent / f"{module}.py").read_text())
+        decorated |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                      and any(isinstance(d, ast.Name) and d.id == "followed_by_ranks" for d in node.decorator_list)}
+    assert decorated == set(llm_ranks.FOLLOWED)
+
+
 def test_chat_embed_and_score_follow_on_every_rank(pair):
     tp, alone, _ = pair
     conv = [{"role": "system", "content": "w5 w17"}, {"role": "user", "content": "w300 w42"}]
