@@ -117,9 +117,15 @@ class LiveRequest:
     #: a choice given its first token from this first choice's prefill, until sent
     forked_from: LiveRequest | None = None
     group: str | None = None  # its prompt's first choice's request id (what metrics group the n choices by)
-    #: an echo without generation (``max_tokens: 0``): the one token it draws is dropped, as an embedding's is, so it
-    #: reports and counts none (its end stays "length", what the answer says)
-    drops_token: bool = False
+    #: an echo without generation (``max_tokens: 0``): the one token it draws is dropped, as an embedding's is (its
+    #: end stays "length", what the answer says)
+    echo_only: bool = False
+
+    @property
+    def drops_token(self) -> bool:
+        """Whether the one token its prefill draws is dropped, so it reports and counts none: an embedding's
+        (``Request.prefill_only``) or an echo without generation's."""
+        return self.request.prefill_only or self.echo_only
 
 
 @attrs.define(eq=False)

@@ -376,12 +376,12 @@ class ServingEngine(ServingText, ServingStep, ServingBeam):
 
     def submit_group(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                      sinks: Sequence[Callable[[ServeEvent], Any]], *, salt: str | None = None,
-                     priority: int = 0, drop_tokens: bool = False) -> list[str]:
+                     priority: int = 0, echo_only: bool = False) -> list[str]:
         """Queue one request's ``len(sinks)`` choices of one prompt, computed from one prefill (module docstring):
         choice ``j`` is what :meth:`submit` with ``seed_offset=j`` gives (seed + j; greedy choices alike) and reports
         to ``sinks[j]``. Their ids, in order; nothing queued when they could never run (as :meth:`submit`).
-        ``drop_tokens``: an echo without generation (``params.max_tokens`` 1): each choice's token is dropped, reported
-        and counted as none (``LiveRequest.drops_token``)."""
+        ``echo_only``: an echo without generation (``params.max_tokens`` 1): each choice's token is dropped, reported
+        and counted as none (``LiveRequest.echo_only``)."""
         if not sinks:
             return []
         self._check_submit(salt, priority)
@@ -400,7 +400,7 @@ class ServingEngine(ServingText, ServingStep, ServingBeam):
             request.skip_prefix_read = params.prompt_logprobs is not None and j == 0
             live = self._new_live(request, params, sink, None if base is None else base + j)
             live.sample, live.samples, live.group = j, len(sinks), first.req_id
-            live.drops_token = drop_tokens
+            live.echo_only = echo_only
             group.append(live)
         with self._cond:  # as submit's: checked again under the lock the loop's last drain takes
             if self._stopping or self.loop_error is not None:
@@ -673,9 +673,9 @@ class ServingEngine(ServingText, ServingStep, ServingBeam):
         outbox = self._collect(st)
         self.driver.finished.clear()  # the server's driver lives for ever: its finished requests are ours to drop
         for live, event in outbox:
-            if (event.new_token_ids and len(event.new_token_ids) == len(event.token_ids)) \
-                    or live.request.prefill_only or live.drops_token:  # its first tokens, or its prefill done with
-                # the token dropped (an embedding's, an echo without generation's: its one event ends it)
+            # its first tokens, or its prefill done with the token dropped (an embedding's, an echo without
+            # generation's: its one event ends it)
+            if (event.new_token_ids and len(event.new_token_ids) == len(event.token_ids)) or live.drops_token:
                 self.prompt_tokens_total += event.prompt_tokens
             self.generation_tokens_total += len(event.new_token_ids)
         if self.observer is not None:  # counted before any client can see the tokens (and scrape)
@@ -693,7 +693,7 @@ class ServingEngine(ServingText, ServingStep, ServingBeam):
         for req_id, live in list(self._live.items()):
             # an embedding's prefill reports no token (the one it drew is dropped; vLLM counts no generation tokens
             # for pooling): its end, timed as a first token's would be, is what the metrics see
-            tokens = () if live.request.prefill_only or live.drops_token else live.request.output_token_ids
+            tokens = () if live.drops_token else live.request.output_token_ids
             new = len(live.request.output_token_ids) - live.reported
             if new <= 0 and req_id not in done:
                 continue
@@ -758,7 +758,7 @@ class ServingEngine(ServingText, ServingStep, ServingBeam):
             return
         req = live.request
         # an embedding's drawn token is dropped, as is an echo without generation's
-        generated = 0 if req.prefill_only or live.drops_token else len(req.output_token_ids)
+        generated = 0 if live.drops_token else len(req.output_token_ids)
         done = FinishedRequest(req.num_prompt_tokens, generated, req.num_cached_tokens, reason,
                                live.params, live.sample, live.samples, live.queued_at, live.scheduled_at,
                                tuple(live.token_times), live.group)
