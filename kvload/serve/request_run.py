@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.prompts import template_reads
 from engine.reasoning import ReasoningText
+from engine.sampling_params import SamplingParams
 from engine.schema_refs import OUTSIDE
 from engine.serving import EngineStopped, ServeEvent
 from engine.stopping import SampleText
@@ -190,8 +191,7 @@ class _Run(_OpenAIDocuments):
             params = job.params
             room = self.engine.room(ids)
             if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves
-                cap = max(1, min(params.max_tokens, room))  # min_tokens past it ends by length, as in generate
-                params = attrs.evolve(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
+                params = _default_cut(params, max(1, min(params.max_tokens, room)))
             elif 0 < room < params.max_tokens:  # asked for: refused, as vLLM does, not silently cut (a prompt with
                 raise self._too_long(i, ids, params.max_tokens)  # no room at all is the prompt's error, below
             try:
@@ -214,8 +214,7 @@ class _Run(_OpenAIDocuments):
                 # the default asks no more than the KV cache holds after the prompt, as it asks no more than
                 # max_seq_len leaves: a server whose --max_tokens is under prompt + default refused every client that
                 # sends no max_tokens (most chat clients), telling it to lower a max_tokens it never sent
-                cap = fits - len(ids)
-                params = attrs.evolve(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
+                params = _default_cut(params, fits - len(ids))
                 try:
                     self.engine.check(ids, params)
                 except KvBuildError as again:
@@ -257,7 +256,7 @@ class _Run(_OpenAIDocuments):
                                                            sinks, salt=job.salt)
                         else:
                             rids = self.engine.submit_group(ids, params, sinks, salt=job.salt,
-                                                            priority=job.priority, drop_tokens=job.echo_only)
+                                                            priority=job.priority, echo_only=job.echo_only)
                     except EngineStopped as exc:  # a 503 naming the cause, not a 500 with a traceback
                         if self.engine.loop_error is None:
                             raise shutting_down() from None
@@ -413,6 +412,12 @@ class _Run(_OpenAIDocuments):
                 elif c.auto is not None:  # the text outside the calls; each call named, then its arguments as read
                     delta = self._auto_delta(c.auto, update.text, ev.finished)
                 yield c, update, ev.finished, delta
+
+
+def _default_cut(params: SamplingParams, cap: int) -> SamplingParams:
+    """The server's default ``max_tokens`` (the client sent none) cut to ``cap``; a ``min_tokens`` past it ends by
+    length, as in generate."""
+    return attrs.evolve(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
 
 def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], index: int, ev: ServeEvent) -> None:
