@@ -25,6 +25,8 @@ from pipeline.limits import (
     MAX_NGRAM,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
+    plain_flag,
+    plain_scalar,
     short,
 )
 
@@ -266,9 +268,25 @@ def _internal(factory) -> Any:
                        metadata={"internal": True})
 
 
+def plain_value(value: Any) -> Any:
+    """A numpy scalar or 0-d torch tensor as Python's bool, int or float (``KvCacheConfig(max_tokens=np.int64(4096))``,
+    ``enable_block_reuse=mask.any()``), as the dict, YAML and keyword doors take them; anything else unchanged for the
+    field's check to judge (a bool stays no count, 1 stays no flag)."""
+    return plain_scalar(plain_flag(value))
+
+
+def _plain_fields(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:
+    """Every public field converts numpy / torch scalars first (then its own converter, if any), at construction and
+    at assignment alike: the same values a config dict takes, also when the class is built directly."""
+    return [f if f.metadata.get("internal")
+            else f.evolve(converter=plain_value if f.converter is None else attrs.converters.pipe(plain_value,
+                                                                                                  f.converter))
+            for f in fields]
+
+
 def config_class(cls: type) -> type:
     """Make an attrs config class that records explicitly passed fields and can be frozen."""
-    cls = attrs.define(on_setattr=_ON_SETATTR)(cls)
+    cls = attrs.define(on_setattr=_ON_SETATTR, field_transformer=_plain_fields)(cls)
     init_names = [a.name for a in attrs.fields(cls) if a.init]
     original = cls.__init__
 

@@ -31,7 +31,7 @@ from pipeline.config import (
     public_fields,
 )
 from pipeline.errors import ConfigError, did_you_mean
-from pipeline.limits import MAX_INT, plain_flag, plain_scalar
+from pipeline.limits import MAX_INT, plain_scalar
 
 T = TypeVar("T")
 
@@ -40,12 +40,6 @@ converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
 
 def _passthrough(value: Any, _type: Any) -> Any:
     return value
-
-
-def _number(value: Any, _type: Any) -> Any:
-    """A numpy / torch scalar as Python's number (vLLM takes ``max_model_len=np.int64(4096)``); everything else, bools
-    and non-integral floats for an integer field included, unchanged for the field's check to judge."""
-    return plain_scalar(value)
 
 
 def _bytes(value: Any, _type: Any) -> Any:
@@ -65,19 +59,12 @@ def _bytes(value: Any, _type: Any) -> Any:
     return value
 
 
-def _flag(value: Any, _type: Any) -> Any:
-    """numpy's bool (a 0-d bool tensor) as Python's, as numbers are taken (``enable_block_reuse=mask.any()``);
-    everything else unchanged for the field's check to judge (1 and "yes" stay refused)."""
-    return plain_flag(value)
-
-
-for _t in (str, DTypeName, DeviceName):
+# the fields' own converters take numpy / torch scalars (config.plain_value) and their checks judge the rest: cattrs'
+# defaults would coerce (int(3.5) is 3, bool("no") is True)
+for _t in (str, DTypeName, DeviceName, bool, int, float, SeqLen):
     converter.register_structure_hook(_t, _passthrough)
-converter.register_structure_hook(bool, _flag)
-for _t in (int, float, SeqLen):
-    converter.register_structure_hook(_t, _number)
 converter.register_structure_hook(Bytes, _bytes)
-converter.register_structure_hook_func(lambda t: t == TriState, _flag)  # true | false | "auto"
+converter.register_structure_hook_func(lambda t: t == TriState, _passthrough)  # true | false | "auto"
 
 
 #: What a config class's mapping holds, where its class name would tell a user nothing.

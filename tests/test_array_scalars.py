@@ -59,6 +59,33 @@ def test_config_flags_still_refuse_what_is_no_bool(bad):
         _plan(kv_cache_config={"enable_block_reuse": bad})
 
 
+def test_config_classes_built_directly_take_numpy_and_torch_scalars():
+    """``KvCacheConfig(max_tokens=np.int64(4096))`` and an assignment of one take what the dict door takes (before:
+    "max_tokens: expected an integer >= 1 or null, got np.int64(4096)" from the class alone), held as Python's and
+    explicit as any value given; a bool is still no count and an int no flag."""
+    from pipeline.config import LlmArgs, explicit_fields
+
+    kv = kvload.KvCacheConfig(max_tokens=np.int64(4096), enable_block_reuse=np.False_,
+                              use_kv_cache_manager_v2=torch.tensor(True), free_gpu_memory_fraction=np.float32(0.5))
+    kv.tokens_per_block = torch.tensor(16)
+    got = (kv.max_tokens, kv.enable_block_reuse, kv.use_kv_cache_manager_v2, kv.free_gpu_memory_fraction,
+           kv.tokens_per_block)
+    assert got == (4096, False, True, 0.5, 16) and [type(v) for v in got] == [int, bool, bool, float, int]
+    assert {"max_tokens", "enable_block_reuse", "tokens_per_block"} <= explicit_fields(kv)
+    r = _plan(kv_cache_config=kv, max_num_seqs=np.int64(3))
+    assert r.route.kv_manager == "KVCacheManagerV2" and r.args.kv_cache_config.max_tokens == 4096
+    json.dumps(r.audit.events)  # plain JSON
+    assert LlmArgs(model="tiny-llama", max_batch_size=np.uint8(4)).max_batch_size == 4
+    for field, bad, message in [("max_tokens", np.True_, "expected an integer >= 1 or null, got true"),
+                                ("enable_block_reuse", np.int64(1), "expected true or false, got 1"),
+                                ("tokens_per_block", np.float64(3.5), "expected an integer >= 1, got 3.5"),
+                                ("max_tokens", np.array([1, 2]), "expected an integer >= 1 or null, got array")]:
+        with pytest.raises(ConfigError, match=f"^{field}: {message}"):
+            kvload.KvCacheConfig(**{field: bad})
+        with pytest.raises(ConfigError, match=f"^{field}: {message}"):
+            setattr(kvload.KvCacheConfig(), field, bad)
+
+
 def test_sampling_and_chat_flags_take_numpy_and_torch_bools():
     """SamplingParams', BeamSearchParams', structured outputs' and chat's flags take numpy's bool and a 0-d bool
     tensor as Python's (before: "generate: ignore_eos: expected true or false, got np.True_")."""
