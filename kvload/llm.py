@@ -49,7 +49,7 @@ from pipeline.errors import (
     OutputError,
 )
 from pipeline.events import SettingIgnored
-from pipeline.limits import MAX_INT, plain_flag, plain_scalar, short
+from pipeline.limits import MAX_INT, plain_flag, plain_scalar, plain_value, short
 from pipeline.ranks import ranks_from_env
 from pipeline.vllm_compat import reasoning_parser as vllm_reasoning_parser
 from stages import load_stages
@@ -486,7 +486,7 @@ class LLM(PoolingCalls, StreamCalls):
     def _no_progress_bar(self, use_tqdm: Any, call: str = "generate") -> None:
         """vLLM's ``use_tqdm``: false needs nothing; true (or a tqdm factory) is said to be ignored, once; anything
         else (a text, a number, a list) is refused, as vLLM's type says, rather than read as true or false."""
-        flag = plain_scalar(plain_flag(use_tqdm))  # numpy's bool (a 0-d bool tensor) as a bool
+        flag = plain_value(use_tqdm)  # numpy's bool (a 0-d bool tensor) as a bool
         boolean = isinstance(flag, bool) or (type(flag) is int and flag in (0, 1))
         if not (flag is None or boolean or callable(flag)):
             raise GenerationError(f"{call}: use_tqdm: expected true, false or a tqdm factory (a callable), got "

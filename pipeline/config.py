@@ -25,8 +25,7 @@ from pipeline.limits import (
     MAX_NGRAM,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
-    plain_flag,
-    plain_scalar,
+    plain_value,
     short,
 )
 
@@ -266,13 +265,6 @@ _ON_SETATTR = attrs.setters.pipe(attrs.setters.convert, attrs.setters.validate, 
 def _internal(factory) -> Any:
     return attrs.field(factory=factory, init=False, repr=False, eq=False, on_setattr=attrs.setters.NO_OP,
                        metadata={"internal": True})
-
-
-def plain_value(value: Any) -> Any:
-    """A numpy scalar or 0-d torch tensor as Python's bool, int or float (``KvCacheConfig(max_tokens=np.int64(4096))``,
-    ``enable_block_reuse=mask.any()``), as the dict, YAML and keyword doors take them; anything else unchanged for the
-    field's check to judge (a bool stays no count, 1 stays no flag)."""
-    return plain_scalar(plain_flag(value))
 
 
 def _plain_fields(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:

@@ -59,7 +59,7 @@ def _bytes(value: Any, _type: Any) -> Any:
     return value
 
 
-# the fields' own converters take numpy / torch scalars (config.plain_value) and their checks judge the rest: cattrs'
+# the fields' own converters take numpy / torch scalars (limits.plain_value) and their checks judge the rest: cattrs'
 # defaults would coerce (int(3.5) is 3, bool("no") is True)
 for _t in (str, DTypeName, DeviceName, bool, int, float, SeqLen):
     converter.register_structure_hook(_t, _passthrough)

@@ -119,6 +119,12 @@ def plain_flag(value: Any) -> Any:
     return value
 
 
+def plain_value(value: Any) -> Any:
+    """A numpy scalar or 0-d torch tensor as Python's bool, int or float (:func:`plain_flag`, then
+    :func:`plain_scalar`); anything else unchanged for the checks to judge (a bool stays no count, 1 stays no flag)."""
+    return plain_scalar(plain_flag(value))
+
+
 def plain_values(value: Any) -> Any:
     """``value`` with each numpy scalar and 0-d torch tensor in it (in dicts, lists and tuples too) as Python's bool,
     int or float (:func:`plain_flag`, :func:`plain_scalar`): what an event records of a user's value stays JSON (a
@@ -130,7 +136,7 @@ def plain_values(value: Any) -> Any:
         return {k: plain_values(v) for k, v in value.items()}
     if type(value) in (list, tuple):
         return type(value)(plain_values(v) for v in value)
-    return plain_scalar(plain_flag(value))
+    return plain_value(value)
 
 
 def int_text(value: int) -> str:

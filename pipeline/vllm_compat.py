@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 from pipeline.config import AUTO, LlmArgs, describe
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
-from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_flag, plain_scalar, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_scalar, plain_value, short
 from pipeline.paths import get_in, unflatten
 
 #: vLLM's name → kvload's dotted field, where vLLM's setting means exactly what kvload's does (defaults may differ:
@@ -127,7 +127,7 @@ def _count_at_least(low: int) -> Callable[[Any], bool]:
 
 def _on_off(value: Any) -> bool:
     """vLLM's boolean knobs take true or false (0 and 1 too, as Python's bool does; numpy's bool as a bool)."""
-    value = plain_scalar(plain_flag(value))
+    value = plain_value(value)
     return isinstance(value, bool) or (type(value) is int and value in (0, 1))
 
 
