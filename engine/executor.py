@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from cache_backends.block_tables import BlockTableStore
@@ -99,6 +100,41 @@ from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, plain_flag
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
+
+
+@attrs.define
+class _StepTally:
+    """A call's figures summed over its steps: forward and KV seconds, drafted and accepted tokens."""
+
+    forward_s: float = 0.0
+    kv_s: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    per_position: list[int] = attrs.Factory(list)  # accepted drafts per draft position
+
+    def add(self, st: Any) -> None:
+        """Add one step's :class:`~engine.driver.StepStats`."""
+        self.forward_s += st.compute_seconds
+        self.kv_s += st.kv_seconds
+        self.drafted += st.draft_tokens
+        self.accepted += st.accepted_draft_tokens
+        for i, n in enumerate(st.accepted_per_position):
+            if i == len(self.per_position):
+                self.per_position.append(0)
+            self.per_position[i] += n
+
+
+def _chat_option(chat: Any) -> bool | dict[str, Any]:
+    """``run``'s ``chat``: a flag, or ``LLM.chat``'s template options, checked once before any work."""
+    if isinstance(chat, Mapping):
+        unknown = sorted(set(chat) - CHAT_OPTIONS)
+        if unknown:
+            raise GenerationError(f"chat: unknown template option {unknown[0]!r}; known: "
+                                  f"{', '.join(sorted(CHAT_OPTIONS))}")
+        return template_options(**chat)
+    chat = plain_flag(chat)  # numpy's bool (a 0-d bool tensor) as Python's, as the other flags
+    check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
+    return chat
 
 
 class StreamLeft(GenerationError):
@@ -409,15 +445,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
         if not pool:
             self.check_generates("generate")
         check_salt(salt)
-        if isinstance(chat, Mapping):  # LLM.chat's template options, checked here (once, before any work)
-            unknown = sorted(set(chat) - CHAT_OPTIONS)
-            if unknown:
-                raise GenerationError(f"chat: unknown template option {unknown[0]!r}; known: "
-                                      f"{', '.join(sorted(CHAT_OPTIONS))}")
-            chat = template_options(**chat)
-        else:
-            chat = plain_flag(chat)  # numpy's bool (a 0-d bool tensor) as Python's, as the other flags
-            check(isinstance(chat, bool), "chat", "true or false, or LLM.chat's template options", chat)
+        chat = _chat_option(chat)
         # a chat's sampling settings are checked before its template is applied: a mistyped keyword is the first
         # mistake to fix, and on a tokenizer without a template it read "chat needs a chat template"
         early = self._params(sampling_params, sampling, 0, pooled=pool) if chat else None
@@ -457,9 +485,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
         outputs: dict[int, RequestOutput] = {}
         warm_before = self.flex.warmup_s if self.flex is not None else 0.0
         start = time.perf_counter()
-        forward_s = kv_s = 0.0
-        drafted = accepted = 0
-        per_position: list[int] = []  # accepted drafts per draft position, summed over the steps
+        tally = _StepTally()
         self._live = {live.request.req_id: live for live in lives}
         self._overruled_said = set()  # (the call's params live until it ends: their ids are not reused before)
         # a prompt's index -> its samples, a first sample's request id -> the samples forked from it, each live's place:
@@ -476,15 +502,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
             live.queued_at, live.arrived_wall = time.perf_counter(), time.time()
 
         def stepped(clock: int, st: Any) -> None:
-            nonlocal forward_s, kv_s, drafted, accepted
-            forward_s += st.compute_seconds
-            kv_s += st.kv_seconds
-            drafted += st.draft_tokens
-            accepted += st.accepted_draft_tokens
-            for i, n in enumerate(st.accepted_per_position):
-                if i == len(per_position):
-                    per_position.append(0)
-                per_position[i] += n
+            tally.add(st)
             if proposer is not None:
                 for req in st.finished:
                     proposer.forget(req.req_id)
@@ -510,31 +528,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
         # before it did receive, or on a setting_ignored) ends the call with generation_failed: no audit is left
         # with a call that started and never ended
         try:
-            p0 = params[0]
-            self._event(GenerationStarted(
-                call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
-                max_new_tokens=p0.max_tokens, temperature=float(p0.temperature), top_p=float(p0.top_p),
-                seed=p0.seed, salted=any(s is not None for s in salts), kv_manager=type(self.manager).__name__,
-                top_k=p0.top_k, n=p0.n,
-                stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
-                per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
-                presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
-                min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted, llm_seed=self.llm_seed,
-                structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
-            has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
-            for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
-                dropped = p.structured_outputs.ignored_settings() if p.structured_outputs is not None else []
-                for name, value, why in (greedy_ignored(p, model_defaults=defaulted)
-                                         + inert_settings(p, has_text, self.eos_is_special)
-                                         + dropped):  # ... and what a schema holds that xgrammar does not enforce
-                    self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-            for name, value, why in cut_notes:
-                self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
-            given = salt if salt is not None else next((o.cache_salt for o in options if o.cache_salt), None)
-            unscoped = self.salt_ignored() if given is not None else None  # with reuse off a salt would do nothing
-            if unscoped is not None:
-                self._event(SettingIgnored(field="generate.salt" if salt is not None else "generate.cache_salt",
-                                           value=given, reason=unscoped))
+            self._announce(call, lives, items, params, per_prompt, defaulted, cut_notes, salt, salts, options)
             with self.paged_attention():
                 try:
                     run = driver.run(now_arrivals, self._compute, on_arrival=queued, on_step=stepped)
@@ -545,44 +539,80 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
             self._abort(driver)
             for live in lives:  # an embed call that failed leaves no request waiting for its row
                 self.pooled.take(live.request.req_id)
-            if proposer is not None:
-                proposer.clear()
-            self._live, self._forks = {}, {}
-            self._block_tables.keep_only(())
-            self._drop_v4(lives)
+            self._end_call(lives)
             self._check_flex()
             self._event(GenerationFailed(call=call, error=type(exc).__name__,
                                          message=retitled(first_line(exc, ""), self._caller),
                                          finished=len(outputs)))
             raise
-        self._live, self._forks = {}, {}
-        if proposer is not None:
-            proposer.clear()
-        self._block_tables.keep_only(())
-        self._drop_v4(lives)
+        self._end_call(lives)
         # compiling a new attention shape is a one-off (later calls reuse it): reported apart, not as generation
         warmup = (self.flex.warmup_s if self.flex is not None else 0.0) - warm_before
         self._check_flex()
         wall = time.perf_counter() - start - warmup
-        after = self._counters()
         ordered = [outputs[i] for i in range(len(items))]
-        steps = run.engine_steps
+        self._finish(call, ordered, len(lives), run.engine_steps, wall, warmup, tally, before)
+        return ordered
+
+    def _announce(self, call: int, lives: list[LiveSample], items: list[tuple[str | None, list[int]]],
+                  params: list[SamplingParams], per_prompt: bool, defaulted: list[str],
+                  cut_notes: list[tuple[str, Any, str]], salt: str | None, salts: list[str | None],
+                  options: list[PromptOptions]) -> None:
+        """``generation_started``, then a ``setting_ignored`` for each setting the call takes that can do nothing."""
+        p0 = params[0]
+        self._event(GenerationStarted(
+            call=call, requests=len(lives), prompt_tokens=sum(len(ids) for _, ids in items),
+            max_new_tokens=p0.max_tokens, temperature=float(p0.temperature), top_p=float(p0.top_p),
+            seed=p0.seed, salted=any(s is not None for s in salts), kv_manager=type(self.manager).__name__,
+            top_k=p0.top_k, n=p0.n,
+            stop_strings=len(p0.stop), stop_token_ids=list(p0.stop_token_ids), logprobs=p0.logprobs,
+            per_prompt_params=per_prompt, repetition_penalty=float(p0.repetition_penalty),
+            presence_penalty=float(p0.presence_penalty), frequency_penalty=float(p0.frequency_penalty),
+            min_tokens=p0.min_tokens, min_p=float(p0.min_p), model_defaults=defaulted, llm_seed=self.llm_seed,
+            structured_outputs=p0.structured_outputs.describe() if p0.structured_outputs is not None else None))
+        has_text = self.tokenizer is not None  # a setting that does nothing (greedy draws nothing: a seed, top-p,
+        for p in {id(p): p for p in params}.values():  # top-k or n; a text setting with no text) is said to
+            dropped = p.structured_outputs.ignored_settings() if p.structured_outputs is not None else []
+            for name, value, why in (greedy_ignored(p, model_defaults=defaulted)
+                                     + inert_settings(p, has_text, self.eos_is_special)
+                                     + dropped):  # ... and what a schema holds that xgrammar does not enforce
+                self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+        for name, value, why in cut_notes:
+            self._event(SettingIgnored(field=f"generate.{name}", value=value, reason=why))
+        given = salt if salt is not None else next((o.cache_salt for o in options if o.cache_salt), None)
+        unscoped = self.salt_ignored() if given is not None else None  # with reuse off a salt would do nothing
+        if unscoped is not None:
+            self._event(SettingIgnored(field="generate.salt" if salt is not None else "generate.cache_salt",
+                                       value=given, reason=unscoped))
+
+    def _end_call(self, lives: list[LiveSample]) -> None:
+        """What a call holds past its driver let go, whether it finished or failed: its lives and forks, the
+        proposer's n-grams, the block tables, DeepSeek V4's side state."""
+        self._live, self._forks = {}, {}
+        if self.proposer is not None:
+            self.proposer.clear()
+        self._block_tables.keep_only(())
+        self._drop_v4(lives)
+
+    def _finish(self, call: int, ordered: list[RequestOutput], samples: int, steps: int, wall: float, warmup: float,
+                tally: _StepTally, before: dict[str, int]) -> None:
+        """The finished call's :class:`GenerationStats` (``last_stats``) and its ``generation_finished``."""
+        after = self._counters()
         stats = GenerationStats(
             requests=len(ordered),
             prompt_tokens=sum(o.computed_prompt_tokens + o.reused_prompt_tokens for o in ordered),
             reused_prompt_tokens=sum(o.reused_prompt_tokens for o in ordered),
             generated_tokens=sum(len(c.token_ids) for o in ordered for c in o.outputs), steps=steps, wall_s=wall,
-            forward_s=max(0.0, forward_s - warmup), kv_s=kv_s, warmup_s=warmup,
-            **{k: after[k] - before[k] for k in after}, samples=len(lives), draft_tokens=drafted,
-            accepted_draft_tokens=accepted, accepted_per_position=tuple(per_position))
+            forward_s=max(0.0, tally.forward_s - warmup), kv_s=tally.kv_s, warmup_s=warmup,
+            **{k: after[k] - before[k] for k in after}, samples=samples, draft_tokens=tally.drafted,
+            accepted_draft_tokens=tally.accepted, accepted_per_position=tuple(tally.per_position))
         self.last_stats = stats
         self._event(GenerationFinished(
             call=call, requests=stats.samples, prompt_tokens=stats.prompt_tokens,
             reused_prompt_tokens=stats.reused_prompt_tokens, generated_tokens=stats.generated_tokens, steps=steps,
             suspends=stats.suspends, resumes=stats.resumes, preemptions=stats.preemptions,
-            duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3), draft_tokens=drafted,
-            accepted_draft_tokens=accepted))
-        return ordered
+            duration_ms=round(wall * 1000, 3), tokens_per_s=round(stats.tokens_per_s, 3),
+            draft_tokens=tally.drafted, accepted_draft_tokens=tally.accepted))
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: Any, *,
                     salt: str | None = None, concurrency_limit: int | None = None) -> list[Any]:
