@@ -62,6 +62,17 @@ def create_app(state: ServeState) -> FastAPI:
     # vLLM's --root-path (its app.root_path): behind a proxy that keeps the prefix, /PREFIX/v1/models is served;
     # /v1/models still is (Starlette strips the prefix only where the path has it)
     app.root_path = state.root_path
+    _add_middleware(app, state)
+    _add_error_handlers(app, state)
+    _add_info_routes(app, state)
+    _add_kvload_routes(app, state)
+    _add_inference_routes(app, state)
+    _head_for_get(app)
+    return app
+
+
+def _add_middleware(app: FastAPI, state: ServeState) -> None:
+    """The middleware, innermost first: failures answered, admission, the API key, CORS, the request id header."""
     # innermost: an unexpected exception is answered (500) before any other middleware sees the answer go by
     app.add_middleware(_Failures, state=state)
     app.add_middleware(_Admission, state=state)
@@ -77,6 +88,9 @@ def create_app(state: ServeState) -> FastAPI:
         app.add_middleware(_RequestIdHeader)
     state.metrics.http_in_flight.set_function(lambda: state.in_flight)  # what _Admission counts, read at scrape
 
+
+def _add_error_handlers(app: FastAPI, state: ServeState) -> None:
+    """Refusals, Starlette's own answers and last-resort failures, each in OpenAI's error body."""
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         state.metrics.on_refused(exc.status, exc.code)  # every refusal a handler raises (413, 408, 400, 404, 503)
@@ -100,6 +114,9 @@ def create_app(state: ServeState) -> FastAPI:
         # on to uvicorn afterwards, which closes the connection; a handler's failure never gets here
         return JSONResponse(_shaped(route_path(request.scope), internal_error(exc)).body(), status_code=500)
 
+
+def _add_info_routes(app: FastAPI, state: ServeState) -> None:
+    """What probes, routers and clients ask about the server: health, models, load, metrics, version."""
     @app.get("/health")
     async def health() -> Response:
         if state.engine.alive:
@@ -144,6 +161,13 @@ def create_app(state: ServeState) -> FastAPI:
             """vLLM's dev-mode route, its query parameters read as vLLM's (``kvload.serve.reset_prefix``)."""
             return await reset_prefix(state, request)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:  # vLLM's: clients check what they talk to
+        return {"version": __version__}
+
+
+def _add_kvload_routes(app: FastAPI, state: ServeState) -> None:
+    """kvload's own routes: the audit log, a field's decision chain, the KV cache events."""
     @app.get("/v1/kvload/audit")
     async def audit(request: Request) -> Response:
         _only_query(request)
@@ -187,6 +211,9 @@ def create_app(state: ServeState) -> FastAPI:
                              "(N > 0; in Python, kv_cache_config.event_buffer_max_size)",
                              param="event_buffer_max_size") from None
 
+
+def _add_inference_routes(app: FastAPI, state: ServeState) -> None:
+    """The routes that run the model: OpenAI's, Anthropic's, SageMaker's and vLLM's, one body parsed at a time."""
     app.state.parse_gate = gate = ParseGate()  # one request's body parsed and tokenized at a time (see _serve)
     # set on the event loop once the server stops (server._Server.shutdown): a body still arriving is not waited for
     app.state.stopping = stopping = asyncio.Event()
@@ -264,15 +291,13 @@ def create_app(state: ServeState) -> FastAPI:
     async def detokenize(request: Request) -> Response:
         return await _tokenizer_call(state, request, _detokenize, gate, stopping)
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:  # vLLM's: clients check what they talk to
-        return {"version": __version__}
 
-    for route in app.router.routes:  # HTTP's rule: a GET route answers HEAD (its headers; a probe's liveness check)
-        # but kv_events, whose GET drains the events it answers: a HEAD would drop them unseen
+def _head_for_get(app: FastAPI) -> None:
+    """HTTP's rule: a GET route answers HEAD (its headers; a probe's liveness check); but kv_events, whose GET drains
+    the events it answers: a HEAD would drop them unseen."""
+    for route in app.router.routes:
         if isinstance(route, APIRoute) and route.methods == {"GET"} and route.path != "/v1/kvload/kv_events":
             route.methods.add("HEAD")
-    return app
 
 
 __all__ = ["create_app"]
