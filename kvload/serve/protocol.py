@@ -323,27 +323,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     wins."""
     body = _object(body)
     _known(body, _COMPLETION if kind == "completion" else _CHAT)
-    # OpenAI's penalties and vLLM's extras: null is absent; SamplingParams checks the rest (bool is no number)
-    extras = {name: body[name] for name in ("presence_penalty", "frequency_penalty", *_SAMPLING_EXTRAS)
-              if body.get(name) is not None}
-    for name, value in extras.items():  # the type here; SamplingParams says the range (1e400 is a number past it)
-        expected = "an integer" if name == "min_tokens" else "a number"
-        _need(_is_int(value) if name == "min_tokens" else is_number(value), name, expected, value)
-    defaulted = [name for name in ("temperature", "top_p", "top_k", *_SAMPLING_EXTRAS)
-                 if name in defaults and body.get(name) is None]  # the model's, checked when it was loaded
-    extras.update({name: defaults[name] for name in defaulted if name in _SAMPLING_EXTRAS})
-    if body.get("logit_bias") is not None:
-        extras["logit_bias"] = _logit_bias(body["logit_bias"])
-    if body.get("allowed_token_ids") is not None:  # JSON's true is no token id, nor 1.0: SamplingParams refuses them
-        _need(isinstance(body["allowed_token_ids"], list), "allowed_token_ids",
-              "a non-empty list of token ids (integers >= 0)", body["allowed_token_ids"])
-        extras["allowed_token_ids"] = body["allowed_token_ids"]
-    if body.get("bad_words") is not None:
-        _need(isinstance(body["bad_words"], list), "bad_words", "a list of non-empty strings", body["bad_words"])
-        extras["bad_words"] = body["bad_words"]
-    for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):  # vLLM's
-        if body.get(name) is not None:
-            extras[name] = _flag(body, name, False)
+    extras, defaulted = _extras(body, defaults)
     _model(body)
     # OpenAI's end-user id, for its abuse monitoring: it names the caller and changes nothing generated
     user = body.get("user")
@@ -367,26 +347,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     if echo_only and extras.get("min_tokens"):  # the model's default holds back nothing shown: dropped
         _need("min_tokens" in defaulted, "min_tokens", "an integer in [0, max_tokens=0]", extras["min_tokens"])
         extras["min_tokens"] = 0
-    temperature = body.get("temperature")
-    if temperature is None:
-        temperature = defaults.get("temperature", 0.0)
-    else:
-        _need(is_finite(temperature) and 0 <= temperature <= 2, "temperature", "a number in [0, 2] (0 = greedy)",
-              temperature)
-    top_p = body.get("top_p")
-    if top_p is None:
-        top_p = defaults.get("top_p", 1.0)
-    else:
-        _need(is_finite(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
-    top_k = body.get("top_k")
-    if top_k is None:
-        top_k = defaults.get("top_k", 0)
-    else:
-        _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
-    seed = body.get("seed")
-    # -1 is vLLM's "no seed" (its SamplingParams' rule, which kvload.SamplingParams and --seed keep too)
-    _need(seed is None or (_is_int(seed) and -1 <= seed <= MAX_INT), "seed",
-          "an integer in [0, 2**63 - 1], or -1 for none (vLLM's)", seed)
+    temperature, top_p, top_k, seed = _core_sampling(body, defaults)
     n = body.get("n", 1)
     n = 1 if n is None else n
     _need(_is_int(n) and 1 <= n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", n)
@@ -400,27 +361,7 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
     include_usage, continuous = _stream_options(body, stream, ignored)
     if kind == "chat":
         _chat_hints(body, ignored)
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    else:
-        _need(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "stop", "a string or a list of strings",
-              stop)
-        stops = tuple(stop)
-    _need(all(stops), "stop", "non-empty strings", stop)
-    _as_api(check_stop_sizes, stops)  # the Python API's bounds, in its words
-    for i, text in enumerate(stops):  # as prompts and salt: a stop string no decoded text could ever contain
-        problem = not_unicode(f"stop[{i}]", text)
-        if problem is not None:
-            raise BadRequest(problem, param="stop")
-    stop_ids = body.get("stop_token_ids")
-    stop_ids = [] if stop_ids is None else stop_ids  # 0, "" and false are no list: refused, never read as none
-    _need(isinstance(stop_ids, list), "stop_token_ids", "a list of token ids (integers >= 0)", stop_ids)
-    _as_api(check_stop_token_ids_count, len(stop_ids))
-    _need(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "a list of token ids (integers >= 0)",
-          stop_ids)
+    stops, stop_ids = _stops(body)
     ignore_eos = body.get("ignore_eos", False)
     _need(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
     salt = _salt(body)
@@ -432,32 +373,14 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
         scored = max(logprobs, prompt_logprobs or 0)  # loglikelihood requests); each answer shows its own top k
     if scored is not None:
         extras["prompt_logprobs"] = scored
-    truncate = body.get("truncate_prompt_tokens")
-    _need(truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1) and truncate <= MAX_INT),
-          "truncate_prompt_tokens", "an integer >= 1 (keep the prompt's last k tokens), or -1 (as many as the "
-          "context length leaves after max_tokens)", truncate)
-    side = body.get("truncation_side")
-    _need(side in (None, "left", "right"), "truncation_side",
-          '"left" (keep the last tokens) or "right" (keep the first ones)', side)
-    if side is not None and truncate is None:
-        ignored.append(("truncation_side", side, "no truncate_prompt_tokens: no prompt is cut"))
+    truncate, side = _truncation(body, ignored)
     priority = _accepted_as_done(body, kind, n, by_priority)
     session = body.get("session_id")
     _need(session is None or isinstance(session, str), "session_id", "a string", session)
     if session is not None:
         ignored.append(("session_id", session[:200], "vLLM's session identity, for routing and tracing; one kvload "
                         "server routes nothing (cache_salt scopes prefix sharing)"))
-    structured, structured_field = _structured(body)
-    tools = _tools(body) if kind == "chat" else None
-    tool_choice, tool_params = _tool_choice(body, tools, tool_parser) if kind == "chat" else (None, None)
-    auto = tool_choice if isinstance(tool_choice, AutoTools) else None
-    if auto is not None:  # the reply is free text (response_format or structured_outputs may still hold it)
-        tool_choice = None
-    if tool_choice is not None:
-        if structured is not None:  # two constraints on one reply: which was meant is not for the server to guess
-            raise BadRequest(f"tool_choice: {_shown(body['tool_choice'])} holds the reply to tool calls, and "
-                             f"{structured_field} constrains it too; give one", param="tool_choice")
-        structured, structured_field = tool_params, "tool_choice"
+    structured, structured_field, tools, tool_choice, auto = _constraints(body, kind, tool_parser)
     template = _template(body, tools) if kind == "chat" else {}
     reasoning = _reasoning(reasoning_parser, template) if kind == "chat" else None
     include_reasoning = _flag(body, "include_reasoning", True)
@@ -500,6 +423,115 @@ def parse(body: Any, kind: str, *, default_max_tokens: int, by_priority: bool = 
                return_tokens_as_token_ids=None if body.get("return_tokens_as_token_ids") is None
                else _flag(body, "return_tokens_as_token_ids", False),
                beam=beam)
+
+
+def _extras(body: dict[str, Any], defaults: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The request's SamplingParams keywords past the core ones (OpenAI's penalties, vLLM's extras), the model's
+    defaults for those it does not send; and the names of every sampling field the model's defaults fill."""
+    # OpenAI's penalties and vLLM's extras: null is absent; SamplingParams checks the rest (bool is no number)
+    extras = {name: body[name] for name in ("presence_penalty", "frequency_penalty", *_SAMPLING_EXTRAS)
+              if body.get(name) is not None}
+    for name, value in extras.items():  # the type here; SamplingParams says the range (1e400 is a number past it)
+        expected = "an integer" if name == "min_tokens" else "a number"
+        _need(_is_int(value) if name == "min_tokens" else is_number(value), name, expected, value)
+    defaulted = [name for name in ("temperature", "top_p", "top_k", *_SAMPLING_EXTRAS)
+                 if name in defaults and body.get(name) is None]  # the model's, checked when it was loaded
+    extras.update({name: defaults[name] for name in defaulted if name in _SAMPLING_EXTRAS})
+    if body.get("logit_bias") is not None:
+        extras["logit_bias"] = _logit_bias(body["logit_bias"])
+    if body.get("allowed_token_ids") is not None:  # JSON's true is no token id, nor 1.0: SamplingParams refuses them
+        _need(isinstance(body["allowed_token_ids"], list), "allowed_token_ids",
+              "a non-empty list of token ids (integers >= 0)", body["allowed_token_ids"])
+        extras["allowed_token_ids"] = body["allowed_token_ids"]
+    if body.get("bad_words") is not None:
+        _need(isinstance(body["bad_words"], list), "bad_words", "a list of non-empty strings", body["bad_words"])
+        extras["bad_words"] = body["bad_words"]
+    for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):  # vLLM's
+        if body.get(name) is not None:
+            extras[name] = _flag(body, name, False)
+    return extras, defaulted
+
+
+def _core_sampling(body: dict[str, Any], defaults: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """``temperature``, ``top_p``, ``top_k`` (the model's defaults where not sent) and ``seed``, checked."""
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = defaults.get("temperature", 0.0)
+    else:
+        _need(is_finite(temperature) and 0 <= temperature <= 2, "temperature", "a number in [0, 2] (0 = greedy)",
+              temperature)
+    top_p = body.get("top_p")
+    if top_p is None:
+        top_p = defaults.get("top_p", 1.0)
+    else:
+        _need(is_finite(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
+    top_k = body.get("top_k")
+    if top_k is None:
+        top_k = defaults.get("top_k", 0)
+    else:
+        _need(_is_int(top_k) and top_k >= -1, "top_k", "an integer >= 1, or 0 / -1 for all tokens", top_k)
+    seed = body.get("seed")
+    # -1 is vLLM's "no seed" (its SamplingParams' rule, which kvload.SamplingParams and --seed keep too)
+    _need(seed is None or (_is_int(seed) and -1 <= seed <= MAX_INT), "seed",
+          "an integer in [0, 2**63 - 1], or -1 for none (vLLM's)", seed)
+    return temperature, top_p, top_k, seed
+
+
+def _stops(body: dict[str, Any]) -> tuple[tuple[str, ...], list[int]]:
+    """The request's ``stop`` strings and ``stop_token_ids``, checked."""
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    else:
+        _need(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "stop", "a string or a list of strings",
+              stop)
+        stops = tuple(stop)
+    _need(all(stops), "stop", "non-empty strings", stop)
+    _as_api(check_stop_sizes, stops)  # the Python API's bounds, in its words
+    for i, text in enumerate(stops):  # as prompts and salt: a stop string no decoded text could ever contain
+        problem = not_unicode(f"stop[{i}]", text)
+        if problem is not None:
+            raise BadRequest(problem, param="stop")
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids  # 0, "" and false are no list: refused, never read as none
+    _need(isinstance(stop_ids, list), "stop_token_ids", "a list of token ids (integers >= 0)", stop_ids)
+    _as_api(check_stop_token_ids_count, len(stop_ids))
+    _need(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids", "a list of token ids (integers >= 0)",
+          stop_ids)
+    return stops, stop_ids
+
+
+def _truncation(body: dict[str, Any], ignored: list[tuple[str, Any, str]]) -> tuple[int | None, str | None]:
+    """vLLM's ``truncate_prompt_tokens`` and ``truncation_side``, checked (a side with nothing cut said ignored)."""
+    truncate = body.get("truncate_prompt_tokens")
+    _need(truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1) and truncate <= MAX_INT),
+          "truncate_prompt_tokens", "an integer >= 1 (keep the prompt's last k tokens), or -1 (as many as the "
+          "context length leaves after max_tokens)", truncate)
+    side = body.get("truncation_side")
+    _need(side in (None, "left", "right"), "truncation_side",
+          '"left" (keep the last tokens) or "right" (keep the first ones)', side)
+    if side is not None and truncate is None:
+        ignored.append(("truncation_side", side, "no truncate_prompt_tokens: no prompt is cut"))
+    return truncate, side
+
+
+def _constraints(body: dict[str, Any], kind: str, tool_parser: str | None) -> tuple[Any, Any, Any, Any, Any]:
+    """What holds the reply: the structured output asked for and the field that asked (``tool_choice`` when a named
+    or required tool call does), chat's tools, a forced tool choice and an ``auto`` one (free text, parsed after)."""
+    structured, structured_field = _structured(body)
+    tools = _tools(body) if kind == "chat" else None
+    tool_choice, tool_params = _tool_choice(body, tools, tool_parser) if kind == "chat" else (None, None)
+    auto = tool_choice if isinstance(tool_choice, AutoTools) else None
+    if auto is not None:  # the reply is free text (response_format or structured_outputs may still hold it)
+        tool_choice = None
+    if tool_choice is not None:
+        if structured is not None:  # two constraints on one reply: which was meant is not for the server to guess
+            raise BadRequest(f"tool_choice: {_shown(body['tool_choice'])} holds the reply to tool calls, and "
+                             f"{structured_field} constrains it too; give one", param="tool_choice")
+        structured, structured_field = tool_params, "tool_choice"
+    return structured, structured_field, tools, tool_choice, auto
 
 
 #: What beam search takes of the sampling fields a request sent, each (field, its neutral value or None for "not
