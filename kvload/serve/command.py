@@ -534,40 +534,21 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     # under torchrun rank 0 serves HTTP and the other ranks follow its loop step by step (ServingEngine.follow); a
     # torchrun variable that is not a rank (RANK=junk) is named first, not after seconds of importing the server
     ranks = ranks_from_env()
-    from kvload.cli.files import _audit_subscribers, _check_output_path
+    from kvload.cli.files import _audit_subscribers
     from kvload.cli.flags import _request
-    from kvload.cli.sampling_defaults import length_source, peek_sampling_defaults
 
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        from pipeline.errors import ConfigError
-
-        raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
+    _check_installed()
     from kvload.api import execute
     from kvload.cli.flags import _knob_dest
     from kvload.serve.auth import resolve_api_keys
-    from kvload.serve.server import bind, build_state, chat_template_text, mirror_kv_events, serve
+    from kvload.serve.server import chat_template_text, mirror_kv_events, serve
     from kvload.serve.stats_log import interval_from_env
     from kvload.serve.tls import tls_from_flags
-    from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
     from stages import load_stages
 
     audit = _audit_subscribers(ns)  # published by main once the server stopped cleanly
-    # the flag, else the --config file's: read once, and only where an events flag asks
-    buffer_size = _event_buffer_size(ns) if ns.kv_events_file is not None or ns.kv_events_config is not None \
-        else None
-    events_config = _kv_events_config(ns, buffer_size)
+    buffer_size, events_config = _events_flags(ns)
     events_on = events_config is not None and events_config.enable_kv_cache_events
-    if ns.kv_events_file is not None:
-        _check_output_path("--kv-events-file", ns.kv_events_file)
-        if not buffer_size and not events_on:
-            from pipeline.errors import ConfigError
-
-            raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
-                              "kv_cache_config.event_buffer_max_size in the --config file")
     _refuse_unserved_flags(ns)
     # the flag, else $KVLOAD_API_KEY, else $VLLM_API_KEY; an empty or unsendable one refused now, naming its source
     api_keys, key_source, unused = resolve_api_keys(ns.api_key, os.environ)
@@ -575,39 +556,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     # interval, vLLM's VLLM_LOG_STATS_INTERVAL, is checked now, before minutes of loading
     stats_off = getattr(ns, _knob_dest("disable_log_stats"), None) is True
     stats_interval = None if stats_off else interval_from_env(os.environ)
-    address = ns.host
-    if ranks.is_first and ns.uds is not None:  # a missing directory, a user's file, a live server: now, not after
-        from kvload.serve.uds import UnixListener  # minutes of loading (the probe's file is removed again)
-
-        UnixListener(ns.uds).close()
-        address = None
-    elif ranks.is_first:  # the one rank that listens
-        probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
-        address = probe.getsockname()[0]
-        probe.close()
+    address = _probe_listener(ns, ranks.is_first)
     tls = tls_from_flags(ns.ssl_keyfile, ns.ssl_certfile, ns.ssl_ca_certs, ns.ssl_cert_reqs)  # a bad file: now
     template = chat_template_text(ns.chat_template) if ns.chat_template is not None else None  # and a bad template
     request = _request(ns, load_weights=True, generates=True)
     request.overrides.pop("disable_log_stats", None)  # acted on above, not an engine setting to report ignored
-    # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
-    peeked = peek_sampling_defaults(request)
-    default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
-    tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
-    # at most 8 sequences of max_seq_len, wherever the length came from: no request grows past max_seq_len, so pools
-    # for more are not the 8 sequences this default is for (a --max_tokens sizes them as the operator chooses).
-    # Errors say "lower" the reason's start: the flag or the user's override_generation_config, else the flag to give
-    # below the default that applied, never "lower --default-max-tokens" of a flag the operator did not give
-    length, _ = length_source("--default-max-tokens", ns.default_max_tokens is not None, peeked, default_max_tokens,
-                              "serve", "the requests' default max_tokens")
-    request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
-        tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x (default-max-tokens + "
-                         f"{SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens is given)",
-        sequences=SERVE_DEFAULT_SEQUENCES)
-    if events_on and buffer_size is None:  # vLLM's switch turns the recording on, as it does there
-        request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
-            EVENT_BUFFER_DEFAULT, "serve", f"--kv-events-config enables KV cache events (vLLM's "
-            f"enable_kv_cache_events); GET /v1/kvload/kv_events keeps the newest {EVENT_BUFFER_DEFAULT:,}",
-            over_default=True)
+    _serving_defaults(ns, request, events_on and buffer_size is None)
     publisher = None
     if ranks.is_first and events_config is not None and events_config.publishes:
         from kvload.serve.kv_publisher import ZmqKvEventPublisher
@@ -638,44 +592,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if result.bus is not None:
             _announce_auth(result.bus.emitter("serve"), ns.host, address, key_source, unused)
         _start_publishing(result, events_config, publisher)
-        state = build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
-                            audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
-                            read_timeout_s=ns.request_read_timeout,
-                            max_concurrent_requests=ns.max_concurrent_requests,
-                            trust_request_chat_template=ns.trust_request_chat_template, chat_template=template,
-                            chat_template_flag="--chat-template", api_keys=api_keys,
-                            api_key_source=key_source or "api_keys",
-                            enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
-                            tool_call_parser=ns.tool_call_parser, reasoning_parser=reasoning_parser,
-                            metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
-                            cors=_cors(ns), response_role=ns.response_role,
-                            return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-                            force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path,
-                            default_chat_template_kwargs=ns.default_chat_template_kwargs,
-                            log_stats_interval_s=stats_interval,
-                            request_id_headers=ns.enable_request_id_headers,
-                            h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
-                            h11_max_header_count=ns.h11_max_header_count,
-                            chat_template_content_format=ns.chat_template_content_format)
+        state = _state(ns, result, template, api_keys, key_source, reasoning_parser, stats_interval)
         _warn_when_the_audit_log_fails(state, getattr(ns, "audit_sink", None))
         mirror = None
         if ns.kv_events_file is not None:  # a full disk later stops the mirror with a warning, never a request
             mirror = mirror_kv_events(state, ns.kv_events_file, "--kv-events-file")
-
-        def ready(url: str) -> None:
-            if getattr(ns, "held_log", None) is not None:  # loaded: the load's warnings now, later ones as they come
-                ns.held_log.pass_through()
-            kv = result.kv
-            # said where the operator looks: a key picked up from the environment (VLLM_API_KEY) is no surprise later
-            auth = f"; API key required ({key_source})" if api_keys else ""
-            tp = f", tensor parallel over {ranks.world_size} ranks" if ranks.distributed else ""
-            # how chat replies are read, where a client's author looks when reasoning_content or tool_calls is missing
-            parsers = "".join(f"; {what} parser {name}" for what, name in (("tool-call", ns.tool_call_parser),
-                                                                         ("reasoning", reasoning_parser)) if name)
-            # one_line: a --served-model-name or --uds path holding an escape sequence was printed raw to the terminal
-            print(one_line(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
-                           f"{kv.capacity_tokens:,} KV tokens{tp}){parsers}{auth}; Ctrl-C stops"),
-                  file=sys.stderr, flush=True)
+        ready = _ready_line(ns, result, state, ranks, key_source if api_keys else None, reasoning_parser)
 
         try:
             level = getattr(ns, "effective_log_level", None) or ns.log_level or "warning"  # uvicorn's default: info
@@ -688,6 +610,132 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             if publisher is not None:
                 result.kv_manager.kv_events.publisher = None
     return 0
+
+
+def _events_flags(ns: argparse.Namespace) -> tuple[int | None, Any]:
+    """The event buffer's size as set (None: not read, or not set) and vLLM's ``--kv-events-config``; a
+    ``--kv-events-file`` checked: writable, and events on."""
+    from kvload.cli.files import _check_output_path
+
+    # the flag, else the --config file's: read once, and only where an events flag asks
+    buffer_size = _event_buffer_size(ns) if ns.kv_events_file is not None or ns.kv_events_config is not None \
+        else None
+    events_config = _kv_events_config(ns, buffer_size)
+    events_on = events_config is not None and events_config.enable_kv_cache_events
+    if ns.kv_events_file is not None:
+        _check_output_path("--kv-events-file", ns.kv_events_file)
+        if not buffer_size and not events_on:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError("--kv-events-file: KV cache events are off; add --event_buffer_max_size N (N > 0), or "
+                              "kv_cache_config.event_buffer_max_size in the --config file")
+    return buffer_size, events_config
+
+
+def _check_installed() -> None:
+    """The server's own packages (the ``serve`` extra), named when one is missing."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"serve: {exc.name} is not installed; pip install 'kvload[serve]'") from None
+
+
+def _probe_listener(ns: argparse.Namespace, listens: bool) -> str | None:
+    """Where the server will listen, tried before minutes of loading (a taken port, a missing directory); the
+    address bound (None on a Unix socket), or the host flag on a rank that does not listen."""
+    from kvload.serve.server import bind
+
+    address = ns.host
+    if listens and ns.uds is not None:  # a missing directory, a user's file, a live server: now, not after
+        from kvload.serve.uds import UnixListener  # minutes of loading (the probe's file is removed again)
+
+        UnixListener(ns.uds).close()
+        address = None
+    elif listens:  # the one rank that listens
+        probe = bind(ns.host, ns.port)  # a taken port fails now, before minutes of loading
+        address = probe.getsockname()[0]
+        probe.close()
+    return address
+
+
+def _serving_defaults(ns: argparse.Namespace, request: Any, events_switch: bool) -> None:
+    """The load's defaults where serving differs from the other commands: pools for a few sequences of the requests'
+    default max_tokens when no --max_tokens is given, and an event buffer when vLLM's switch alone turns events on."""
+    from kvload.cli.sampling_defaults import length_source, peek_sampling_defaults
+    from pipeline.context import DEFAULT_MAX_TOKENS_FIELD, CallerDefault
+
+    # capped like generate's: past 2**63 - 1 the budget names --default-max-tokens
+    peeked = peek_sampling_defaults(request)
+    default_max_tokens = serve_max_tokens(ns.default_max_tokens, peeked.values)
+    tokens = min(MAX_INT, SERVE_DEFAULT_SEQUENCES * (default_max_tokens + SERVE_PROMPT_ALLOWANCE))
+    # at most 8 sequences of max_seq_len, wherever the length came from: no request grows past max_seq_len, so pools
+    # for more are not the 8 sequences this default is for (a --max_tokens sizes them as the operator chooses).
+    # Errors say "lower" the reason's start: the flag or the user's override_generation_config, else the flag to give
+    # below the default that applied, never "lower --default-max-tokens" of a flag the operator did not give
+    length, _ = length_source("--default-max-tokens", ns.default_max_tokens is not None, peeked, default_max_tokens,
+                              "serve", "the requests' default max_tokens")
+    request.caller_defaults[DEFAULT_MAX_TOKENS_FIELD] = CallerDefault(
+        tokens, "serve", f"{length} (serve sizes the pools for {SERVE_DEFAULT_SEQUENCES} x (default-max-tokens + "
+                         f"{SERVE_PROMPT_ALLOWANCE}) = {tokens} tokens when no --max_tokens is given)",
+        sequences=SERVE_DEFAULT_SEQUENCES)
+    if events_switch:  # vLLM's switch turns the recording on, as it does there
+        request.caller_defaults[EVENT_BUFFER_FIELD] = CallerDefault(
+            EVENT_BUFFER_DEFAULT, "serve", f"--kv-events-config enables KV cache events (vLLM's "
+            f"enable_kv_cache_events); GET /v1/kvload/kv_events keeps the newest {EVENT_BUFFER_DEFAULT:,}",
+            over_default=True)
+
+
+def _state(ns: argparse.Namespace, result: Any, template: str | None, api_keys: Any, key_source: str | None,
+           reasoning_parser: str | None, stats_interval: float | None) -> Any:
+    """The server's state over the loaded engine, from its flags."""
+    from kvload.serve.server import build_state
+
+    return build_state(result, model_name=ns.served_model_name, default_max_tokens=ns.default_max_tokens,
+                       audit_keep=ns.audit_keep, max_request_bytes=ns.max_request_bytes,
+                       read_timeout_s=ns.request_read_timeout,
+                       max_concurrent_requests=ns.max_concurrent_requests,
+                       trust_request_chat_template=ns.trust_request_chat_template, chat_template=template,
+                       chat_template_flag="--chat-template", api_keys=api_keys,
+                       api_key_source=key_source or "api_keys",
+                       enable_reset_prefix_cache=ns.enable_reset_prefix_cache,
+                       tool_call_parser=ns.tool_call_parser, reasoning_parser=reasoning_parser,
+                       metrics_naming=ns.metrics_name_prefix, responses_store_max=ns.responses_store_max,
+                       cors=_cors(ns), response_role=ns.response_role,
+                       return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+                       force_include_usage=ns.enable_force_include_usage, root_path=ns.root_path,
+                       default_chat_template_kwargs=ns.default_chat_template_kwargs,
+                       log_stats_interval_s=stats_interval,
+                       request_id_headers=ns.enable_request_id_headers,
+                       h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
+                       h11_max_header_count=ns.h11_max_header_count,
+                       chat_template_content_format=ns.chat_template_content_format)
+
+
+def _ready_line(ns: argparse.Namespace, result: Any, state: Any, ranks: Any, key_source: str | None,
+                reasoning_parser: str | None) -> Callable[[str], None]:
+    """What the server prints once it listens: the model, where, the manager and its KV tokens, the parsers, whether
+    an API key is required (``key_source``: where it came from; None: none is)."""
+
+    def ready(url: str) -> None:
+        if getattr(ns, "held_log", None) is not None:  # loaded: the load's warnings now, later ones as they come
+            ns.held_log.pass_through()
+        kv = result.kv
+        # said where the operator looks: a key picked up from the environment (VLLM_API_KEY) is no surprise later
+        auth = f"; API key required ({key_source})" if key_source is not None else ""
+        tp = f", tensor parallel over {ranks.world_size} ranks" if ranks.distributed else ""
+        # how chat replies are read, where a client's author looks when reasoning_content or tool_calls is missing
+        parsers = "".join(f"; {what} parser {name}" for what, name in (("tool-call", ns.tool_call_parser),
+                                                                     ("reasoning", reasoning_parser)) if name)
+        # one_line: a --served-model-name or --uds path holding an escape sequence was printed raw to the terminal
+        print(one_line(f"kvload serve: {state.model_name} at {url} ({type(result.kv_manager).__name__}, "
+                       f"{kv.capacity_tokens:,} KV tokens{tp}){parsers}{auth}; Ctrl-C stops"),
+              file=sys.stderr, flush=True)
+
+    return ready
 
 
 #: ``vllm serve`` flags about request logging and usage details that kvload serve takes and does not act on → why.
