@@ -57,6 +57,17 @@ from pipeline.thread_end import EndingThread
 from pipeline.vllm_compat import reasoning_parser_named
 
 
+def _count(value: Any, low: int) -> bool:
+    """Whether ``value`` is an integer (no bool) from ``low`` to 2**63 - 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_INT
+
+
+def _need(ok: bool, name: str, expected: str, value: Any) -> None:
+    """``build_state``'s argument ``name`` refused unless ``ok``: one ``ConfigError`` saying what it takes."""
+    if not ok:
+        raise ConfigError(f"{name}: expected {expected}, got {short(value)}")
+
+
 def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                 default_max_tokens: int | None = None,
                 audit_keep: int = AUDIT_KEEP_DEFAULT, max_request_bytes: int | None = None,
@@ -114,8 +125,7 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
                           f"{short(chat_template_content_format)}")
     for name, bound in (("h11_max_incomplete_event_size", h11_max_incomplete_event_size),
                         ("h11_max_header_count", h11_max_header_count)):
-        if bound is not None and not (isinstance(bound, int) and not isinstance(bound, bool) and 1 <= bound <= MAX_INT):
-            raise ConfigError(f"{name}: expected an integer >= 1 or None, got {short(bound)}")
+        _need(bound is None or _count(bound, 1), name, "an integer >= 1 or None", bound)
     if log_stats_interval_s is not None and not (isinstance(log_stats_interval_s, (int, float))
                                                  and not isinstance(log_stats_interval_s, bool)
                                                  and 0 < log_stats_interval_s <= 86400):
@@ -136,26 +146,17 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
     if not names or not (names == [None] or all(isinstance(n, str) and n.strip() for n in names)):
         raise ConfigError(f"model_name: expected a non-empty name, a list of them (the first answers) or None (the "
                           f"model's own), got {model_name!r}")
-    if max_request_bytes is not None and not (isinstance(max_request_bytes, int)
-                                              and not isinstance(max_request_bytes, bool)
-                                              and 1 <= max_request_bytes <= MAX_INT):
-        raise ConfigError(f"max_request_bytes: expected an integer >= 1 (bytes), or None for the default derived "
-                          f"from max_seq_len, got {short(max_request_bytes)}")
-    if not (isinstance(read_timeout_s, int | float) and not isinstance(read_timeout_s, bool)
-            and 0 < read_timeout_s <= MAX_TIMEOUT_S):
-        raise ConfigError(f"read_timeout_s: expected seconds in (0, {MAX_TIMEOUT_S:g}], got {short(read_timeout_s)}")
-    if not (isinstance(max_concurrent_requests, int) and not isinstance(max_concurrent_requests, bool)
-            and 1 <= max_concurrent_requests <= MAX_INT):
-        raise ConfigError(f"max_concurrent_requests: expected an integer >= 1, got {short(max_concurrent_requests)}")
-    if not isinstance(trust_request_chat_template, bool):
-        raise ConfigError(f"trust_request_chat_template: expected true or false, got "
-                          f"{short(trust_request_chat_template)}")
-    if not isinstance(enable_reset_prefix_cache, bool):
-        raise ConfigError(f"enable_reset_prefix_cache: expected true or false, got {short(enable_reset_prefix_cache)}")
-    if not (isinstance(responses_store_max, int) and not isinstance(responses_store_max, bool)
-            and 0 <= responses_store_max <= MAX_INT):
-        raise ConfigError(f"responses_store_max: expected an integer >= 0 (0: keep no responses), got "
-                          f"{short(responses_store_max)}")
+    _need(max_request_bytes is None or _count(max_request_bytes, 1), "max_request_bytes",
+          "an integer >= 1 (bytes), or None for the default derived from max_seq_len", max_request_bytes)
+    _need(isinstance(read_timeout_s, int | float) and not isinstance(read_timeout_s, bool)
+          and 0 < read_timeout_s <= MAX_TIMEOUT_S, "read_timeout_s", f"seconds in (0, {MAX_TIMEOUT_S:g}]",
+          read_timeout_s)
+    _need(_count(max_concurrent_requests, 1), "max_concurrent_requests", "an integer >= 1", max_concurrent_requests)
+    for name, flag in (("trust_request_chat_template", trust_request_chat_template),
+                       ("enable_reset_prefix_cache", enable_reset_prefix_cache)):
+        _need(isinstance(flag, bool), name, "true or false", flag)
+    _need(_count(responses_store_max, 0), "responses_store_max", "an integer >= 0 (0: keep no responses)",
+          responses_store_max)
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"tool_call_parser: {short(tool_call_parser)} is no tool-call parser kvload has; it has: "
                           f"{', '.join(TOOL_CALL_PARSERS)}")
