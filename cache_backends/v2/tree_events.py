@@ -139,18 +139,27 @@ class TreeEvents:
                     first = what[0][0][0]
                     row = next((r for r in reversed(rows) if r[0] == g and r[1][0][2][0] == first), rows[-1])
                     row[1].append((g, kind, what, tpb))
-        left = iter(rows)
+        sent = 0  # rows sent so far (in queue order)
         for name in self._event_cuts[group]:
             for _, stored in steps:
-                if not free:
-                    row = next(left, None)
-                    if row is not None:
-                        for cut in self._event_cuts[row[0]]:
-                            self._send(cut, row[1])
-                        free += len(self._event_cuts[row[0]])
+                # a store of a position whose evicted row the order above would send later goes out after that row: the
+                # tie hung the block where that row's block was, so the page arena's order would report the key stored
+                # twice, then removed while it is cached (a router would drop a cached block)
+                upto = sent + 1 if not free and sent < len(rows) else sent
+                keys = {h for _, kind, what, _ in stored if kind == STORED for hashes, _, _ in what for h in hashes}
+                if keys:
+                    for k in range(len(rows) - 1, upto - 1, -1):
+                        if rows[k][0] == group and rows[k][1][0][2][0] in keys:
+                            upto = k + 1
+                            break
+                for g, heard in rows[sent:upto]:
+                    for cut in self._event_cuts[g]:
+                        self._send(cut, heard)
+                    free += len(self._event_cuts[g])
+                sent = max(sent, upto)
                 free -= 1
                 self._send(name, stored)
-        for g, heard in left:  # (none: the page arena evicts as many rows)
+        for g, heard in rows[sent:]:  # (none: the page arena evicts as many rows)
             for cut in self._event_cuts[g]:
                 self._send(cut, heard)
 
