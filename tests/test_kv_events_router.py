@@ -160,3 +160,54 @@ def test_a_tied_resume_reports_a_block_evicted_before_its_position_is_stored_aga
     allocates cut by cut), so a router saw the hash stored twice, then removed while it stays cached."""
     with _load("gemma3-v2-host") as r:
         assert _drive(r, random.Random(seed)) == []
+
+
+#: offline calls as users make them: (model, manager, pool tokens, host tier)
+CALL_SETUPS = {"llama-v1-beam": ("tiny-llama", False, 192, 0), "gemma3-v2-host": ("tiny-gemma3", True, 192, 1 << 20)}
+
+
+@pytest.fixture(scope="module", params=sorted(CALL_SETUPS))
+def loaded(request):
+    model, v2, tokens, host = CALL_SETUPS[request.param]
+    kv = {"max_tokens": tokens, "tokens_per_block": T, "use_kv_cache_manager_v2": v2, "event_buffer_max_size": 1 << 16,
+          "host_cache_size": host}
+    with pipeline.load(model, load_weights=True, kv_cache_config=kv, max_seq_len=256, log=False, max_num_tokens=24,
+                       scheduling_policy="priority", max_beam_width=1 if v2 else 3) as r:
+        yield r
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                               HealthCheck.function_scoped_fixture])
+@given(rng=st.randoms(use_true_random=False))
+def test_offline_calls_keep_what_a_router_rebuilds_equal_to_the_cache(loaded, rng):
+    """Generation with priorities and salts, n > 1 samples, scored prompts, embeddings, beam search (V1) and resets
+    through the executor, under a pool that evicts and chunked prefill: after each call the router's sets are the
+    cache."""
+    from engine.beam_search import BeamSearchParams
+
+    m, run = loaded.kv_manager, loaded.executor.run
+    m.reset_prefix_cache()
+    m.kv_events.drain()
+    router = Router()
+    prefixes = [[rng.randrange(1, 300) for _ in range(rng.choice([16, 24, 40]))] for _ in range(2)]
+    for call in range(5):
+        op = rng.choice(["generate", "n", "score", "embed", "beam", "reset"])
+        prompts = [rng.choice(prefixes) + [rng.randrange(1, 300) for _ in range(rng.randrange(0, 30))]
+                   for _ in range(rng.randrange(1, 3))]
+        salt = rng.choice([None, "tenant"])
+        if op == "generate":
+            run(prompts, max_tokens=rng.randrange(1, 12), ignore_eos=True, salt=salt, priority=[-1, 2][:len(prompts)])
+        elif op == "n":
+            run(prompts, max_tokens=rng.randrange(1, 12), ignore_eos=True, n=3, temperature=1.0, seed=7, salt=salt)
+        elif op == "score":
+            run(prompts, max_tokens=1, ignore_eos=True, prompt_logprobs=0, salt=salt)
+        elif op == "embed":
+            run(prompts, max_tokens=1, pool=True, salt=salt)
+        elif op == "beam" and not hasattr(m, "_tree"):
+            beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+            loaded.executor.beam_search(prompts, beams, salt=salt)
+        elif op == "reset":
+            m.reset_prefix_cache()
+        router.feed(m.kv_events.drain())
+        assert router.problems == [], f"call {call} ({op})"
+        assert mismatch(router, m) is None, f"call {call} ({op})"
