@@ -19,7 +19,8 @@ class Router:
     Once a batch says events were dropped (``lost``), the set cannot be trusted and nothing more is checked."""
 
     def __init__(self) -> None:
-        self.cached: dict[str, dict[str, tuple[str | None, tuple[int, ...]]]] = defaultdict(dict)
+        #: group -> hash -> (parent, token ids, cache salt)
+        self.cached: dict[str, dict[str, tuple[str | None, tuple[int, ...], str | None]]] = defaultdict(dict)
         self.ever: dict[str, set[str]] = defaultdict(set)
         self.seq = 0
         self.lost = False
@@ -49,7 +50,7 @@ class Router:
                 for i, h in enumerate(e["block_hashes"]):
                     if h in cached:
                         self.problems.append(f"{where}: {group} {h[:12]} stored again, never removed")
-                    cached[h] = (parent, tuple(tokens[i * tpb:(i + 1) * tpb]))
+                    cached[h] = (parent, tuple(tokens[i * tpb:(i + 1) * tpb]), e.get("cache_salt"))
                     self.ever[group].add(h)
                     parent = h
             elif e["type"] == REMOVED:
@@ -61,13 +62,14 @@ class Router:
         """Per group, the hashes believed cached (groups holding none left out)."""
         return {g: set(c) for g, c in self.cached.items() if c}
 
-    def hit_tokens(self, group: str, tokens: list[int], tokens_per_block: int) -> int:
-        """The whole-block prefix of ``tokens`` a router predicts cached in ``group``, matching blocks by token ids and
-        parent (at most all but the last token, as an engine leaves one to compute)."""
-        by = {(parent, toks): h for h, (parent, toks) in self.cached.get(group, {}).items()}
+    def hit_tokens(self, group: str, tokens: list[int], tokens_per_block: int, salt: str | None = None) -> int:
+        """The whole-block prefix of ``tokens`` under the cache salt ``salt`` a router predicts cached in ``group``,
+        matching blocks by token ids, parent and salt (at most all but the last token, as an engine leaves one to
+        compute)."""
+        by = {(parent, toks, s): h for h, (parent, toks, s) in self.cached.get(group, {}).items()}
         parent, n = None, 0
         for i in range((len(tokens) - 1) // tokens_per_block):
-            h = by.get((parent, tuple(tokens[i * tokens_per_block:(i + 1) * tokens_per_block])))
+            h = by.get((parent, tuple(tokens[i * tokens_per_block:(i + 1) * tokens_per_block]), salt))
             if h is None:
                 break
             parent, n = h, n + 1

@@ -44,7 +44,7 @@ def _predicts(m, router: Router, req: Request) -> str | None:
     groups = m.layout.groups
     if len(groups) != 1 or groups[0].kind == "sliding" or req.skip_prefix_read:
         return None
-    predicted = router.hit_tokens(groups[0].name, req.all_token_ids, T)
+    predicted = router.hit_tokens(groups[0].name, req.all_token_ids, T, req.salt)
     found = m.cached_prefix_tokens(req) if hasattr(m, "cached_prefix_tokens") else m.find_prefix(req).num_tokens
     if predicted != found:
         return f"request {req.req_id}: the router predicts {predicted} cached tokens, the manager finds {found}"
@@ -60,9 +60,6 @@ def _drive(r, rng: random.Random, ops: int = 40) -> list[str]:
     prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice([8, 16, 24, 40]))] for _ in range(3)]
     live: list[Request] = []
     wrong: list[str] = []
-    #: the events carry no salt (vLLM's BlockStored neither: the salt is only inside the hash), so a router matching
-    #: token ids cannot tell tenants apart: hits are predicted while no salted block was stored
-    salted = False
 
     def compute(out):
         got = {}
@@ -95,9 +92,7 @@ def _drive(r, rng: random.Random, ops: int = 40) -> list[str]:
             salt, priority = rng.choice([None, None, "tenant"]), rng.choice([0, 0, 1, -1])
             new = min(rng.randrange(1, 30), room - len(prompt))
             req = Request(f"r{n}", prompt, new, priority=priority, salt=salt, skip_prefix_read=rng.random() < 0.1)
-            if not salted and salt is None:
-                wrong += [f"op {n}: {w}" for w in [_predicts(m, router, req)] if w]
-            salted = salted or salt is not None
+            wrong += [f"op {n}: {w}" for w in [_predicts(m, router, req)] if w]
             driver.add(req)
             live.append(req)
             if op == "fork":  # n > 1: samples joining when the prompt's prefill completes
@@ -211,3 +206,22 @@ def test_offline_calls_keep_what_a_router_rebuilds_equal_to_the_cache(loaded, rn
         router.feed(m.kv_events.drain())
         assert router.problems == [], f"call {call} ({op})"
         assert mismatch(router, m) is None, f"call {call} ({op})"
+
+
+@pytest.mark.parametrize("setup", ["llama-v1", "llama-v2"])
+def test_a_router_tells_tenants_equal_prompts_apart_by_the_salt_the_events_carry(setup):
+    """The salt is inside every hash, so a router that matches a prompt's blocks by token ids needs it from the event:
+    without it, tenant A's cached prompt was predicted as a hit for the same prompt unsalted (or under tenant B)."""
+    prompt = list(range(100, 150))
+    with _load(setup) as r:
+        m, router = r.kv_manager, Router()
+        driver = Driver(m, r.scheduler)
+        driver.add(Request("a", prompt, 2, salt="tenant-a"))
+        while driver.has_work:
+            driver.step(lambda out: {c.request.req_id: 7 for c in out.scheduled
+                                     if c.request.num_computed_tokens + c.num_tokens >= c.request.num_tokens})
+        router.feed(m.kv_events.drain())
+        for salt, cached in (("tenant-a", 48), (None, 0), ("tenant-b", 0)):
+            req = Request("q", prompt, 2, salt=salt)
+            assert router.hit_tokens(m.layout.groups[0].name, prompt, T, salt) == cached, salt
+            assert _predicts(m, router, req) is None, salt

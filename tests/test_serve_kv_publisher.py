@@ -351,3 +351,31 @@ def test_events_a_full_queue_dropped_leave_a_gap_in_the_sequence_numbers_a_route
     assert numbers == [seq for seq, _ in replayed]
     assert numbers[-1] == numbers[-2] + 2, numbers  # one number never sent: the router knows it lost events
     assert sum(len(b.events) for _, b in replayed) == 11 - dropped  # (the batch numbers stay a step's, vLLM's)
+
+
+def test_a_salted_prefix_goes_out_with_vllms_extra_keys():
+    """vLLM puts a request's cache_salt in BlockStored.extra_keys on the prefix's first block (vllm-project/vllm#33304),
+    which Dynamo and llm-d read to tell tenants' equal prompts apart; kvload sent none, so a salted prompt looked like
+    the unsalted one."""
+    from cache_backends.kv_events import KvEventBuffer
+    from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+
+    config = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="inproc://salt-pub",
+                            replay_endpoint="inproc://salt-replay")
+    publisher = ZmqKvEventPublisher(config)
+    try:
+        buffer = KvEventBuffer(100, publisher=publisher)
+        first, second, third = (bytes([i]) * 32 for i in (1, 2, 3))
+        buffer.stored([first, second], None, list(range(8)), 4, "uniform", salt="tenant")
+        buffer.stored([third], second, list(range(8, 12)), 4, "uniform", salt="tenant")  # not a prefix's start
+        buffer.stored([third], None, list(range(4)), 4, "uniform")  # unsalted
+        events = []
+        for _ in range(50):
+            events = [e for _, batch in _replayed("inproc://salt-replay") for e in batch.events]
+            if len(events) == 3:
+                break
+            time.sleep(0.02)
+    finally:
+        publisher.close()
+    assert [e.extra_keys for e in events] == [[("tenant",), None], None, None]
+    assert [e["cache_salt"] for e in buffer.drain()["events"]] == ["tenant", "tenant", None]

@@ -330,10 +330,13 @@ class ZmqKvEventPublisher:
         medium = MEDIUMS.get(event["medium"], event["medium"])
         if kind == "kv_block_removed":
             return self._removed(block_hashes=hashes, medium=medium, group_idx=index)
-        parent = event["parent_block_hash"]
+        parent, salt = event["parent_block_hash"], event.get("cache_salt")
+        # vLLM's extra keys of a block: the cache salt on a prefix's first block (generate_block_hash_extra_keys),
+        # per block in BlockStored.extra_keys; None where no block has any (the wire as before)
+        extra = [(salt,)] + [None] * (len(hashes) - 1) if salt and not parent else None
         return self._stored(block_hashes=hashes, parent_block_hash=self._hash(parent) if parent else None,
                             token_ids=event["token_ids"], block_size=event["tokens_per_block"], lora_id=None,
-                            medium=medium, lora_name=None, group_idx=index, kv_cache_spec_kind=spec,
+                            medium=medium, lora_name=None, extra_keys=extra, group_idx=index, kv_cache_spec_kind=spec,
                             kv_cache_spec_sliding_window=window)
 
     def _hash(self, hex_digest: str) -> bytes | int:
