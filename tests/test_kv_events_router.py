@@ -177,7 +177,7 @@ def loaded(request):
 def test_offline_calls_keep_what_a_router_rebuilds_equal_to_the_cache(loaded, rng):
     """Generation with priorities and salts, n > 1 samples, scored prompts, embeddings, beam search (V1) and resets
     through the executor, under a pool that evicts and chunked prefill: after each call the router's sets are the
-    cache."""
+    cache, and (one full-attention group) the hit it predicts for each prompt, salted or not, is the manager's."""
     from engine.beam_search import BeamSearchParams
 
     m, run = loaded.kv_manager, loaded.executor.run
@@ -206,6 +206,9 @@ def test_offline_calls_keep_what_a_router_rebuilds_equal_to_the_cache(loaded, rn
         router.feed(m.kv_events.drain())
         assert router.problems == [], f"call {call} ({op})"
         assert mismatch(router, m) is None, f"call {call} ({op})"
+        for prompt in prompts:  # what a router predicts for the prompts again, under each scope, is the lookup's
+            for scope in (None, "tenant"):
+                assert _predicts(m, router, Request("probe", prompt, 1, salt=scope)) is None, f"call {call} ({op})"
 
 
 @pytest.mark.parametrize("setup", ["llama-v1", "llama-v2"])
