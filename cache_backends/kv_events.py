@@ -5,7 +5,9 @@ Modelled on vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` and
 ``kv_cache_config.event_buffer_max_size > 0``) records
 
 * ``kv_block_stored`` — full blocks became reusable prefix cache: their chained hashes (hex), the
-  parent block's hash, their token ids, tokens per block, the layer group and the medium;
+  parent block's hash, their token ids, tokens per block, the layer group, the medium and the request's
+  ``cache_salt`` (None: unsalted; the salt is inside every hash, so a router that matches blocks by token ids
+  needs it to tell tenants' equal prompts apart);
 * ``kv_block_removed`` — cached blocks were evicted or dropped (their hashes, group, medium);
 * ``kv_all_blocks_cleared`` — the prefix cache was reset.
 
@@ -108,13 +110,13 @@ class KvEventBuffer:
         self.publisher = publisher
 
     def stored(self, hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int], tokens_per_block: int,
-               group: str, medium: str = "device") -> None:
-        """Blocks keyed by ``hashes`` (chained, in order) now hold a reusable prefix."""
+               group: str, medium: str = "device", salt: str | None = None) -> None:
+        """Blocks keyed by ``hashes`` (chained, in order) now hold a reusable prefix, under the reuse scope ``salt``."""
         if hashes:
             self._record({"type": STORED, "block_hashes": [h.hex() for h in hashes],
                           "parent_block_hash": parent.hex() if parent is not None else None,
                           "token_ids": list(token_ids), "tokens_per_block": tokens_per_block, "layer_group": group,
-                          "medium": medium})
+                          "medium": medium, "cache_salt": salt})
 
     def removed(self, hashes: Iterable[bytes | None], group: str, medium: str = "device") -> None:
         """Cached blocks keyed by ``hashes`` no longer hold their prefix (evicted or dropped)."""

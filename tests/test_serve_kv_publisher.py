@@ -318,3 +318,64 @@ except KeyboardInterrupt:
         reap(proc)
     assert json.loads(out) == {"file": False, "running": []}, (out, err)
     assert proc.returncode == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
+
+
+def test_events_a_full_queue_dropped_leave_a_gap_in_the_sequence_numbers_a_router_can_see():
+    """vLLM's step waits for room in the publisher's queue; kvload's drops the event so that a step never blocks. A
+    router keeps its view of the cache from the events alone: the numbers went on 0, 1, ... as if nothing was lost, so
+    its view stayed silently wrong. Now a number is skipped where events were dropped, live and in the replay."""
+    from cache_backends.kv_events import KvEventBuffer
+    from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+
+    config = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="inproc://gap-pub",
+                            replay_endpoint="inproc://gap-replay", max_queue_size=2)
+    publisher = ZmqKvEventPublisher(config)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.connect("inproc://gap-pub")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.2)
+        buffer = KvEventBuffer(100, publisher=publisher)
+        for i in range(10):  # faster than the thread drains a queue of 2: most are dropped
+            buffer.stored([bytes([i]) * 32], None, [1, 2, 3, 4], 4, "uniform")
+        dropped = publisher.dropped
+        assert dropped > 0
+        time.sleep(0.2)
+        buffer.stored([b"\xff" * 32], None, [5, 6, 7, 8], 4, "uniform")  # the first event after the drop
+        live = _batches(sub, lambda got: any(e.token_ids == [5, 6, 7, 8] for _, _, b in got for e in b.events))
+        replayed = _replayed("inproc://gap-replay")
+    finally:
+        sub.close(linger=0)
+        publisher.close()
+    numbers = [seq for _, seq, _ in live]
+    assert numbers == [seq for seq, _ in replayed]
+    assert numbers[-1] == numbers[-2] + 2, numbers  # one number never sent: the router knows it lost events
+    assert sum(len(b.events) for _, b in replayed) == 11 - dropped  # (the batch numbers stay a step's, vLLM's)
+
+
+def test_a_salted_prefix_goes_out_with_vllms_extra_keys():
+    """vLLM puts a request's cache_salt in BlockStored.extra_keys on the prefix's first block (vllm-project/vllm#33304),
+    which Dynamo and llm-d read to tell tenants' equal prompts apart; kvload sent none, so a salted prompt looked like
+    the unsalted one."""
+    from cache_backends.kv_events import KvEventBuffer
+    from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+
+    config = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="inproc://salt-pub",
+                            replay_endpoint="inproc://salt-replay")
+    publisher = ZmqKvEventPublisher(config)
+    try:
+        buffer = KvEventBuffer(100, publisher=publisher)
+        first, second, third = (bytes([i]) * 32 for i in (1, 2, 3))
+        buffer.stored([first, second], None, list(range(8)), 4, "uniform", salt="tenant")
+        buffer.stored([third], second, list(range(8, 12)), 4, "uniform", salt="tenant")  # not a prefix's start
+        buffer.stored([third], None, list(range(4)), 4, "uniform")  # unsalted
+        events = []
+        for _ in range(50):
+            events = [e for _, batch in _replayed("inproc://salt-replay") for e in batch.events]
+            if len(events) == 3:
+                break
+            time.sleep(0.02)
+    finally:
+        publisher.close()
+    assert [e.extra_keys for e in events] == [[("tenant",), None], None, None]
+    assert [e["cache_salt"] for e in buffer.drain()["events"]] == ["tenant", "tenant", None]

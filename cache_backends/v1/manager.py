@@ -290,11 +290,11 @@ class KVCacheManager:
         for block, key in zip(seq.blocks[first:full], keys, strict=True):
             self.pool.cache(block, key)  # False: an equal block is cached already; keep that one
         if events is not None:
-            self._stored(events, seq, first, keys, fresh, tokens)
+            self._stored(events, seq, first, keys, fresh, tokens, request.salt)
         seq.keys.extend(keys)
 
     def _stored(self, events: KvEventBuffer, seq: _Sequence, first: int, keys: list[bytes], fresh: Any,
-                tokens: list[int]) -> None:
+                tokens: list[int], salt: str | None) -> None:
         """One ``kv_block_stored`` per run of blocks this commit newly cached (an equal block cached before is not)."""
         T = self.tokens_per_block
         run: list[int] = []
@@ -305,7 +305,8 @@ class KVCacheManager:
             if run:
                 start = first + run[0]
                 parent = keys[run[0] - 1] if run[0] > 0 else (seq.keys[start - 1] if start > 0 else None)
-                events.stored([keys[r] for r in run], parent, tokens[run[0] * T:(run[-1] + 1) * T], T, self.group)
+                events.stored([keys[r] for r in run], parent, tokens[run[0] * T:(run[-1] + 1) * T], T, self.group,
+                              salt=salt)
             run = []
 
     def free(self, request: Request) -> None:

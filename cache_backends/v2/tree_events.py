@@ -99,8 +99,8 @@ class TreeEvents:
             if kind == REMOVED:
                 events.removed(what, name)
             else:
-                for hashes, parent, tokens in what:
-                    events.stored(hashes, parent, tokens, tpb, name)
+                for hashes, parent, tokens, salt in what:
+                    events.stored(hashes, parent, tokens, tpb, name, salt=salt)
 
     def _tied_event(self, group: str, kind: str, what: Any, tpb: int) -> None:
         """An event of the tie's logical ``group`` (``_cut_by_cut``'s form): heard by the batch open, else sent per
@@ -139,18 +139,27 @@ class TreeEvents:
                     first = what[0][0][0]
                     row = next((r for r in reversed(rows) if r[0] == g and r[1][0][2][0] == first), rows[-1])
                     row[1].append((g, kind, what, tpb))
-        left = iter(rows)
+        sent = 0  # rows sent so far (in queue order)
         for name in self._event_cuts[group]:
             for _, stored in steps:
-                if not free:
-                    row = next(left, None)
-                    if row is not None:
-                        for cut in self._event_cuts[row[0]]:
-                            self._send(cut, row[1])
-                        free += len(self._event_cuts[row[0]])
+                # a store of a position whose evicted row the order above would send later goes out after that row: the
+                # tie hung the block where that row's block was, so the page arena's order would report the key stored
+                # twice, then removed while it is cached (a router would drop a cached block)
+                upto = sent + 1 if not free and sent < len(rows) else sent
+                keys = {h for _, kind, what, _ in stored if kind == STORED for hashes, *_ in what for h in hashes}
+                if keys:
+                    for k in range(len(rows) - 1, upto - 1, -1):
+                        if rows[k][0] == group and rows[k][1][0][2][0] in keys:
+                            upto = k + 1
+                            break
+                for g, heard in rows[sent:upto]:
+                    for cut in self._event_cuts[g]:
+                        self._send(cut, heard)
+                    free += len(self._event_cuts[g])
+                sent = max(sent, upto)
                 free -= 1
                 self._send(name, stored)
-        for g, heard in left:  # (none: the page arena evicts as many rows)
+        for g, heard in rows[sent:]:  # (none: the page arena evicts as many rows)
             for cut in self._event_cuts[g]:
                 self._send(cut, heard)
 
@@ -208,7 +217,7 @@ class TreeEvents:
         tpb = self._group[group].tokens_per_block
         step = tpb // self.T
         chain: list[tuple[RadixNode, int]] = []
-        out: list[tuple[list[bytes], bytes | None, list[int]]] = []
+        out: list[tuple[list[bytes], bytes | None, list[int], str | None]] = []
         for item in [*at, None]:
             if item is not None and (not chain or item[0].start + item[1] == chain[-1][0].start + chain[-1][1] + step):
                 chain.append(item)
@@ -226,13 +235,13 @@ class TreeEvents:
                     for q in range(first, last.start + chain[-1][1] + 1):
                         r, j = tree.position(last, q)
                         tokens += r.token_ids(j)
-                out.append(([tree.key(r, j) for r, j in chain], parent, tokens))
+                out.append(([tree.key(r, j) for r, j in chain], parent, tokens, run.salt))
             chain = [item] if item is not None else []
         if group in self._event_cuts:  # tied: each cut's pages are stored there, reported cut by cut
             self._tied_event(group, STORED, out, tpb)
             return
-        for hashes, parent, tokens in out:
-            events.stored(hashes, parent, tokens, tpb, group)
+        for hashes, parent, tokens, salt in out:
+            events.stored(hashes, parent, tokens, tpb, group, salt=salt)
 
     def _pages_of(self, group: str, blocks: list[int]) -> tuple[Any, list[int]]:
         """The tensor ``group``'s blocks live in and their page ids there: the blocks themselves, or with the cuts

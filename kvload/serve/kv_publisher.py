@@ -19,7 +19,8 @@ that keys blocks by the events' token ids follows kvload, one that hashes a prom
 
 Publishing never blocks nor fails the engine step that recorded an event (as in vLLM): the step only puts the event
 on a bounded queue that a thread drains into batches; a full queue drops the event and counts it
-(:attr:`ZmqKvEventPublisher.dropped`).
+(:attr:`ZmqKvEventPublisher.dropped`), and skips a sequence number where it did: a router that finds a number missing
+both live and from the replay endpoint knows it lost events (vLLM's step waits for room instead).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 MAX_QUEUE = 10_000_000  # bounds a typo's memory: vLLM's defaults are 100,000
+#: queued where a full queue dropped events: the sequence number it stands for is never sent, so a router sees the gap
+#: live and in a replay and knows it lost events (vLLM's publisher blocks the step instead of dropping: no gap there)
+GAP: dict[str, Any] = {}
 
 
 def _int_in(lo: int, hi: int) -> Any:
@@ -203,6 +207,7 @@ class ZmqKvEventPublisher:
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=config.max_queue_size)
         self._replayable: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
+        self._lost = False  # an event was dropped since the last one queued: a GAP goes first
         self._topic = config.topic.encode()
         self._ctx = zmq.Context.instance()
         self._ipc_files: list[str] = []  # the ipc:// paths bound, removed at close
@@ -248,11 +253,16 @@ class ZmqKvEventPublisher:
                        for i, g in enumerate(layout.groups)}
 
     def put(self, event: dict[str, Any]) -> None:
-        """Queue one event of the buffer (its dict, never changed after); a full queue drops it, counted."""
+        """Queue one event of the buffer (its dict, never changed after); a full queue drops it, counted, and the next
+        event queued is preceded by a gap in the sequence numbers (:data:`GAP`)."""
         try:
+            if self._lost:
+                self._queue.put_nowait(GAP)
+                self._lost = False
             self._queue.put_nowait(event)
         except queue.Full:
             self.dropped += 1
+            self._lost = True
 
     def close(self) -> None:
         """Send what is queued (up to a second), stop the thread, close the sockets and remove their ipc:// files
@@ -287,10 +297,20 @@ class ZmqKvEventPublisher:
                     events.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            stop = None in events
-            wire = [self._wire(e) for e in events if e is not None]
-            if wire:
-                self._send(wire, next(e["ts"] for e in events if e is not None))
+            stop = False
+            batch: list[dict[str, Any]] = []
+            for e in events:
+                if e is None:
+                    stop = True
+                elif e is GAP:  # events were dropped here: the batch before goes out, then a number is skipped
+                    if batch:
+                        self._send([self._wire(b) for b in batch], batch[0]["ts"])
+                        batch = []
+                    self._seq += 1
+                else:
+                    batch.append(e)
+            if batch:
+                self._send([self._wire(b) for b in batch], batch[0]["ts"])
 
     def _send(self, wire: list[Any], ts: float) -> None:
         payload = self._encoder.encode(self._batch(ts=ts, events=wire, data_parallel_rank=self.rank))
@@ -310,10 +330,13 @@ class ZmqKvEventPublisher:
         medium = MEDIUMS.get(event["medium"], event["medium"])
         if kind == "kv_block_removed":
             return self._removed(block_hashes=hashes, medium=medium, group_idx=index)
-        parent = event["parent_block_hash"]
+        parent, salt = event["parent_block_hash"], event.get("cache_salt")
+        # vLLM's extra keys of a block: the cache salt on a prefix's first block (generate_block_hash_extra_keys),
+        # per block in BlockStored.extra_keys; None where no block has any (the wire as before)
+        extra = [(salt,)] + [None] * (len(hashes) - 1) if salt and not parent else None
         return self._stored(block_hashes=hashes, parent_block_hash=self._hash(parent) if parent else None,
                             token_ids=event["token_ids"], block_size=event["tokens_per_block"], lora_id=None,
-                            medium=medium, lora_name=None, group_idx=index, kv_cache_spec_kind=spec,
+                            medium=medium, lora_name=None, extra_keys=extra, group_idx=index, kv_cache_spec_kind=spec,
                             kv_cache_spec_sliding_window=window)
 
     def _hash(self, hex_digest: str) -> bytes | int:
