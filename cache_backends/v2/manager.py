@@ -178,6 +178,45 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         self.options = options
         self.T = self.layout.tokens_per_block
         self._groups: tuple[LayerGroup, ...] = self.layout.groups
+        self._tie_cuts()
+        self._build_pools(pools)
+        self._plan_steps()
+        self._plan_windows()
+        self._plan_cycles()
+        self._plan_reuse(options)
+        self._tree = self._new_tree()
+        self.host: HostTier | None = None
+        slots = host_slots(pools, options.host_cache_size) if self._slabs is None else {}
+        if self._slabs is not None and options.host_cache_size:
+            raise ValueError("a slab arena (pool_arena) runs without a host tier; set host_cache_size to 0")
+        if slots:
+            self.host = HostTier(pools, slots)
+        #: per group, a cached device block a suspended cache left on the device -> (cache, logical block) whose
+        #: reserved host slot it is copied to when it is evicted or dropped (write-back)
+        self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self._groups}
+        #: per group, a position's block -> the live copies (block, its allocation's ``gen``) requests filled for that
+        #: position while it was held: kept private then, one of them takes the position when that block leaves it
+        #: (:meth:`_detach`), so the prefix stays reachable while a copy runs (BENCHMARKS.md, "V2's loss on a tiny
+        #: budget with preemptions": a preempted request recomputed a shared prefix, the tree's copy was evicted)
+        self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self._groups}
+        self._caches: dict[Request, SequenceCache] = {}
+        #: who moves what it keys by a block along when :meth:`compact_slabs` moves blocks (:meth:`watch_moves`)
+        self._move_watchers: list[Callable[[str, list[tuple[int, int]]], None]] = []
+        #: the requests whose cache is ACTIVE (kept where a cache's state changes): ``check_running``'s one C pass
+        self._active_requests: set[Request] = set()
+        #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
+        self.num_on_host = 0
+        # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
+        self._worst_blocks = [0] * len(self._groups)
+        self._closed = False
+        self._never_fits_memo: tuple[tuple[Request, int, int], str | None] | None = None
+        self._stats_fixed: tuple[int, int, str | None] | None = None  # stats(): pool bytes, host bytes, memory
+        self.kv_events: KvEventBuffer | None = None
+        self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
+                         "reuse_partial_hits": 0, "reuse_query_tokens": 0}
+
+    def _tie_cuts(self) -> None:
+        """A shared arena's cuts of one group tied into logical groups (``_groups``), or none tied."""
         #: A shared arena's cuts of one group are tied (:data:`TIE_CUTS`, :func:`~cache_backends.layout.tied_groups`;
         #: BENCHMARKS.md "tie57" to "tie58"): ``self._groups`` are the logical groups (Gemma 3 27B: 2, not 31), each
         #: block owning a page per cut (``TiedArena``); ``layout.groups`` stay the cuts, and pages appear where memory
@@ -203,6 +242,10 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
             self._cut_of = {name: (g, j) for g, names in enumerate(self._tied_cuts) for j, name in enumerate(names)}
             self._event_cuts = {g.name: names for g, names in zip(logical, self._tied_cuts, strict=True)}
         self._group = {g.name: g for g in self._groups}
+
+    def _build_pools(self, pools: BlockPools) -> None:
+        """The groups' pools (one arena, tied or shared; a slab arena's pools; or a pool per group) and
+        each group's block weight in pages."""
         #: per group (in group order), the arena pages one of its blocks holds: 1, or with the cuts tied its
         #: family's cuts, a logical block holding a page per cut. Every check of blocks
         #: against a pool set's ``available`` (pages) weighs a block by it: ``_spans``, ``_set_cycles`` and
@@ -238,6 +281,10 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
             self._pool = dict(own)
             self._pool_sets = [(pool, [name]) for name, pool in own.items()]
         self._group_pools = [(g.name, g.tokens_per_block, self._pool[g.name]) for g in self._groups]
+
+    def _plan_steps(self) -> None:
+        """Per group, what keying and a hit's claim walk (fixed lists, read on the hot paths), and the arena's
+        or the per-group versions of the paths that differ."""
         # (group, token blocks per group block, pool's block -> run list, pool's block -> position list) for keying;
         # with reuse on, every group block spans a whole number of token blocks.
         self._attach_steps = [(g.name, max(1, g.tokens_per_block // self.T), self._pool[g.name].node,
@@ -259,6 +306,10 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         self._claim_partial_fn = cls._claim_partial_arena if self._arena is not None else cls._claim_partial
         self._tail_fn = (cls._tail_to_keep_arena if self._arena is not None and len(self._names) > 1
                          else cls._tail_to_keep)
+
+    def _plan_windows(self) -> None:
+        """The sliding groups by window and block span (released in lockstep), and the block spans a shared
+        arena's need is counted by."""
         self._sliding = [g for g in self._groups if g.window is not None]
         # sliding groups by (window, block span): they release in lockstep, so one bound serves them all
         windows: dict[tuple[int, int], list[tuple[str, GroupPool | GroupShare]]] = {}
@@ -277,6 +328,10 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         # a shared arena: every group's index in it and the slot of its span in _spans (one take_each per step)
         self._share_index = [self._pool[g.name].index for g in self._groups] if self.layout.shared else []  # type: ignore[union-attr]
         self._span_slot = [list(spans).index(g.tokens_per_block) for g in self._groups]
+
+    def _plan_cycles(self) -> None:
+        """The groups' life cycles (one span and window: one estimate), per pool set, and a shared arena's
+        window sets."""
         # life cycles: groups of one block span and window hold the same blocks for any length (blocks_for), so the
         # admission estimates are computed once per cycle; (a group of it, its groups' indexes), and each group's cycle
         cycles: dict[tuple[int, int | None], list[int]] = {}
@@ -293,7 +348,8 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         self._one_span_cap: tuple[int, int, tuple[bool, ...]] | None = (
             (spans_of.pop(), caps_of.pop(), tuple(g.max_blocks_per_sequence is not None for g, _ in self._cycles))
             if len(self._cycles) > 1 and len(spans_of) == 1 and len(caps_of) == 1 else None)
-        self._span_first = [next(g.name for g in self._groups if g.tokens_per_block == tpb) for tpb in spans]
+        self._span_first = [next(g.name for g in self._groups if g.tokens_per_block == tpb)
+                            for tpb, _ in self._spans]
         # per pool set: (a group of each life cycle in it, the pages a block of each of the set's groups in that
         # cycle holds, together: how many of them share the cycle, each block weighed by _pages_per_block)
         index = {g.name: i for i, g in enumerate(self._groups)}
@@ -318,6 +374,9 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         in_sets = [name for *_, names, _ in self._arena_windows for name in names]
         self._arena_refresh = ([(w, tpb, first, names) for w, tpb, first, _, names, _ in self._arena_windows]
                                if in_sets and in_sets == [g.name for g in self._sliding] else None)
+
+    def _plan_reuse(self, options: ManagerOptions) -> None:
+        """Whether prefix and partial-block reuse are on (and why not), and the lookups' shapes they allow."""
         spans = [g.tokens_per_block for g in self._groups]
         self.reuse_unit: int | None = reuse_unit(self.layout)
         self.reuse_off_reason: str | None = None
@@ -362,36 +421,6 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
                              and (self._tied_cuts is not None if self._arena is not None else not self._sliding))
         # per group, its pool's reference counts' reader (the list is never rebound; an arena's groups share it)
         self._ref_of = [pool.ref.__getitem__ for _, _, pool in self._group_pools]
-        self._tree = self._new_tree()
-        self.host: HostTier | None = None
-        slots = host_slots(pools, options.host_cache_size) if self._slabs is None else {}
-        if self._slabs is not None and options.host_cache_size:
-            raise ValueError("a slab arena (pool_arena) runs without a host tier; set host_cache_size to 0")
-        if slots:
-            self.host = HostTier(pools, slots)
-        #: per group, a cached device block a suspended cache left on the device -> (cache, logical block) whose
-        #: reserved host slot it is copied to when it is evicted or dropped (write-back)
-        self._write_back: dict[str, dict[int, list[tuple[SequenceCache, int]]]] = {g.name: {} for g in self._groups}
-        #: per group, a position's block -> the live copies (block, its allocation's ``gen``) requests filled for that
-        #: position while it was held: kept private then, one of them takes the position when that block leaves it
-        #: (:meth:`_detach`), so the prefix stays reachable while a copy runs (BENCHMARKS.md, "V2's loss on a tiny
-        #: budget with preemptions": a preempted request recomputed a shared prefix, the tree's copy was evicted)
-        self._copies: dict[str, dict[int, list[tuple[int, int]]]] = {g.name: {} for g in self._groups}
-        self._caches: dict[Request, SequenceCache] = {}
-        #: who moves what it keys by a block along when :meth:`compact_slabs` moves blocks (:meth:`watch_moves`)
-        self._move_watchers: list[Callable[[str, list[tuple[int, int]]], None]] = []
-        #: the requests whose cache is ACTIVE (kept where a cache's state changes): ``check_running``'s one C pass
-        self._active_requests: set[Request] = set()
-        #: requests whose pages wait on the host tier (suspended, not resumed or freed yet)
-        self.num_on_host = 0
-        # per group: sum over active caches of the blocks each holds at its worst case (growth_bound's cheap bound)
-        self._worst_blocks = [0] * len(self._groups)
-        self._closed = False
-        self._never_fits_memo: tuple[tuple[Request, int, int], str | None] | None = None
-        self._stats_fixed: tuple[int, int, str | None] | None = None  # stats(): pool bytes, host bytes, memory
-        self.kv_events: KvEventBuffer | None = None
-        self.counters = {"suspends": 0, "resumes": 0, "preemptions": 0, "reuse_hit_tokens": 0,
-                         "reuse_partial_hits": 0, "reuse_query_tokens": 0}
 
     # --- life cycle ----------------------------------------------------------------------------
 
