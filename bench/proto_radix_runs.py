@@ -360,7 +360,7 @@ def attribute() -> None:
     # every module of the manager's that binds them (split65 spread the callers over the mixins' modules: timing
     # manager's names alone missed _key_full_blocks', the lookups' and the releases' calls)
     for module in (manager, lookup, release, tree_events, invariants, token_runs):
-        for fn in ("_tokens", "pack_tokens"):
+        for fn in ("token_slice", "pack_tokens"):
             if hasattr(module, fn):
                 setattr(module, fn, _timed_fn(getattr(module, fn), fn, acc, cnt))
 

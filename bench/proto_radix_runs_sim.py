@@ -26,7 +26,7 @@ from cache_backends.hashing import pack_tokens
 from cache_backends.v2.group_pool import GroupPool
 from cache_backends.v2.manager import KVCacheManagerV2
 from cache_backends.v2.radix import RadixNode
-from cache_backends.v2.token_runs import _tokens
+from cache_backends.v2.token_runs import token_slice
 
 
 class Run:
@@ -296,7 +296,7 @@ class RunsManagerV2(KVCacheManagerV2):
         first, full = (run.n if run is not None else 0), cache.committed // T
         if first >= full:
             return
-        ids = _tokens(cache.request, first * T, full * T)
+        ids = token_slice(cache.request, first * T, full * T)
         if self.PACK:  # as main: the run's tokens packed as the key encodes them
             ids = pack_tokens(ids)  # type: ignore[assignment]
         if run is None:  # only a run's first block must be packed: it keys the parent's children
@@ -331,7 +331,7 @@ class RunsManagerV2(KVCacheManagerV2):
         root = self._tree.root(request.salt)
         if root is None or request.num_tokens - 1 < self.T:
             return 0, []
-        if root.children.get(pack_tokens(_tokens(request, 0, self.T))) is not None:
+        if root.children.get(pack_tokens(token_slice(request, 0, self.T))) is not None:
             raise NotImplementedError("a prefix hit")
         return 0, []
 

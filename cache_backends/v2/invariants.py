@@ -11,7 +11,7 @@ from cache_backends.v2.sequence import NEVER, CacheState
 from cache_backends.v2.shared_pool import GroupShare, SharedPool
 from cache_backends.v2.slab_pool import SlabPool
 from cache_backends.v2.tied_pool import TiedArena, TiedShare
-from cache_backends.v2.token_runs import _tokens
+from cache_backends.v2.token_runs import token_slice
 
 
 class Invariants:
@@ -262,7 +262,7 @@ class Invariants:
                 key = (cache.request.salt, cache.latent)
                 latent[key] = latent.get(key, 0) + 1
                 if not self._lazy or cache.keyed or cache.pending is not None \
-                        or cache.latent != pack_tokens(_tokens(cache.request, 0, 1)):
+                        or cache.latent != pack_tokens(token_slice(cache.request, 0, 1)):
                     problems.append(f"{cache.request.req_id}: counted as latent but keyed, pending or mis-keyed")
             elif self._lazy and cache.admitted and cache.pending is None and not cache.keyed:
                 problems.append(f"{cache.request.req_id}: no block in the tree, neither pending nor latent")

@@ -17,7 +17,7 @@ from cache_backends.request import Request
 from cache_backends.v2.radix import RadixNode, TailRun
 from cache_backends.v2.shared_pool import interleave
 from cache_backends.v2.tied_pool import TiedArena
-from cache_backends.v2.token_runs import _FIRST_TOKEN, _first_packed, _packed, _tokens
+from cache_backends.v2.token_runs import FIRST_TOKEN, first_packed, packed_prefix, token_slice
 
 _SALT = attrgetter("salt")
 _NO_HIT = (0, False)  # cached_prefix's answer where nothing cached starts like the request
@@ -80,14 +80,14 @@ class _Walk:
         else:
             n = run.start + i + 1
             stop, off = (None, -1) if n == blocks else (run, -1) if i + 1 == len(run.held) else (run, i + 1)
-        return cls(n, _packed(request, n * T)[:8 * n * T], stop, off, hit, _parts(run, i, n, blocks))
+        return cls(n, packed_prefix(request, n * T)[:8 * n * T], stop, off, hit, _parts(run, i, n, blocks))
 
     def decides(self, request: Request, blocks: int, T: int) -> bool:
         """Whether ``request`` (of ``blocks`` whole blocks to look up) walks as this walk did."""
         n, stop = self.n, self.stop
         if blocks != n if stop is None else blocks <= n:
             return False
-        packed = _packed(request, blocks * T)  # (the request's own, kept: its walk reads it too)
+        packed = packed_prefix(request, blocks * T)  # (the request's own, kept: its walk reads it too)
         if not packed.startswith(self.head):
             return False
         if stop is None:
@@ -108,7 +108,7 @@ class PrefixLookup:
         starts with its first token (:meth:`_admit`'s cheap miss)."""
         if not self._reuse or request.skip_prefix_read:
             return True
-        first = _first_packed(request)
+        first = first_packed(request)
         return self._tree.pending_prefix(request.salt, first) is None and self._cheap_miss(request, first)
 
     def cached_prefix_tokens(self, request: Request, memo: dict[Any, list[_Walk]] | None = None) -> int:
@@ -135,11 +135,11 @@ class PrefixLookup:
         key = None
         if memo is not None and blocks >= 1 and self._prefix_check is None:
             # a walk under this key got past the pending prefix and the cheap miss: neither applies now either
-            key = (request.salt, _packed(request, blocks * T)[:8 * T])
+            key = (request.salt, packed_prefix(request, blocks * T)[:8 * T])
             for walk in memo.get(key, ()):
                 if walk.decides(request, blocks, T):
                     return walk.hit, walk.branch
-        first = _first_packed(request)
+        first = first_packed(request)
         prefix = self._tree.pending_prefix(request.salt, first)
         if prefix is not None:
             self._materialize(prefix)
@@ -222,9 +222,9 @@ class PrefixLookup:
         which this does for them all against the first tokens of the salt's runs (BENCHMARKS.md, "relook44")."""
         if not self._reuse:
             return [False] * len(requests)
-        # _first_packed's answer where the request keeps its packed tokens (every one looked at before), without a
+        # first_packed's answer where the request keeps its packed tokens (every one looked at before), without a
         # call per request: the relook's ~90 cold requests every LPM_RELOOK steps (~5.9 against ~8.9 us for 128)
-        firsts = [r.packed_ids[:8] or _first_packed(r) for r in requests]
+        firsts = [r.packed_ids[:8] or first_packed(r) for r in requests]
         salts = set(map(_SALT, requests))
         if len(salts) == 1:
             return self._may_start(salts.pop(), firsts)
@@ -239,7 +239,7 @@ class PrefixLookup:
         elif root.by_first is not None:  # the root's index (many runs): probed, not copied, every step
             runs = root.by_first
         else:
-            runs = set(map(_FIRST_TOKEN, root.children))
+            runs = set(map(FIRST_TOKEN, root.children))
         may = map(runs.__contains__, firsts)
         return list(map(or_, may, map(pending.__contains__, firsts)) if pending else may)
 
@@ -267,7 +267,7 @@ class PrefixLookup:
         if not self._reuse or request.skip_prefix_read or request in self._caches:
             return self._unprobed(request, build)
         T, tree = self.T, self._tree
-        first = _first_packed(request)
+        first = first_packed(request)
         prefix = tree.pending_prefix(request.salt, first)
         if prefix is not None:  # as the build's lookup does before anything else
             self._materialize(prefix)
@@ -426,7 +426,7 @@ class PrefixLookup:
             cache.keyed = 0
             cache.key_at = self.T
             if self._lazy:  # a probed request has two tokens or more (no cheap miss): a first one
-                self._add_latent(cache, pack_tokens(_tokens(request, 0, 1)))
+                self._add_latent(cache, pack_tokens(token_slice(request, 0, 1)))
             self._activate(cache, 0)
             return
         for (name, _, pool), (blocks, _, lo) in zip(self._group_pools, probe.claimed, strict=True):
@@ -638,7 +638,7 @@ class PrefixLookup:
         if root is None or blocks < 1:
             return 0, None, 0
         w = 8 * T
-        packed = _packed(request, blocks * T)  # (at least the blocks' tokens; compared only within them)
+        packed = packed_prefix(request, blocks * T)  # (at least the blocks' tokens; compared only within them)
         run: RadixNode | None = None
         node, i, n = root, 0, 0
         while n < blocks:

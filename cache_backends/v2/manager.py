@@ -111,7 +111,7 @@ from cache_backends.v2.sequence import NEVER, CacheState, SequenceCache
 from cache_backends.v2.shared_pool import GroupShare, SharedPool
 from cache_backends.v2.slab_pool import SlabArena, SlabPool
 from cache_backends.v2.tied_pool import CutTables, TiedArena
-from cache_backends.v2.token_runs import _common_prefix, _first_packed, _packed, _tokens
+from cache_backends.v2.token_runs import common_prefix, first_packed, packed_prefix, token_slice
 from cache_backends.v2.tree_events import TreeEvents, _Heard
 
 #: Whether the V2 manager ties a shared arena's cuts of one group (``layout.share_pages`` cuts a group whose layers
@@ -531,7 +531,7 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
                 assert src.last is not None, "an eagerly keyed parent's path holds its prompt's full blocks"
                 cache.last = self._tree.claim(*self._tree.position(src.last, keyed - 1))
             elif self._lazy:
-                self._add_latent(cache, pack_tokens(_tokens(child, 0, 1)))
+                self._add_latent(cache, pack_tokens(token_slice(child, 0, 1)))
         self._activate(cache, P, hit=False)
         return True
 
@@ -1034,7 +1034,7 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
             skip = request.skip_prefix_read
             if not skip:  # one that reads nothing asked the cache nothing
                 self.counters["reuse_query_tokens"] += request.num_tokens
-            first = _first_packed(request)
+            first = first_packed(request)
             prefix = self._tree.pending_prefix(request.salt, first) if found is None else None
             if prefix is not None:  # a prefix that starts like this one: in the tree before the lookup (and keying)
                 self._materialize(prefix)
@@ -1152,7 +1152,7 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
             n -= 1
         run = None
         if n:
-            run, segs = tree.extend(None, prefix.salt, pack_tokens(_tokens(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
+            run, segs = tree.extend(None, prefix.salt, pack_tokens(token_slice(prefix.request, 0, n * T)), T)  # type: ignore[arg-type]
             assert segs == [(run, 0, n)], "a pending prefix's first token starts no run"
             counts = run.held
             if self._one_owner is not None:  # a shared arena of one-block spans: a group without holes in bulk
@@ -1266,21 +1266,21 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
         limit = min(self.T - 1, request.num_tokens - 1 - m)
         if limit < 1:  # nothing a partial block could add
             return None, 0
-        # the request's tokens [m, m + T) packed: a slice of its packed ids (kept on it: _packed), not packed again.
+        # the request's tokens [m, m + T) packed: a slice of its packed ids (kept: packed_prefix), not packed again.
         # Why: a refused head's probe asks this every step it waits (BENCHMARKS.md "perf66b")
         end = min(m + self.T, request.num_tokens)
-        want = _packed(request, end)[8 * m:8 * end]
+        want = packed_prefix(request, end)[8 * m:8 * end]
         best, best_k = None, 0
         groups = len(self._groups)
         # An indexed node (many children, e.g. every cached prompt after a common BOS): the earliest child with the
         # longest match shares two tokens if any does, so only those are compared; else every child that shares the
         # first token is (any other shares no token). A leaf run (a history's last run) has none to look at.
         two = parent.children_sharing_two(want) if self._partial_unit == 1 and limit >= 2 else None
-        for child in (two if two is not None else parent.children_starting_with(_tokens(request, m, m + 1)[0])
+        for child in (two if two is not None else parent.children_starting_with(token_slice(request, m, m + 1)[0])
                       if parent.children else ()):
             if child.held[0] != groups:
                 continue
-            k = min(_common_prefix(child.block(0), want), limit)
+            k = min(common_prefix(child.block(0), want), limit)
             k -= k % self._partial_unit
             if k > best_k:
                 best, best_k = child, k
@@ -1290,12 +1290,12 @@ class KVCacheManagerV2(RoomEstimates, PrefixLookup, HostMoves, Release, TreeEven
             # the tokens shared, at most k: k itself where the first k are equal (a follow-up turn on its history's
             # tail: the usual), compared as bytes at once; else counted
             if tail.tokens[:8 * k] != want[:8 * k]:
-                k = min(_common_prefix(tail.block(0), want), k)
+                k = min(common_prefix(tail.block(0), want), k)
             k -= k % self._partial_unit
             if k > best_k:
                 best, best_k = tail, k
         if best is None and two is not None:  # none shares two: the earliest that shares the first one, by one token
-            best = next((c for c in parent.children_starting_with(_tokens(request, m, m + 1)[0])
+            best = next((c for c in parent.children_starting_with(token_slice(request, m, m + 1)[0])
                          if c.held[0] == groups), None)
             best_k = 1
         return best, best_k

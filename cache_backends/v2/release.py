@@ -14,7 +14,7 @@ from cache_backends.v2.group_pool import EvictionQueue
 from cache_backends.v2.radix import PendingPrefix, RadixNode, TailRun
 from cache_backends.v2.sequence import NEVER, SequenceCache
 from cache_backends.v2.shared_pool import interleave
-from cache_backends.v2.token_runs import _tokens
+from cache_backends.v2.token_runs import token_slice
 
 
 class Release:
@@ -115,7 +115,7 @@ class Release:
         old = last.tail
         if old is not None:
             if old.adjacent() and old.valid >= r and old.held[0] == len(self._names) \
-                    and old.block(0)[:8 * r] == pack_tokens(_tokens(cache.request, n * T, n * T + r)):
+                    and old.block(0)[:8 * r] == pack_tokens(token_slice(cache.request, n * T, n * T + r)):
                 return
             if self._arena is not None:  # left behind: its blocks go free (out of the queue, dropped), in one pass
                 blocks = old.blocks
@@ -137,7 +137,7 @@ class Release:
         the caller hooks it: ``parent.tail`` or the tree's loose tails)."""
         T = self.T
         tail = TailRun(parent, request.salt, n, self._names, 8 * T, r)
-        tail.tokens += pack_tokens([*_tokens(request, n * T, n * T + r), *[0] * (T - r)])
+        tail.tokens += pack_tokens([*token_slice(request, n * T, n * T + r), *[0] * (T - r)])
         held = 0
         for name, _, owner, pos in self._attach_steps:
             b = blocks[name]

@@ -12,7 +12,7 @@ from cache_backends.hashing import pack_tokens
 from cache_backends.kv_events import REMOVED, STORED, KvEventBuffer
 from cache_backends.v2.radix import RadixNode
 from cache_backends.v2.sequence import SequenceCache
-from cache_backends.v2.token_runs import _tokens
+from cache_backends.v2.token_runs import token_slice
 
 #: where events go out as they happen (no tie, or no events): a reusable no-op context
 _AS_IT_GOES = contextlib.nullcontext()
@@ -271,7 +271,7 @@ class TreeEvents:
         if first >= full:
             return
         self._tree.version += 1  # new positions, or blocks on positions (a lookup's memo: RadixTree.version)
-        packed = pack_tokens(_tokens(cache.request, first * T, full * T))  # once for the run
+        packed = pack_tokens(token_slice(cache.request, first * T, full * T))  # once for the run
         cache.keyed = full
         cache.key_at = (full + 1) * T
         tables = cache.tables
