@@ -267,9 +267,11 @@ def _internal(factory) -> Any:
                        metadata={"internal": True})
 
 
-def _plain_fields(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:
+def plain_fields(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:
     """Every public field converts numpy / torch scalars first (then its own converter, if any), at construction and
-    at assignment alike: the same values a config dict takes, also when the class is built directly."""
+    at assignment alike: the same values a config dict takes, also when the class is built directly. An attrs
+    ``field_transformer``: any attrs class :func:`pipeline.converter.structure` builds needs it (the converter's
+    number and flag hooks pass values through), not only the config classes (``KvEventsConfig``)."""
     return [f if f.metadata.get("internal")
             else f.evolve(converter=plain_value if f.converter is None else attrs.converters.pipe(plain_value,
                                                                                                   f.converter))
@@ -278,7 +280,7 @@ def _plain_fields(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attrib
 
 def config_class(cls: type) -> type:
     """Make an attrs config class that records explicitly passed fields and can be frozen."""
-    cls = attrs.define(on_setattr=_ON_SETATTR, field_transformer=_plain_fields)(cls)
+    cls = attrs.define(on_setattr=_ON_SETATTR, field_transformer=plain_fields)(cls)
     init_names = [a.name for a in attrs.fields(cls) if a.init]
     original = cls.__init__
 

@@ -256,3 +256,20 @@ def test_load_weights_is_a_flag():
     for bad in ("no", 0, np.array([True, True])):
         with pytest.raises(ConfigError, match="^load_weights: expected true or false, got "):
             kvload.load("tiny-llama", log=False, load_weights=bad)
+
+
+def test_kv_events_config_takes_numpy_and_torch_scalars_as_the_load_arguments_do():
+    """``LLM(kv_events_config={...})`` with numpy / torch values: the converter's number and flag hooks took them
+    until they became passthrough (then: "kv_events_config: enable_kv_cache_events: expected true or false, got
+    np.False_"); a bool is still no count and an int no flag."""
+    from kvload.serve.kv_publisher import kv_events_argument
+
+    c = kv_events_argument({"enable_kv_cache_events": np.False_, "buffer_steps": np.int64(5),
+                            "hwm": torch.tensor(7), "max_queue_size": np.uint16(9)})
+    got = (c.enable_kv_cache_events, c.buffer_steps, c.hwm, c.max_queue_size)
+    assert got == (False, 5, 7, 9) and [type(v) for v in got] == [bool, int, int, int]
+    for key, bad, message in [("buffer_steps", np.True_, "expected an integer from 1 to .*, got true"),
+                              ("enable_kv_cache_events", np.int64(1), "expected true or false, got 1"),
+                              ("hwm", np.float64(3.0), "expected an integer from 0 to .*, got 3.0")]:
+        with pytest.raises(ConfigError, match=f"^kv_events_config: {key}: {message}"):
+            kv_events_argument({key: bad})

@@ -10,6 +10,7 @@ a hang.
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import threading
@@ -549,3 +550,27 @@ def test_a_small_request_is_answered_while_a_big_bodys_json_is_read(served, monk
         "the request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column "
         "100002 (char 100001)")
     _served_normally(served)
+
+
+@pytest.mark.parametrize("name, bad, expected", [
+    ("h11_max_incomplete_event_size", True, "an integer >= 1 or None"),
+    ("h11_max_header_count", 0, "an integer >= 1 or None"),
+    ("max_request_bytes", 2**63, "an integer >= 1 (bytes), or None for the default derived from max_seq_len"),
+    ("max_concurrent_requests", 0, "an integer >= 1"),
+    ("trust_request_chat_template", 1, "true or false"),
+    ("enable_reset_prefix_cache", "yes", "true or false"),
+    ("responses_store_max", -1, "an integer >= 0 (0: keep no responses)"),
+])
+def test_build_state_refuses_each_bad_argument_and_takes_its_edge_before_the_engine_is_read(name, bad, expected):
+    """Each of build_state's argument checks, in one line naming the argument, before the loaded result is read
+    (None here); the edge of each range passes on to the next check (a bad tool_call_parser's line)."""
+    from kvload.serve.server import build_state
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^{name}: expected {re.escape(expected)}, got "):
+        build_state(None, **{name: bad})
+    edges = {"h11_max_incomplete_event_size": 1, "h11_max_header_count": 1, "max_request_bytes": 2**63 - 1,
+             "max_concurrent_requests": 1, "trust_request_chat_template": True, "enable_reset_prefix_cache": True,
+             "responses_store_max": 0}
+    with pytest.raises(ConfigError, match=r"^tool_call_parser: "):
+        build_state(None, **edges, tool_call_parser="no-such-parser")

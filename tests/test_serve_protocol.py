@@ -244,3 +244,24 @@ def test_a_body_that_is_json_but_not_an_object_is_named_in_jsons_words(body, kin
         with pytest.raises(BadRequest) as info:
             call()
         assert info.value.message == f"the request body must be a JSON object ({{...}}), got {kind}"
+
+
+@pytest.mark.parametrize("bad, first", [
+    ({"presence_penalty": "x", "temperature": 5}, "presence_penalty"),  # the extras before the core settings
+    ({"bad_words": 5, "allowed_token_ids": 5}, "allowed_token_ids"),
+    ({"temperature": 5, "seed": "x"}, "temperature"),  # temperature, top_p, top_k, then seed
+    ({"top_k": "x", "seed": "x"}, "top_k"),
+    ({"seed": "x", "stop": 5}, "seed"),  # the core settings before the stops
+    ({"stop": [""], "stop_token_ids": 5}, "stop"),
+    ({"stop": ["ok", "x\ud800"], "ignore_eos": "x"}, "stop"),  # checked here, not only by SamplingParams later
+    ({"stop_token_ids": [2] * (MAX_STOP_TOKEN_IDS + 1), "ignore_eos": "x"}, "stop_token_ids"),
+    ({"ignore_eos": "x", "truncate_prompt_tokens": 0}, "ignore_eos"),
+    ({"truncate_prompt_tokens": 0, "truncation_side": "middle"}, "truncate_prompt_tokens"),
+    ({"truncation_side": "middle", "session_id": 5}, "truncation_side"),
+])
+def test_a_body_with_two_bad_fields_is_refused_for_the_same_one_first(bad, first):
+    """Which of two bad fields a 400 names is the order of parse's checks: a client fixing one mistake at a time
+    sees the same sequence however parse is laid out in helpers."""
+    with pytest.raises(BadRequest) as refused:
+        parse({"prompt": [1, 2], **bad}, "completion", default_max_tokens=16)
+    assert refused.value.param == first

@@ -217,6 +217,8 @@ def test_generate_with_drafts_equals_transformers_greedy(tiny_checkpoints, famil
         assert [o.token_ids for o in outs] == ref
         stats = result.executor.last_stats
         assert stats.draft_tokens > 0 and stats.accepted_draft_tokens > 0  # the verify path ran, and confirmed some
+        # the call's steps summed per draft position (vLLM's spec_decode_num_accepted_tokens_per_pos)
+        assert sum(stats.accepted_per_position) == stats.accepted_draft_tokens and len(stats.accepted_per_position) <= 4
         assert stats.steps < max(len(r) for r in ref) + 4  # (prefill chunks of 32 tokens: a few steps)
         assert used_blocks(result) == 0
         # the blocks those steps committed are reused: the prompt and its output, continued, is still exact

@@ -35,7 +35,7 @@ from typing import Any
 
 import attrs
 
-from pipeline.config import field_check
+from pipeline.config import field_check, plain_fields
 from pipeline.converter import structure
 from pipeline.errors import ConfigError
 from pipeline.limits import short
@@ -76,7 +76,8 @@ def _endpoint(optional: bool) -> Any:
     return field_check(lambda v: (optional and v is None) or _address(v), ok + (" or null" if optional else ""))
 
 
-@attrs.frozen
+# numpy's / torch's scalars as Python's, as the load arguments take them (the converter's hooks pass them through)
+@attrs.frozen(field_transformer=plain_fields)
 class KvEventsConfig:
     """vLLM's ``--kv-events-config`` fields, with its defaults."""
 
