@@ -185,6 +185,7 @@ def test_a_failing_call_frees_its_requests_and_the_executor_stays_usable(tiny_ch
         with pytest.raises(KeyboardInterrupt):
             result.generate(ps, max_new_tokens=NEW_TOKENS, stream=explode)
         assert used_blocks(result) == 0
+        assert len(result.executor._block_tables) == 0  # no request's block table rows outlive the call
         if manager == "v2":
             stats = result.kv_manager.stats()
             assert all(g.used == 0 for g in stats.host.values())  # no suspended pages left in the host tier
@@ -193,6 +194,7 @@ def test_a_failing_call_frees_its_requests_and_the_executor_stays_usable(tiny_ch
         assert failed["error"] == "KeyboardInterrupt" and failed["level"] == "error"
         outs = result.generate(ps, max_new_tokens=NEW_TOKENS)
         assert [o.token_ids for o in outs] == [hf_greedy(model, p) for p in ps]
+        assert len(result.executor._block_tables) == 0  # nor a finished call's
         assert model.config._attn_implementation == "sdpa"
 
 
