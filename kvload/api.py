@@ -16,8 +16,7 @@ from engine.sampling_params import SamplingParams
 from pipeline.bus import Subscriber
 from pipeline.context import PUBLIC_CALL_KEYWORDS, LoadRequest
 from pipeline.errors import ConfigError, GenerationError
-from pipeline.limits import plain_flag, short
-from pipeline.run import RunResult, path_argument
+from pipeline.run import RunResult, flag_argument, path_argument
 from pipeline.run import execute as run_stages
 from pipeline.runner import Pipeline, Stage
 from stages import load_stages, plan_stages, resolve_stages
@@ -146,7 +145,6 @@ class LoadResult(RunResult):
         one JSON object per line. Event types: ``kv_block_stored``, ``kv_block_removed``,
         ``kv_all_blocks_cleared`` (see :mod:`cache_backends.kv_events`).
         """
-        from pipeline.errors import ConfigError
 
         manager = self.kv_manager
         buffer = getattr(manager, "kv_events", None)
@@ -283,9 +281,7 @@ def load(
     Weights load on the resolved device and dtype before the KV budget is computed; presets get
     deterministic random weights.
     """
-    load_weights = plain_flag(load_weights)  # numpy's bool as Python's, as log is taken
-    if not isinstance(load_weights, bool):  # "no" or 0 would silently mean the opposite ("no" loaded the weights)
-        raise ConfigError(f"load_weights: expected true or false, got {short(load_weights)}")
+    load_weights = flag_argument("load_weights", load_weights)  # "no" loaded the weights before it was checked
     request = api_request(model, config_file, load_weights, overrides, "kvload.load()")
     return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
 

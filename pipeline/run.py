@@ -87,6 +87,16 @@ class RunResult:
 R = TypeVar("R", bound=RunResult)
 
 
+def flag_argument(name: str, value: Any) -> bool:
+    """A flag of the Python API (``log``, ``load_weights``) as Python's bool (numpy's bool and a 0-d bool tensor
+    taken); anything else is a ``ConfigError`` naming the argument: "no" or 0 would silently mean the opposite of what
+    was meant."""
+    value = plain_flag(value)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}"[:300])
+    return value
+
+
 def path_argument(name: str, value: Any) -> str:
     """A file argument of the Python API (``config_file``, ``audit_log``) as a string: a ``str`` or an ``os.PathLike``
     giving one; anything else (an int, bytes, a list) is a ``ConfigError`` naming the argument, where ``os.fspath``
@@ -145,9 +155,7 @@ def execute(
     Under torchrun each rank runs the stages; rank 0 writes ``audit_log`` as given, rank N writes
     ``<stem>.rankN<suffix>`` beside it (:func:`pipeline.ranks.rank_audit_path`).
     """
-    log = plain_flag(log)  # numpy's bool as Python's
-    if not isinstance(log, bool):  # "no" or 0 would silently mean the opposite of what was meant
-        raise ConfigError(f"log: expected true or false, got {log!r}"[:300])
+    log = flag_argument("log", log)
     subscribers = _subscribers(subscribers)
     pipeline = stages if isinstance(stages, Pipeline) else Pipeline(stages)
     audit = AuditLog()
