@@ -38,6 +38,14 @@ def test_a_request_without_max_tokens_gets_what_the_kv_cache_holds_after_its_pro
     assert "lower max_tokens to at most 6," in r.json()["error"]["message"]
     r = served.http.post("/v1/completions", json={"prompt": list(range(5, 5 + KV_TOKENS + 1))})  # no room at all
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # a min_tokens past that cut is the client's to lower (vLLM refuses min_tokens > its default max_tokens)
+    r = served.http.post("/v1/completions", json={"prompt": prompt, "min_tokens": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert r.json()["error"]["message"].startswith(
+        f"min_tokens: expected an integer in [0, max_tokens=6], what the KV cache (one sequence of {KV_TOKENS:,} "
+        f"tokens) leaves after the prompt's {KV_TOKENS - 6} tokens (the request sends no max_tokens), got 7")
+    r = served.http.post("/v1/completions", json={"prompt": prompt, "min_tokens": 6, "ignore_eos": True})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 6
 
 
 def _body(i: int) -> dict:

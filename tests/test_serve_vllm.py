@@ -338,14 +338,23 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion_as_lm_eval_
     assert plain["text"].startswith(context + continuation) and plain["logprobs"] is None
 
 
-def test_min_tokens_past_what_the_context_leaves_ends_by_length_when_max_tokens_is_not_given(served):
-    """The default max_tokens is cut to what max_seq_len leaves after the prompt; a min_tokens past it is cut the
-    same way (as generate's requests are), not a 500 from the cut."""
-    r = served.http.post("/v1/completions", json={"model": "words", "prompt": "w5 w17", "min_tokens": 100,
-                                                   "ignore_eos": True})
+def test_min_tokens_past_what_the_context_leaves_is_refused_naming_it_when_max_tokens_is_not_given(served):
+    """The default max_tokens is what max_seq_len leaves after the prompt; a min_tokens the request sent past it is
+    refused naming min_tokens and that bound, as vLLM refuses it (min_tokens may not exceed the max_tokens it
+    defaults to max_model_len - prompt), not cut to a length the client never asked for."""
+    body = {"model": "words", "prompt": "w5 w17", "min_tokens": 100, "ignore_eos": True}
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "min_tokens"
+    assert error["message"].startswith("min_tokens: expected an integer in [0, max_tokens=61], what max_seq_len=64 "
+                                       "leaves after the prompt's 3 tokens (the request sends no max_tokens), got 100")
+    r = served.http.post("/v1/completions", json={**body, "min_tokens": 61})  # exactly what is left: served
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 64 - 3  # <s> w5 w17
+    r = served.http.post("/v1/completions", json={**body, "prompt": ["w5 w17", "w5"]})  # n prompts: which one
+    assert r.status_code == 400 and "(prompt 0)" in r.json()["error"]["message"]
 
 
 def test_the_operators_chat_template_replaces_the_tokenizers_for_chat_and_tokenize(tiny_checkpoints, tmp_path):

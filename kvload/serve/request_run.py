@@ -191,7 +191,8 @@ class _Run(_OpenAIDocuments):
             params = job.params
             room = self.engine.room(ids)
             if not job.max_tokens_given:  # the default never asks for more than max_seq_len leaves
-                params = _default_cut(params, max(1, min(params.max_tokens, room)))
+                cap = max(1, min(params.max_tokens, room))
+                params = self._default_cut(params, cap, i, len(ids), f"max_seq_len={self.engine.executor.max_seq_len}")
             elif 0 < room < params.max_tokens:  # asked for: refused, as vLLM does, not silently cut (a prompt with
                 raise self._too_long(i, ids, params.max_tokens)  # no room at all is the prompt's error, below
             try:
@@ -214,7 +215,8 @@ class _Run(_OpenAIDocuments):
                 # the default asks no more than the KV cache holds after the prompt, as it asks no more than
                 # max_seq_len leaves: a server whose --max_tokens is under prompt + default refused every client that
                 # sends no max_tokens (most chat clients), telling it to lower a max_tokens it never sent
-                params = _default_cut(params, fits - len(ids))
+                params = self._default_cut(params, fits - len(ids), i, len(ids),
+                                           f"the KV cache (one sequence of {fits:,} tokens)")
                 try:
                     self.engine.check(ids, params)
                 except KvBuildError as again:
@@ -309,6 +311,18 @@ class _Run(_OpenAIDocuments):
             else prompt_field
         text = text.replace("max_new_tokens", "max_tokens")
         return BadRequest(f"{field}: this request could never fit the KV cache: {where}{text}{advice}", param=field)
+
+    def _default_cut(self, params: SamplingParams, cap: int, i: int, prompt: int, bound: str) -> SamplingParams:
+        """The server's default ``max_tokens`` (the client sent none) cut to ``cap``, what ``bound`` leaves after the
+        prompt. A ``min_tokens`` the request sent past it is refused, as vLLM refuses it (its default max_tokens is
+        what the context leaves, and min_tokens may not exceed max_tokens); the model's own default is cut with it."""
+        if params.min_tokens > cap and "min_tokens" not in self.job.model_defaults:
+            where = "" if len(self.prompts) == 1 else f" (prompt {i})"
+            also = " (or max_completion_tokens)" if self.job.kind == "chat" else ""
+            raise BadRequest(f"min_tokens: expected an integer in [0, max_tokens={cap}], what {bound} leaves after the "
+                             f"prompt's {prompt} tokens{where} (the request sends no max_tokens{also}), got "
+                             f"{params.min_tokens}; lower min_tokens or shorten the prompt", param="min_tokens")
+        return attrs.evolve(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
     def _too_long(self, i: int, ids: list[int], max_tokens: int) -> BadRequest:
         """vLLM's refusal of a ``max_tokens`` past what the context length leaves after the prompt, in its words."""
@@ -412,12 +426,6 @@ class _Run(_OpenAIDocuments):
                 elif c.auto is not None:  # the text outside the calls; each call named, then its arguments as read
                     delta = self._auto_delta(c.auto, update.text, ev.finished)
                 yield c, update, ev.finished, delta
-
-
-def _default_cut(params: SamplingParams, cap: int) -> SamplingParams:
-    """The server's default ``max_tokens`` (the client sent none) cut to ``cap``; a ``min_tokens`` past it ends by
-    length, as in generate."""
-    return attrs.evolve(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
 
 
 def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], index: int, ev: ServeEvent) -> None:
