@@ -97,6 +97,29 @@ SIZE_HELP = ("a byte count, in whole bytes, such as 8589934592, 8GiB (= 8G = 8*2
              "1.5KiB (= 1536)")
 
 
+def byte_count(value: Any, field: attrs.Attribute) -> Any:
+    """A ``Bytes`` field's converter: a size string (``"8GiB"``) as its bytes; a float refused saying why (YAML reads
+    ``1e9`` as one); anything else left to the field's check. One rule for the class and the dict / YAML / CLI doors,
+    whose messages differed (``KvCacheConfig(max_gpu_total_bytes="8GiB")`` was refused as "an integer >= 0")."""
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError:
+            raise FieldError(field.name, f"expected a byte count such as 8589934592 or '8GiB', got "
+                                         f"{describe(value)}") from None
+    if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_INT:
+        # "expected an integer >= 0, got 1000000000.0" named neither the string forms nor why; a float is not
+        # converted (1.5e16's digits past 2**53 are already gone)
+        why = (f"YAML reads a number with an exponent or a decimal point as a float: write {int(value)}, or quote "
+               "it" if value.is_integer() else "a byte count is whole bytes")
+        raise FieldError(field.name, f"expected a byte count such as 8589934592 or '8GiB', got the float "
+                                     f"{describe(value)}; {why}")
+    return value
+
+
+_BYTES = attrs.Converter(byte_count, takes_field=True)
+
+
 def parse_size(text: str) -> int:
     """Parse ``"8GiB"``, ``"8G"`` (GiB), ``"512MB"``, ``"1e9"`` or ``"4096"`` into bytes; ``ValueError`` otherwise."""
     s = text.strip().lower()
@@ -381,8 +404,8 @@ class KvCacheConfig:
     # tokens the pools hold when no rule bounds the budget (CPU without max_tokens/max_gpu_total_bytes);
     # null: such a load is refused. kvload generate sets it for its prompts.
     default_max_tokens: int | None = attrs.field(default=None, validator=opt_pos_int)
-    max_gpu_total_bytes: Bytes = attrs.field(default=0, validator=non_neg_int)
-    host_cache_size: Bytes | None = attrs.field(default=None, validator=opt_non_neg_int)
+    max_gpu_total_bytes: Bytes = attrs.field(default=0, converter=_BYTES, validator=non_neg_int)
+    host_cache_size: Bytes | None = attrs.field(default=None, converter=_BYTES, validator=opt_non_neg_int)
     dtype: DTypeName = attrs.field(default=AUTO, converter=_norm_dtype, validator=dtype_name)
     max_util_for_resume: float = attrs.field(default=0.95, validator=fraction)
     # Not TensorRT-LLM's default (False): blocks that leave a sliding window stay in the prefix cache, so

@@ -7,7 +7,6 @@ Errors come back as one :class:`~pipeline.errors.ConfigError` that names the dot
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -27,11 +26,9 @@ from pipeline.config import (
     SeqLen,
     TriState,
     describe,
-    parse_size,
     public_fields,
 )
 from pipeline.errors import ConfigError, did_you_mean
-from pipeline.limits import MAX_INT, plain_scalar
 
 T = TypeVar("T")
 
@@ -42,28 +39,11 @@ def _passthrough(value: Any, _type: Any) -> Any:
     return value
 
 
-def _bytes(value: Any, _type: Any) -> Any:
-    value = plain_scalar(value)
-    if isinstance(value, str):
-        try:
-            return parse_size(value)
-        except ValueError:
-            raise ValueError(f"expected a byte count such as 8589934592 or '8GiB', got {describe(value)}") from None
-    if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_INT:
-        # YAML reads 1e9 as a float, the flag reads "1e9" as bytes: "expected an integer >= 0, got 1000000000.0" named
-        # neither the string forms nor why; a float is not converted (1.5e16's digits past 2**53 are already gone)
-        why = (f"YAML reads a number with an exponent or a decimal point as a float: write {int(value)}, or quote "
-               "it" if value.is_integer() else "a byte count is whole bytes")
-        raise ValueError(f"expected a byte count such as 8589934592 or '8GiB', got the float {describe(value)}; "
-                         f"{why}")
-    return value
-
-
-# the fields' own converters take numpy / torch scalars (limits.plain_value) and their checks judge the rest: cattrs'
+# the fields' own converters take numpy / torch scalars (limits.plain_value) and size strings (config.byte_count),
+# and their checks judge the rest: cattrs'
 # defaults would coerce (int(3.5) is 3, bool("no") is True)
-for _t in (str, DTypeName, DeviceName, bool, int, float, SeqLen):
+for _t in (str, DTypeName, DeviceName, bool, int, float, SeqLen, Bytes):
     converter.register_structure_hook(_t, _passthrough)
-converter.register_structure_hook(Bytes, _bytes)
 converter.register_structure_hook_func(lambda t: t == TriState, _passthrough)  # true | false | "auto"
 
 

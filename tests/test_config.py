@@ -202,6 +202,32 @@ def test_a_float_byte_count_in_a_config_file_says_what_to_write(capsys, tmp_path
     assert run_cli(capsys, "plan", "tiny-llama", "--config", config).code == 0
 
 
+@pytest.mark.parametrize("value", ["8GiB", "lots", 1e9, 1.5, -5, True, "1_0KiB"])
+@pytest.mark.parametrize("field", ["max_gpu_total_bytes", "host_cache_size"])
+def test_a_byte_count_is_one_rule_for_the_class_and_the_dict(field, value):
+    """``KvCacheConfig(max_gpu_total_bytes="8GiB")`` was refused as "an integer >= 0" where the dict, YAML and CLI
+    doors take it; and their errors named the size forms where the class's did not. Both doors now take the same
+    values to the same bytes, and refuse the rest in the same words (the dict's prefixed by its path)."""
+    try:
+        direct: object = getattr(KvCacheConfig(**{field: value}), field)
+    except ConfigError as exc:
+        direct = str(exc)
+    try:
+        through: object = getattr(structure({field: value}, KvCacheConfig), field)
+    except ConfigError as exc:
+        through = str(exc)
+    assert direct == through
+    if value == "8GiB":
+        assert direct == 8 * 2**30
+        c = KvCacheConfig()
+        setattr(c, field, "1GiB")  # assignment converts as construction does
+        assert getattr(c, field) == 2**30
+    elif value == "1_0KiB":
+        assert direct == 10 * 1024
+    elif value in ("lots", 1e9, 1.5):
+        assert "expected a byte count such as 8589934592 or '8GiB'" in direct
+
+
 def test_a_size_takes_an_underscore_only_between_two_digits_as_an_integer_does():
     """Every underscore was dropped before the number was read: "_8GiB", "8__GiB" and "8_GiB" were 8 GiB, where an
     integer flag, int() and a YAML number refuse them (--host_cache_size, --max_gpu_total_bytes, the config file's)."""
