@@ -393,7 +393,7 @@ class CallRequests:
         steps = list(arrival_steps)
         if len(steps) != n or not all(is_int(s) and s >= 0 for s in steps):
             raise GenerationError(f"generate: arrival_steps: expected {n} integers >= 0 (one per prompt), "
-                                  f"got {arrival_steps!r}")
+                                  f"got {short(arrival_steps)}")
         return steps
 
     def priority_refusal(self, value: Any) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any, NotRequired, TypedDict
 import attrs
 
 from pipeline.errors import GenerationError, first_line
-from pipeline.limits import plain_flag
+from pipeline.limits import plain_flag, short
 
 #: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused. A TokensPrompt may
 #: carry its text too (vLLM's ``prompt``, the ``RequestOutput.prompt`` then), and either its prefix cache salt.
@@ -129,9 +129,19 @@ def normalize(prompts: Any, options: list[PromptOptions] | None = None, *, take_
         if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)) \
                 or not all(is_token_id(t) for t in prompt):
             raise GenerationError(f"generate: prompt {i}: expected a string or a list of token ids (ints), "
-                                  f"got {prompt!r}"[:200])
+                                  f"got {_not_ids(prompt)}")
         out.append([int(t) for t in prompt])
     return out
+
+
+def _not_ids(value: Any) -> str:
+    """What a prompt that is no list of token ids is, for its error: a list's first item that is no token id, else the
+    value cut short (a huge int or a list nesting itself many times was written out whole: an error, or a hang)."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
+        bad = next((j for j, t in enumerate(value) if not is_token_id(t)), None)
+        if bad is not None:
+            return f"a list whose item {bad} is {short(value[bad])}"
+    return short(value)
 
 
 def _from_dict(i: int, prompt: Mapping[str, Any]) -> tuple[Any, PromptOptions]:
@@ -147,7 +157,7 @@ def _from_dict(i: int, prompt: Mapping[str, Any]) -> tuple[Any, PromptOptions]:
                                 "if known), and a 'cache_salt' if you like")
     salt = prompt.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):  # vLLM's key holds a string (None: not given)
-        raise GenerationError(f"generate: prompt {i}: 'cache_salt' must be a non-empty string, got {salt!r}"[:200])
+        raise GenerationError(f"generate: prompt {i}: 'cache_salt' must be a non-empty string, got {short(salt)}")
     text = prompt.get("prompt")
     if "prompt" in prompt and not isinstance(text, str):
         raise GenerationError(f"generate: prompt {i}: 'prompt' must be a string, got {type(text).__name__}")
@@ -157,7 +167,7 @@ def _from_dict(i: int, prompt: Mapping[str, Any]) -> tuple[Any, PromptOptions]:
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence) \
             or not all(is_token_id(t) for t in ids):
         raise GenerationError(f"generate: prompt {i}: 'prompt_token_ids' must be a list of token ids (ints), "
-                              f"got {ids!r}"[:200])
+                              f"got {_not_ids(ids)}")
     if text is not None:
         check_text(f"prompt {i}", text)
     return list(ids), PromptOptions(text=text, cache_salt=salt)
@@ -403,22 +413,22 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
     if chat_template_content_format is not None and chat_template_content_format not in CONTENT_FORMATS:
         raise GenerationError(f"chat: chat_template_content_format: expected one of {', '.join(CONTENT_FORMATS)}, "
-                              f"got {chat_template_content_format!r}"[:200])
+                              f"got {short(chat_template_content_format)}")
     add_generation_prompt = plain_flag(add_generation_prompt)  # numpy's bool as Python's, as SamplingParams' flags
     continue_final_message = plain_flag(continue_final_message)
     for name, value in (("add_generation_prompt", add_generation_prompt),
                         ("continue_final_message", continue_final_message)):
         if not isinstance(value, bool):
-            raise GenerationError(f"chat: {name}: expected true or false, got {value!r}"[:200])
+            raise GenerationError(f"chat: {name}: expected true or false, got {short(value)}")
     if add_generation_prompt and continue_final_message:  # vLLM's rule: the turn is either opened or continued
         raise GenerationError("chat: continue_final_message: cannot be true with add_generation_prompt true (the "
                               "assistant's turn is either continued or opened); pass add_generation_prompt=False")
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
-        raise GenerationError(f"chat: chat_template: expected a Jinja template string, got {chat_template!r}"[:200])
+        raise GenerationError(f"chat: chat_template: expected a Jinja template string, got {short(chat_template)}")
     extra = {} if chat_template_kwargs is None else chat_template_kwargs
     if not isinstance(extra, dict) or not all(isinstance(k, str) and k.isidentifier() for k in extra):
         raise GenerationError("chat: chat_template_kwargs: expected a dict of template variables (names as keys), "
-                              f"got {chat_template_kwargs!r}"[:200])
+                              f"got {short(chat_template_kwargs)}")
     own = sorted(CHAT_ARGUMENTS & set(extra))
     if own:
         raise GenerationError(f"chat: chat_template_kwargs: {own[0]!r} is not a template variable; pass it as "

@@ -457,7 +457,7 @@ class LLM(PoolingCalls, StreamCalls):
                                                   tokenization_cut("chat", tokenization_kwargs))
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-                raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {tools!r}"[:200])
+                raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {short(tools)}")
             # OpenAI's tool definitions are JSON, and a template reads them as such (tojson): bytes or an object in
             # one failed there, or passed unread by a template that ignores tools
             found = non_json_in(tools, "tools")
@@ -477,7 +477,7 @@ class LLM(PoolingCalls, StreamCalls):
                 or not all(is_conversation(c) for c in conversations):
             raise GenerationError("chat: messages: expected a conversation (a non-empty list of "
                                   "{'role': ..., 'content': ...} dicts) or a list of conversations, got "
-                                  f"{messages!r}"[:200])
+                                  f"{short(messages)}")
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs,
                    "chat_template_content_format": chat_template_content_format}  # checked by run
@@ -543,7 +543,7 @@ class LLM(PoolingCalls, StreamCalls):
         """
         if metrics_name_prefix not in METRIC_NAMINGS:
             raise GenerationError(f"get_metrics: metrics_name_prefix: expected one of {', '.join(METRIC_NAMINGS)}, "
-                                  f"got {metrics_name_prefix!r}")
+                                  f"got {short(metrics_name_prefix)}")
         with self._exclusive("get_metrics"):
             manager = self.result.executor.manager
             return self._metrics.snapshot(None if getattr(manager, "closed", False) else manager.stats(),

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from pipeline.limits import short
+
 #: ``finished_reason`` label values of ``kvload_request_success`` (the server's, where a request can also end in
 #: ``abort`` or ``error``; ``LLM`` counts the samples of calls that returned)
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -40,7 +42,7 @@ METRIC_NAMINGS = ("kvload", "vllm")
 def metric_name(naming: str, base: str) -> str:
     """``base`` (vLLM's name without its prefix: ``num_requests_waiting``) under ``naming``."""
     if naming not in METRIC_NAMINGS:
-        raise ValueError(f"metric naming: expected one of {', '.join(METRIC_NAMINGS)}, got {naming!r}")
+        raise ValueError(f"metric naming: expected one of {', '.join(METRIC_NAMINGS)}, got {short(naming)}")
     return f"vllm:{base}" if naming == "vllm" else f"kvload_{base}"
 
 

@@ -125,18 +125,47 @@ def plain_value(value: Any) -> Any:
     return plain_scalar(plain_flag(value))
 
 
+#: Most items (containers and leaves) an event records of a user's value; a larger value is recorded as its
+#: :func:`short` description: a list holding itself twice at each of 40 levels is 2**40 items written out (the audit's
+#: line and the console's never came), and one of 10,000 is no setting anyone means.
+RECORDED_ITEMS = 10_000
+#: Bits past which an integer cannot be written as text (Python's 4,300-digit limit): recorded as its size instead.
+_WRITABLE_BITS = 14_000
+
+
+class _TooLarge(Exception):
+    """:func:`plain_values` met more than :data:`RECORDED_ITEMS` items or nesting past :data:`MAX_DEPTH`."""
+
+
 def plain_values(value: Any) -> Any:
     """``value`` with each numpy scalar and 0-d torch tensor in it (in dicts, lists and tuples too) as Python's bool,
     int or float (:func:`plain_flag`, :func:`plain_scalar`): what an event records of a user's value stays JSON (a
     flag ``np.True_`` an ignored knob took broke ``json.dumps`` of the audit's events; the file's line read the
-    text ``"tensor(True)"`` for a 0-d tensor's)."""
-    if type(value) in (bool, int, float, str) or value is None:
+    text ``"tensor(True)"`` for a 0-d tensor's). A value too large to write (past :data:`RECORDED_ITEMS` items, nested
+    past :data:`MAX_DEPTH`, or an integer past Python's digit limit, whose text raised ``ValueError`` in the logger)
+    is recorded as its :func:`short` description."""
+    try:
+        return _plain_values(value, [RECORDED_ITEMS], 0)
+    except _TooLarge:
+        return short(value)
+
+
+def _plain_values(value: Any, left: list[int], depth: int) -> Any:
+    left[0] -= 1
+    if left[0] < 0 or depth > MAX_DEPTH:
+        raise _TooLarge
+    if type(value) is int:
+        return value if value.bit_length() <= _WRITABLE_BITS else int_text(value)
+    if type(value) in (bool, float, str) or value is None:
         return value
     if isinstance(value, dict):
-        return {k: plain_values(v) for k, v in value.items()}
+        return {_plain_values(k, left, depth + 1): _plain_values(v, left, depth + 1) for k, v in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(plain_values(v) for v in value)
-    return plain_value(value)
+        return type(value)(_plain_values(v, left, depth + 1) for v in value)
+    value = plain_value(value)
+    if type(value) is int and value.bit_length() > _WRITABLE_BITS:
+        return int_text(value)
+    return value
 
 
 def int_text(value: int) -> str:

@@ -13,7 +13,7 @@ from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
 from pipeline.errors import ConfigError, KvloadError
-from pipeline.limits import plain_flag, short_text
+from pipeline.limits import plain_flag, short, short_text
 from pipeline.logs import StructlogSubscriber
 from pipeline.ranks import close_rank_audit, rank_audit_sink, ranks_from_env
 from pipeline.runner import Pipeline, Stage
@@ -93,7 +93,7 @@ def flag_argument(name: str, value: Any) -> bool:
     was meant."""
     value = plain_flag(value)
     if not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected true or false, got {value!r}"[:300])
+        raise ConfigError(f"{name}: expected true or false, got {short(value)}")
     return value
 
 
@@ -103,7 +103,7 @@ def path_argument(name: str, value: Any) -> str:
     raised a bare ``TypeError`` that named none."""
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str):
-        raise ConfigError(f"{name}: expected a path (a str or os.PathLike), got {value!r}"[:300])
+        raise ConfigError(f"{name}: expected a path (a str or os.PathLike), got {short(value)}")
     if "\x00" in text:  # open() and os.stat raised a bare "embedded null byte"
         raise ConfigError(f"{name}: a path cannot hold a NUL character (at character {text.index(chr(0))}), got "
                           f"{short_text(text)}")

@@ -179,7 +179,7 @@ BAD_IDS = [
     (-1, "expected a list of token ids \\(ints\\) or a list of such lists, got -1"),
     ({"a": 1}, "expected a list of token ids \\(ints\\) or a list of such lists, got "),
     ([], "expected at least one prompt, got an empty list"),
-    ([1, 1.5], "expected a list of token ids \\(ints\\), got \\[1, 1.5\\]"),
+    ([1, 1.5], "expected a list of token ids \\(ints\\), got a list whose item 1 is 1.5$"),
     ([1, VOCAB + 5], f"token id {VOCAB + 5} is outside the vocabulary"),
 ]
 
@@ -344,3 +344,98 @@ def test_truncate_prompt_tokens_has_one_verdict_in_sampling_and_pooling_params(v
             verdicts.append("refused")
     assert verdicts[0] == verdicts[1] and verdicts[0] in (value, "refused")
     assert (verdicts[0] == "refused") == (value == 0 or value < -1)
+
+
+def _alias_bomb(depth: int = 40) -> list:
+    """A list holding itself twice at each of ``depth`` levels: 2**depth items when written out (a few hundred bytes
+    in memory)."""
+    bomb: list = []
+    for _ in range(depth):
+        bomb = [bomb, bomb]
+    return bomb
+
+
+HUGE = 10**5000  # past Python's 4,300-digit limit for writing an int as text: repr() raises ValueError
+
+
+def _doors(llm) -> dict:
+    """Python-API arguments whose refusal quoted the value whole (``{value!r}``), each a call with that value."""
+    from engine.prompts import template_options
+    from engine.structured_params import StructuredOutputsParams
+
+    return {
+        "log": lambda v: kvload.plan("tiny-llama", log=v),
+        "audit_log": lambda v: kvload.plan("tiny-llama", audit_log=v),
+        "config_file": lambda v: kvload.plan("tiny-llama", config_file=v),
+        "add_generation_prompt": lambda v: template_options(add_generation_prompt=v),
+        "chat_template": lambda v: template_options(chat_template=v),
+        "chat_template_kwargs": lambda v: template_options(chat_template_kwargs=v),
+        "chat_template_content_format": lambda v: template_options(chat_template_content_format=v),
+        "json_object": lambda v: StructuredOutputsParams(json_object=v),
+        "choice": lambda v: StructuredOutputsParams(choice=v),
+        "messages": lambda v: llm.chat(v),
+        "content": lambda v: llm.chat([{"role": "user", "content": v}]),
+        "prompt 0": lambda v: llm.generate([[1, 2, v]]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["huge int", "alias bomb"])
+def test_a_huge_int_or_a_self_nesting_list_is_refused_in_one_short_line_naming_the_argument(llm, kind):
+    """Refusals wrote the value with repr: a 5,001-digit int raised Python's own ValueError about
+    ``sys.set_int_max_str_digits`` instead of the line naming the argument, and a list nesting itself 40 deep was
+    written out item by item (2**40 of them: it never returned). Each is now described (``limits.short``)."""
+    import signal
+
+    value = HUGE if kind == "huge int" else _alias_bomb()
+    before = tokens(llm)
+
+    def hung(*_):
+        raise AssertionError("the refusal did not return in 60 s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    try:
+        for name, call in _doors(llm).items():
+            signal.alarm(60)
+            with pytest.raises(ValueError) as caught:
+                call(value)
+            signal.alarm(0)
+            message = str(caught.value)
+            assert name in message and len(message) < 400, message
+            assert "set_int_max_str_digits" not in message
+            if kind == "huge int" and name != "prompt 0":
+                assert "an integer of about 5001 digits" in message, message
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert tokens(llm) == before
+
+
+def test_a_prompt_of_token_ids_names_its_first_item_that_is_no_token_id(llm):
+    with pytest.raises(ValueError, match=r"^generate: prompt 0: expected a string or a list of token ids \(ints\), got "
+                                         r"a list whose item 2 is 'w3'$"):
+        llm.generate([[1, 2, "w3", 4]])
+    with pytest.raises(ValueError, match=r"^generate: prompt 0: 'prompt_token_ids' must be a list of token ids "
+                                         r"\(ints\), got a list whose item 1 is 1.5$"):
+        llm.generate([{"prompt_token_ids": [1, 1.5]}])
+
+
+def test_an_ignored_setting_too_large_to_write_is_recorded_as_its_description(tmp_path):
+    """vLLM's ignored knobs take any value and the audit records it: a 5,001-digit ``revision`` raised Python's own
+    ValueError in the logger (the load failed on a setting it ignores), and a ``compilation_config`` list nesting
+    itself 40 deep was written out item by item (2**40: the load never returned, in C code no signal interrupts, so
+    the load runs in a process of its own). Both load, the records saying what was given in a few words."""
+    import json
+    import subprocess
+    import sys
+
+    audit = tmp_path / "a.jsonl"
+    code = ("import kvload\nbomb = []\nfor _ in range(40):\n    bomb = [bomb, bomb]\n"
+            "kvload.plan('tiny-llama', log=False, compilation_config=bomb, revision=10**5000, "
+            f"audit_log={str(audit)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    ignored = {r["field"]: r["value"] for r in records if r["event"] == "setting_ignored"}
+    assert ignored["compilation_config"] == "a list of 2 items"
+    assert ignored["revision"] == "an integer of about 5001 digits"
