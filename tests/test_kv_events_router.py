@@ -60,9 +60,10 @@ def _predicts(m, router: Router, req: Request) -> str | None:
 
 
 def _drive(r, rng: random.Random, ops: int = 40, prefix_lengths: tuple[int, ...] = (8, 16, 24, 40),
-           extra: int = 40) -> list[str]:
+           extra: int = 40, turns: bool = False) -> list[str]:
     """A random program of arrivals, steps, forks, branches, aborts and resets (prompts: one of three prefixes of
-    ``prefix_lengths`` tokens and up to ``extra`` more); what went wrong (empty: nothing)."""
+    ``prefix_lengths`` tokens and up to ``extra`` more; with ``turns``, also a finished request's tokens and a few more,
+    a conversation's next turn); what went wrong (empty: nothing)."""
     m, sched = r.kv_manager, r.scheduler
     driver = Driver(m, sched)
     router = Router()
@@ -92,9 +93,21 @@ def _drive(r, rng: random.Random, ops: int = 40, prefix_lengths: tuple[int, ...]
             driver.step(compute)
         check(where)
 
+    kinds, weights = ["add", "step", "abort", "reset", "fork", "branch"], [4, 8, 1, 0.4, 1, 0.6]
+    if turns:
+        kinds, weights = [*kinds, "turn"], [*weights, 2]
     for n in range(ops):
-        op = rng.choices(["add", "step", "abort", "reset", "fork", "branch"], [4, 8, 1, 0.4, 1, 0.6])[0]
-        if op in ("add", "fork"):
+        op = rng.choices(kinds, weights)[0]
+        if op == "turn":  # the next turn of a finished request: its window's blocks are what a hit needs last
+            done = [q for q in live if q.is_finished and q.num_tokens + 8 < room]
+            if done:
+                q = rng.choice(done)
+                prompt = [*q.all_token_ids, *(rng.randrange(1, 500) for _ in range(rng.randrange(1, 8)))]
+                req = Request(f"r{n}", prompt, rng.randrange(1, min(16, room - len(prompt)) + 1), salt=q.salt)
+                wrong += [f"op {n}: {w}" for w in [_predicts(m, router, req)] if w]
+                driver.add(req)
+                live.append(req)
+        elif op in ("add", "fork"):
             prompt = list(rng.choice(prefixes)) + [rng.randrange(1, 500) for _ in range(rng.randrange(0, extra))]
             if rng.random() < 0.3:
                 prompt = prompt[:rng.randrange(1, len(prompt) + 1)]

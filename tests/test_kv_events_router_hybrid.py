@@ -31,6 +31,9 @@ SETUPS = {
                             {"sliding_window": 48}, 256, (8, 16, 24, 40), 40),
     "v4-arena": ("tiny-deepseek-v4", {"max_tokens": 2048, "pool_arena": True}, None, 512, (130, 150, 200, 260), 140),
     "v4-split": ("tiny-deepseek-v4", {"max_tokens": 2048, "pool_arena": False}, None, 512, (130, 150, 200, 260), 140),
+    "v4-arena-window-freed": ("tiny-deepseek-v4", {"max_tokens": 2048, "pool_arena": True,
+                                                   "enable_swa_scratch_reuse": False}, None, 512, (130, 150, 200, 260),
+                              140),
 }
 
 
@@ -51,7 +54,7 @@ def _specs(m) -> list[tuple[str, int, int | None]]:
 def test_a_router_follows_every_layer_group_and_predicts_the_hybrid_hit(setup, rng):
     *_, lengths, extra = SETUPS[setup]
     with _load(setup) as r:
-        assert _drive(r, rng, 40, lengths, extra) == []
+        assert _drive(r, rng, 40, lengths, extra, turns=True) == []
 
 
 def _run(driver: Driver, req: Request) -> None:
@@ -63,25 +66,30 @@ def _run(driver: Driver, req: Request) -> None:
 
 @pytest.mark.parametrize(("setup", "hit"), [("gemma3-window-kept", 64), ("gemma3-window-freed", 0)])
 def test_a_block_leaving_the_window_is_kept_or_removed_in_that_group_alone(setup, hit):
-    """A 100-token prompt decoded past it: kept (scratch reuse), the window groups still hold every block, so a prompt
-    sharing 64 tokens hits 64; freed, the window groups' events remove the blocks before the last window (the full
-    group keeps them), so that prompt hits nothing: the window it needs is gone. A router that matched the full group
-    alone would predict 64 there; the hybrid rule predicts what the manager finds."""
+    """A 100-token prompt decoded past it (112 tokens computed, 7 whole blocks): kept (scratch reuse), the window
+    groups still hold every block, so a prompt sharing 64 tokens hits 64; freed, the window groups' events remove the
+    blocks before the last window (the full group keeps them), so that prompt hits nothing: the window it needs is gone.
+    A router that matched the full group alone would predict 64 there. The next turn (the 112 tokens and more) hits
+    112 either way, its window (blocks 4-6) still held: a router that asked a window group for the whole prefix would
+    predict nothing there. vLLM's hybrid rule predicts what the manager finds in all four."""
     with _load(setup) as r:
         m, router = r.kv_manager, Router()
         prompt = list(range(100, 200))
-        _run(Driver(m, r.scheduler), Request("a", prompt, 12))
+        first = Request("a", prompt, 13)
+        _run(Driver(m, r.scheduler), first)
         router.feed(m.kv_events.drain())
         assert router.problems == [] and mismatch(router, m) is None
-        full = router.cached["full"]
-        assert len(full) == 6  # the prompt's and the decode's whole blocks
+        assert len(router.cached["full"]) == 7  # the prompt's and the decode's whole blocks
         for name, _, window in _specs(m):
-            if window is not None:  # freed: the blocks its last window reads are left (blocks 4-5: tokens 64-95)
-                assert len(router.cached[name]) == (6 if hit else 2), name
+            if window is not None:  # freed: the blocks its last window reads are left (blocks 4-6: tokens 64-111)
+                assert len(router.cached[name]) == (7 if hit else 3), name
         probe = Request("b", [*prompt[:64], 1, 2, 3, 4, 5], 1)
         assert router.hit_tokens("full", probe.all_token_ids, T) == 64  # the full group alone
         assert predict_hit(router, _specs(m), probe.all_token_ids, T, m.reuse_unit) == hit == m.cached_prefix_tokens(
             probe)
+        turn = Request("c", [*first.all_token_ids, 1, 2, 3, 4, 5], 1)
+        assert predict_hit(router, _specs(m), turn.all_token_ids, T, m.reuse_unit) == 112 == m.cached_prefix_tokens(
+            turn)
 
 
 @pytest.mark.parametrize("setup", ["llama", "gemma3-window-kept"])
