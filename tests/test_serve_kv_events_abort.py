@@ -22,7 +22,7 @@ zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from tests.test_kv_events_router_hybrid import _from_wire  # noqa: E402  (needs zmq and msgspec)
-from tests.test_serve_kv_publisher import BlockStored, _free_port, _replayed  # noqa: E402
+from tests.test_serve_kv_publisher import BlockStored, _batches, _free_port, _replayed  # noqa: E402
 
 T = 16
 
@@ -74,8 +74,13 @@ def test_a_router_holds_the_cache_after_clients_leave_mid_prefill_and_mid_decode
                              "true" if manager == "v2" else "false", "--kv-events-config", json.dumps(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
     try:
         url = ready_url(until_ready(proc)[-1])
+        sub.connect(f"tcp://127.0.0.1:{pub}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)  # a SUB socket hears only what is sent after it joined
         shared = list(range(400, 440))  # (tiny-llama's vocabulary: 512 ids)
         prompts = [[*shared, *((7 * k + i) % 400 + 1 for i in range(560))] for k in range(2)]
         prompts.append(shared + list(range(200, 300)))
@@ -111,5 +116,11 @@ def test_a_router_holds_the_cache_after_clients_leave_mid_prefill_and_mid_decode
                 router.feed({"events": _from_wire(_replayed(f"tcp://127.0.0.1:{replay}"), {}), "dropped": 0})
             assert router.problems == [] and router.kinds["kv_block_removed"] > 0
             assert _cached_blocks(http) == (sum(map(len, router.sets().values())), 0)
+        # the live stream carried the same batches, numbered alike, as the replay gave a router that joined late
+        replayed = _replayed(f"tcp://127.0.0.1:{replay}")
+        live = _batches(sub, lambda got: len(got) >= len(replayed))
+        assert [(seq, batch) for _, seq, batch in live] == replayed
     finally:
+        sub.close(linger=0)
+        ctx.term()
         reap(proc)
