@@ -38,6 +38,23 @@ def _cached_blocks(http: httpx.Client) -> tuple[float, float]:
     return got["evictable"], got["used"]
 
 
+def _follow(http: httpx.Client, address: str, recorded: list[int]) -> Router:
+    """A router rebuilt from the replay endpoint once it holds every event the server recorded (the last sequence
+    number of ``GET /v1/kvload/kv_events``, kept in ``recorded`` across its drains): the publishing thread sends
+    what a step queued a few ms later."""
+    events = http.get("/v1/kvload/kv_events").json()["events"]
+    if events:
+        recorded[0] = events[-1]["seq"]
+    for _ in range(500):
+        batches = _replayed(address)
+        if sum(len(b.events) for _, b in batches) >= recorded[0]:
+            break
+        time.sleep(0.01)
+    router = Router()
+    router.feed({"events": _from_wire(batches, {}), "dropped": 0})
+    return router
+
+
 def _leave_mid_prefill(url: str, replay: str, prompt: list[int]) -> None:
     """Send a streaming completion on a raw socket and close it once the events show its prefill under way: its
     sixth block stored (a 600-token prompt at 16 tokens a step takes dozens of steps to its first token)."""
@@ -87,7 +104,7 @@ def test_a_router_holds_the_cache_after_clients_leave_mid_prefill_and_mid_decode
         clients = [threading.Thread(target=_leave_mid_prefill, args=(url, f"tcp://127.0.0.1:{replay}", prompts[0])),
                    threading.Thread(target=_leave_mid_decode, args=(url, prompts[2])),
                    threading.Thread(target=_leave_mid_prefill, args=(url, f"tcp://127.0.0.1:{replay}", prompts[1]))]
-        for c in clients:  # the three at once: the pool of 768 tokens cannot hold them, so blocks are evicted
+        for c in clients:  # the three at once (then the probes of the 600-token prompts evict in the 768-token pool)
             c.start()
         for c in clients:
             c.join()
@@ -97,8 +114,8 @@ def test_a_router_holds_the_cache_after_clients_leave_mid_prefill_and_mid_decode
                 if not used:
                     break
                 time.sleep(0.05)
-            router = Router()
-            router.feed({"events": _from_wire(_replayed(f"tcp://127.0.0.1:{replay}"), {}), "dropped": 0})
+            recorded = [0]
+            router = _follow(http, f"tcp://127.0.0.1:{replay}", recorded)
             assert router.problems == []
             # nothing runs: every block the server keeps is cached, and the router holds exactly those
             assert used == 0 and sum(map(len, router.sets().values())) == evictable
@@ -111,9 +128,7 @@ def test_a_router_holds_the_cache_after_clients_leave_mid_prefill_and_mid_decode
                 # V2 copies the shared tokens of a block the prompt parts from inside (enable_partial_reuse): a partial
                 # hit no event tells, so a whole-block router's prediction is below it by less than a block
                 assert cached == hit if manager == "v1" else hit <= cached < hit + T, (cached, hit)
-                time.sleep(0.2)
-                router = Router()
-                router.feed({"events": _from_wire(_replayed(f"tcp://127.0.0.1:{replay}"), {}), "dropped": 0})
+                router = _follow(http, f"tcp://127.0.0.1:{replay}", recorded)
             assert router.problems == [] and router.kinds["kv_block_removed"] > 0
             assert _cached_blocks(http) == (sum(map(len, router.sets().values())), 0)
         # the live stream carried the same batches, numbered alike, as the replay gave a router that joined late
