@@ -123,8 +123,9 @@ def test_a_whole_block_router_predicts_a_lower_bound_of_a_partial_hit(setup, rng
 
 
 def _from_wire(batches: list, specs: dict[str, tuple[str, int, int | None]]) -> list[dict]:
-    """vLLM's decoded ``KVEventBatch`` es as the router's events, each group named by its ``group_idx`` and described
-    (``specs``) by what the wire says of it: ``block_size`` and ``kv_cache_spec_sliding_window``."""
+    """The events of vLLM's decoded ``KVEventBatch`` messages as the router's, each group named by its
+    ``group_idx`` and described (``specs``) by what the wire says of it: ``block_size`` and
+    ``kv_cache_spec_sliding_window``."""
     from tests.test_serve_kv_publisher import BlockRemoved, BlockStored
 
     out = []
