@@ -22,6 +22,8 @@ class Router:
         #: group -> hash -> (parent, token ids, cache salt)
         self.cached: dict[str, dict[str, tuple[str | None, tuple[int, ...], str | None]]] = defaultdict(dict)
         self.ever: dict[str, set[str]] = defaultdict(set)
+        #: group -> hash -> (parent, token ids, cache salt) of every block ever stored (removed ones too)
+        self.known: dict[str, dict[str, tuple[str | None, tuple[int, ...], str | None]]] = defaultdict(dict)
         self.seq = 0
         self.lost = False
         self.problems: list[str] = []
@@ -50,7 +52,8 @@ class Router:
                 for i, h in enumerate(e["block_hashes"]):
                     if h in cached:
                         self.problems.append(f"{where}: {group} {h[:12]} stored again, never removed")
-                    cached[h] = (parent, tuple(tokens[i * tpb:(i + 1) * tpb]), e.get("cache_salt"))
+                    cached[h] = self.known[group][h] = (parent, tuple(tokens[i * tpb:(i + 1) * tpb]),
+                                                        e.get("cache_salt"))
                     self.ever[group].add(h)
                     parent = h
             elif e["type"] == REMOVED:
@@ -104,3 +107,41 @@ def mismatch(router: Router, m: Any) -> str | None:
             return (f"group {g}: the router believes {sorted(h[:12] for h in a - b)} cached that are not, and misses "
                     f"{sorted(h[:12] for h in b - a)}")
     return None
+
+
+def predict_hit(router: Router, groups: list[tuple[str, int, int | None]], tokens: list[int], T: int, unit: int,
+                salt: str | None = None) -> int:
+    """The hit a router predicts from the events for a model of several layer groups (vLLM's hybrid allocator,
+    ``HybridKVCacheCoordinator.find_longest_cache_hit``): the longest multiple of ``unit`` tokens, at most all but the
+    last token, for which every full group (``window`` None) holds its blocks from the start and every sliding group
+    the blocks its window reads before that length (``groups``: name, tokens per block, window, as the plan says).
+
+    A block is matched by its parent's hash, its token ids and the salt; the hashes of the prompt's ``T``-token
+    positions are followed through every group's stored blocks of ``T`` tokens (a sliding group's parent may have
+    left its window: a router keeps the chain it has seen)."""
+    index: dict[tuple[str | None, tuple[int, ...], str | None], str] = {}
+    for g in router.ever:  # every T-token block ever stored, in any group: the prompt's position hashes
+        for h, (parent, toks, s) in router.known[g].items():
+            if len(toks) == T:
+                index[(parent, toks, s)] = h
+    keys: list[str] = []
+    parent: str | None = None
+    for i in range((len(tokens) - 1) // T):
+        h = index.get((parent, tuple(tokens[i * T:(i + 1) * T]), salt))
+        if h is None:
+            break
+        keys.append(h)
+        parent = h
+
+    def holds(name: str, tpb: int, j: int) -> bool:  # group block j (tokens [j*tpb, (j+1)*tpb)) cached in ``name``
+        step = tpb // T
+        last = (j + 1) * step - 1
+        return last < len(keys) and keys[last] in router.cached.get(name, {})
+
+    m = len(keys) * T // unit * unit
+    while m > 0:
+        if all(all(holds(name, tpb, j) for j in range(0 if window is None else max(0, m - window + 1) // tpb, m // tpb))
+               for name, tpb, window in groups):
+            return m
+        m -= unit
+    return 0

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import pipeline
 from cache_backends.request import Request
 from engine.driver import Driver, StalledError
-from tests.kv_router_support import Router, mismatch
+from tests.kv_router_support import Router, mismatch, predict_hit
 
 T = 16
 #: (model, manager, pool tokens, host tier, scheduling policy, step budget): one full group (V1, V2, MLA), Gemma 3's
@@ -40,24 +40,35 @@ def _load(setup: str):
 
 
 def _predicts(m, router: Router, req: Request) -> str | None:
-    """Where one full-attention group holds everything: the router's predicted hit against the manager's lookup."""
-    groups = m.layout.groups
-    if len(groups) != 1 or groups[0].kind == "sliding" or req.skip_prefix_read:
+    """The hit a router predicts from the events against the manager's lookup: by token ids down one full-attention
+    group, or, with several groups (sliding windows, compressed groups), by vLLM's hybrid rule
+    (:func:`~tests.kv_router_support.predict_hit`)."""
+    if req.skip_prefix_read:
         return None
-    predicted = router.hit_tokens(groups[0].name, req.all_token_ids, T, req.salt)
+    groups = m.layout.groups
+    if len(groups) == 1 and groups[0].kind != "sliding":
+        predicted = router.hit_tokens(groups[0].name, req.all_token_ids, T, req.salt)
+    elif hasattr(m, "_tree"):  # (V1 keeps one group for every layer: the branch above)
+        specs = [(g.name, g.tokens_per_block, g.window) for g in groups]
+        predicted = predict_hit(router, specs, req.all_token_ids, T, m.reuse_unit or T, req.salt)
+    else:
+        return None
     found = m.cached_prefix_tokens(req) if hasattr(m, "cached_prefix_tokens") else m.find_prefix(req).num_tokens
     if predicted != found:
         return f"request {req.req_id}: the router predicts {predicted} cached tokens, the manager finds {found}"
     return None
 
 
-def _drive(r, rng: random.Random, ops: int = 40) -> list[str]:
-    """A random program of arrivals, steps, forks, branches, aborts and resets; what went wrong (empty: nothing)."""
+def _drive(r, rng: random.Random, ops: int = 40, prefix_lengths: tuple[int, ...] = (8, 16, 24, 40),
+           extra: int = 40, turns: bool = False) -> list[str]:
+    """A random program of arrivals, steps, forks, branches, aborts and resets (prompts: one of three prefixes of
+    ``prefix_lengths`` tokens and up to ``extra`` more; with ``turns``, also a finished request's tokens and a few more,
+    a conversation's next turn); what went wrong (empty: nothing)."""
     m, sched = r.kv_manager, r.scheduler
     driver = Driver(m, sched)
     router = Router()
     room = m.layout.groups[0].tokens_per_block * min(m.pools.num_blocks.values()) - 2 * T
-    prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice([8, 16, 24, 40]))] for _ in range(3)]
+    prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice(prefix_lengths))] for _ in range(3)]
     live: list[Request] = []
     wrong: list[str] = []
 
@@ -82,10 +93,22 @@ def _drive(r, rng: random.Random, ops: int = 40) -> list[str]:
             driver.step(compute)
         check(where)
 
+    kinds, weights = ["add", "step", "abort", "reset", "fork", "branch"], [4, 8, 1, 0.4, 1, 0.6]
+    if turns:
+        kinds, weights = [*kinds, "turn"], [*weights, 2]
     for n in range(ops):
-        op = rng.choices(["add", "step", "abort", "reset", "fork", "branch"], [4, 8, 1, 0.4, 1, 0.6])[0]
-        if op in ("add", "fork"):
-            prompt = list(rng.choice(prefixes)) + [rng.randrange(1, 500) for _ in range(rng.randrange(0, 40))]
+        op = rng.choices(kinds, weights)[0]
+        if op == "turn":  # the next turn of a finished request: its window's blocks are what a hit needs last
+            done = [q for q in live if q.is_finished and q.num_tokens + 8 < room]
+            if done:
+                q = rng.choice(done)
+                prompt = [*q.all_token_ids, *(rng.randrange(1, 500) for _ in range(rng.randrange(1, 8)))]
+                req = Request(f"r{n}", prompt, rng.randrange(1, min(16, room - len(prompt)) + 1), salt=q.salt)
+                wrong += [f"op {n}: {w}" for w in [_predicts(m, router, req)] if w]
+                driver.add(req)
+                live.append(req)
+        elif op in ("add", "fork"):
+            prompt = list(rng.choice(prefixes)) + [rng.randrange(1, 500) for _ in range(rng.randrange(0, extra))]
             if rng.random() < 0.3:
                 prompt = prompt[:rng.randrange(1, len(prompt) + 1)]
             prompt = prompt[:room - 1]

@@ -379,3 +379,36 @@ def test_a_salted_prefix_goes_out_with_vllms_extra_keys():
         publisher.close()
     assert [e.extra_keys for e in events] == [[("tenant",), None], None, None]
     assert [e["cache_salt"] for e in buffer.drain()["events"]] == ["tenant", "tenant", None]
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_an_mla_models_blocks_go_out_as_vllms_mla_attention_under_either_manager(v2):
+    """DeepSeek V3's layers are all MLA: vLLM names its group ``mla_attention``. V1 keeps one group of every layer,
+    ``full`` in its layout, and its blocks went out as ``full_attention`` where V2's went out as ``mla_attention``."""
+    import pipeline
+    from cache_backends.request import Request
+    from engine.driver import Driver
+    from kvload.serve.kv_publisher import KvEventsConfig, ZmqKvEventPublisher
+
+    address = f"inproc://mla-kind-{v2}"
+    publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"inproc://mla-pub-{v2}",
+                                                   replay_endpoint=address))
+    kv = {"max_tokens": 512, "tokens_per_block": 16, "use_kv_cache_manager_v2": v2, "event_buffer_max_size": 100}
+    try:
+        with pipeline.load("tiny-deepseek-v3", kv_cache_config=kv, max_seq_len=256, log=False) as r:
+            publisher.attach(r.kv_manager.layout)
+            r.kv_manager.kv_events.publisher = publisher
+            driver = Driver(r.kv_manager, r.scheduler)
+            driver.add(Request("a", list(range(1, 40)), 2))
+            while driver.has_work:
+                driver.step(lambda out: {c.request.req_id: 7 for c in out.scheduled
+                                         if c.request.num_computed_tokens + c.num_tokens >= c.request.num_tokens})
+            stored: list[BlockStored] = []
+            for _ in range(100):  # the publishing thread sends what the step queued within a few ms
+                stored = [e for _, b in _replayed(address) for e in b.events if isinstance(e, BlockStored)]
+                if stored:
+                    break
+                time.sleep(0.01)
+        assert stored and {(e.group_idx, e.kv_cache_spec_kind) for e in stored} == {(0, "mla_attention")}
+    finally:
+        publisher.close()

@@ -186,6 +186,17 @@ def _structs(msgspec: Any) -> tuple[Any, Any, Any, Any]:
     return BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch
 
 
+def spec_kind(layout: Any, group: Any) -> str | None:
+    """vLLM's ``kv_cache_spec_kind`` of a layout's ``group``: V1's one group of every layer is ``"full"`` in the
+    layout, but a model whose layers are all MLA (DeepSeek V3) is vLLM's ``mla_attention`` whichever manager holds it
+    (``get_kv_cache_spec_kind`` of an ``MLAAttentionSpec``), as V2's group of them says."""
+    if group.kind == "full" and group.layers:
+        kinds = {layer.index: layer.kind for layer in layout.layers}
+        if all(kinds.get(i) == "mla" for i in group.layers):
+            return SPEC_KINDS["mla"]
+    return SPEC_KINDS.get(group.kind)
+
+
 class ZmqKvEventPublisher:
     """Sends a KV event buffer's events as vLLM's ``KVEventBatch`` messages on a ZeroMQ PUB socket (see the module).
 
@@ -250,7 +261,7 @@ class ZmqKvEventPublisher:
 
     def attach(self, layout: Any) -> None:
         """Name the layout's groups as vLLM does: index, spec kind, sliding window."""
-        self.groups = {g.name: (i, SPEC_KINDS.get(g.kind), g.window if g.kind == "sliding" else None)
+        self.groups = {g.name: (i, spec_kind(layout, g), g.window if g.kind == "sliding" else None)
                        for i, g in enumerate(layout.groups)}
 
     def put(self, event: dict[str, Any]) -> None:
