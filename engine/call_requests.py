@@ -34,7 +34,7 @@ from engine.stopping import SampleText
 from engine.structured import GrammarBackend
 from models.classifier import head_of, not_generative
 from pipeline.errors import GenerationError, KvBuildError
-from pipeline.limits import MAX_INT, int_text, plain_scalar, short
+from pipeline.limits import MAX_INT, int_text, plain_scalar, short, short_py
 
 #: A pooled request as a refusal names it, by the call that makes it (``LLM.classify``, ``LLM.reward``; an
 #: embedding otherwise: ``LLM.embed``, ``LLM.score``'s embeddings)
@@ -393,7 +393,7 @@ class CallRequests:
         steps = list(arrival_steps)
         if len(steps) != n or not all(is_int(s) and s >= 0 for s in steps):
             raise GenerationError(f"generate: arrival_steps: expected {n} integers >= 0 (one per prompt), "
-                                  f"got {short(arrival_steps)}")
+                                  f"got {short_py(arrival_steps)}")
         return steps
 
     def priority_refusal(self, value: Any) -> str | None:

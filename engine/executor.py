@@ -96,7 +96,7 @@ from pipeline.events import (
     RequestAdmitted,
     SettingIgnored,
 )
-from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, plain_flag, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_INT, MAX_NGRAM, plain_flag, short_py
 
 #: A prompt: text (needs a tokenizer) or token ids.
 Prompt = str | Sequence[int]
@@ -273,7 +273,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
         resolved = [b for b in ATTENTION_BACKENDS if b != AUTO]
         if backend not in resolved:
             raise GenerationError(f"generate: attention_backend: expected one of {', '.join(resolved)} (resolved), "
-                                  f"got {short(backend)}")
+                                  f"got {short_py(backend)}")
         self.flex = None
         self.decode_kernel = None
         if backend == "sdpa":
@@ -321,7 +321,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
         if backend not in LINEAR_BACKENDS or backend == AUTO:
             resolved = [b for b in LINEAR_BACKENDS if b != AUTO]
             raise GenerationError(f"generate: linear_backend: expected one of {', '.join(resolved)} (resolved), "
-                                  f"got {short(backend)}")
+                                  f"got {short_py(backend)}")
         self.linear = None
         if backend == "torch":
             return
@@ -352,7 +352,7 @@ class GenerationExecutor(CallRequests, StepForward, StepOutputs, V4SideState):
                                          ("speculation_max_batch_size", max_batch_size, 1, MAX_INT)):
             if not (is_int(value) and least <= value <= most):
                 raise GenerationError(f"generate: {name}: expected an integer from {least} to {most}, "
-                                      f"got {short(value)}")
+                                      f"got {short_py(value)}")
         if max_draft_len and self.v4 is not None:  # a rejected draft would leave its projections in the compressor
             self._event(SettingIgnored(field="max_draft_len", value=max_draft_len, reason=V4_NO_DRAFTS))
             max_draft_len = 0

@@ -20,7 +20,7 @@ from engine.content_format import PartedMessage
 from engine.prompts import ROLES, check_text, is_conversation, lone_surrogate
 from pipeline.errors import GenerationError
 from pipeline.json_ints import LongInts, too_long_int, too_long_message
-from pipeline.limits import MAX_DEPTH, json_depth, short, unique_keys
+from pipeline.limits import MAX_DEPTH, json_depth, short_py, unique_keys
 
 #: The fields a message of each role may carry besides role, content and name (an agent's turn sends them back).
 CARRIED = {"assistant": ("tool_calls", "reasoning", "reasoning_content"), "tool": ("tool_call_id",)}
@@ -39,7 +39,7 @@ class MessageError(GenerationError):
 
 def _need(ok: bool, field: str, expected: str, value: Any) -> None:
     if not ok:
-        raise MessageError(field, f"expected {expected}, got {short(value)}")
+        raise MessageError(field, f"expected {expected}, got {short_py(value)}")
 
 
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -164,7 +164,7 @@ def check_messages(where: str, messages: Any) -> list[dict[str, Any]]:
     valid Unicode; ``GenerationError`` naming ``where`` (``prompt 0``) and the field."""
     if not is_conversation(messages):
         raise GenerationError(f"generate: {where}: expected a conversation (a non-empty list of "
-                              f"{{'role': ..., 'content': ...}} messages), got {short(messages)}")
+                              f"{{'role': ..., 'content': ...}} messages), got {short_py(messages)}")
     try:
         out = chat_messages(messages)
     except MessageError as exc:

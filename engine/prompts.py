@@ -21,7 +21,7 @@ from typing import Any, NotRequired, TypedDict
 import attrs
 
 from pipeline.errors import GenerationError, first_line
-from pipeline.limits import plain_flag, short
+from pipeline.limits import checked_flag, short_py
 
 #: Keys of vLLM's prompt dicts kvload acts on; any other key (multi_modal_data, ...) is refused. A TokensPrompt may
 #: carry its text too (vLLM's ``prompt``, the ``RequestOutput.prompt`` then), and either its prefix cache salt.
@@ -140,8 +140,8 @@ def _not_ids(value: Any) -> str:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):
         bad = next((j for j, t in enumerate(value) if not is_token_id(t)), None)
         if bad is not None:
-            return f"a list whose item {bad} is {short(value[bad])}"
-    return short(value)
+            return f"a list whose item {bad} is {short_py(value[bad])}"
+    return short_py(value)
 
 
 def _from_dict(i: int, prompt: Mapping[str, Any]) -> tuple[Any, PromptOptions]:
@@ -157,7 +157,7 @@ def _from_dict(i: int, prompt: Mapping[str, Any]) -> tuple[Any, PromptOptions]:
                                 "if known), and a 'cache_salt' if you like")
     salt = prompt.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):  # vLLM's key holds a string (None: not given)
-        raise GenerationError(f"generate: prompt {i}: 'cache_salt' must be a non-empty string, got {short(salt)}")
+        raise GenerationError(f"generate: prompt {i}: 'cache_salt' must be a non-empty string, got {short_py(salt)}")
     text = prompt.get("prompt")
     if "prompt" in prompt and not isinstance(text, str):
         raise GenerationError(f"generate: prompt {i}: 'prompt' must be a string, got {type(text).__name__}")
@@ -413,22 +413,20 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
 
     if chat_template_content_format is not None and chat_template_content_format not in CONTENT_FORMATS:
         raise GenerationError(f"chat: chat_template_content_format: expected one of {', '.join(CONTENT_FORMATS)}, "
-                              f"got {short(chat_template_content_format)}")
-    add_generation_prompt = plain_flag(add_generation_prompt)  # numpy's bool as Python's, as SamplingParams' flags
-    continue_final_message = plain_flag(continue_final_message)
-    for name, value in (("add_generation_prompt", add_generation_prompt),
-                        ("continue_final_message", continue_final_message)):
-        if not isinstance(value, bool):
-            raise GenerationError(f"chat: {name}: expected true or false, got {short(value)}")
+                              f"got {short_py(chat_template_content_format)}")
+    add_generation_prompt = checked_flag(add_generation_prompt,
+                                         lambda why: GenerationError(f"chat: add_generation_prompt: {why}"))
+    continue_final_message = checked_flag(continue_final_message,
+                                          lambda why: GenerationError(f"chat: continue_final_message: {why}"))
     if add_generation_prompt and continue_final_message:  # vLLM's rule: the turn is either opened or continued
         raise GenerationError("chat: continue_final_message: cannot be true with add_generation_prompt true (the "
                               "assistant's turn is either continued or opened); pass add_generation_prompt=False")
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
-        raise GenerationError(f"chat: chat_template: expected a Jinja template string, got {short(chat_template)}")
+        raise GenerationError(f"chat: chat_template: expected a Jinja template string, got {short_py(chat_template)}")
     extra = {} if chat_template_kwargs is None else chat_template_kwargs
     if not isinstance(extra, dict) or not all(isinstance(k, str) and k.isidentifier() for k in extra):
         raise GenerationError("chat: chat_template_kwargs: expected a dict of template variables (names as keys), "
-                              f"got {short(chat_template_kwargs)}")
+                              f"got {short_py(chat_template_kwargs)}")
     own = sorted(CHAT_ARGUMENTS & set(extra))
     if own:
         raise GenerationError(f"chat: chat_template_kwargs: {own[0]!r} is not a template variable; pass it as "

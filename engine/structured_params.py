@@ -21,7 +21,7 @@ from pipeline.limits import (
     MAX_STRUCTURED_CHOICES,
     nesting_depth,
     plain_flag,
-    short,
+    short_py,
     unique_keys,
 )
 from pipeline.vllm_compat import reasoning_parser_named
@@ -192,7 +192,7 @@ class StructuredOutputsParams:
 
     def __attrs_post_init__(self) -> None:
         if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise _refuse("json_object", f"expected true or false, got {short(self.json_object)}")
+            raise _refuse("json_object", f"expected true or false, got {short_py(self.json_object)}")
         if self.json is False:  # not "json not given", as json_object=False is: the schema false
             raise _refuse("json", FALSE_SCHEMA)
         for kind, expected in (("regex", "a non-empty string"), ("grammar", "a non-empty string"),
@@ -206,7 +206,7 @@ class StructuredOutputsParams:
         kind = given[0]
         if not isinstance(self.disable_any_whitespace, bool):
             raise _refuse("disable_any_whitespace",
-                          f"expected true or false, got {short(self.disable_any_whitespace)}")
+                          f"expected true or false, got {short_py(self.disable_any_whitespace)}")
         if self.disable_any_whitespace and kind not in ("json", "json_object"):
             raise _refuse("disable_any_whitespace", f"applies to json and json_object (JSON's whitespace); {kind} "
                                                     "outputs match their own spec exactly")
@@ -219,7 +219,7 @@ class StructuredOutputsParams:
             spec = _schema_text(self.json)
         elif kind == "choice":
             if not isinstance(self.choice, tuple) or not self.choice:
-                raise _refuse("choice", f"expected a non-empty list of non-empty strings, got {short(self.choice)}")
+                raise _refuse("choice", f"expected a non-empty list of non-empty strings, got {short_py(self.choice)}")
             for i, text in enumerate(self.choice):
                 _string(f"choice[{i}]", text, "a non-empty string")
             spec = _json.dumps(list(self.choice), ensure_ascii=False)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import attrs
 
-from pipeline.limits import short
+from pipeline.limits import short_py
 
 
 @attrs.frozen
@@ -326,9 +326,9 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, /, **pa
             raise ValueError(f"workload {name} has no parameter {key!r}; known: {', '.join(known)}")
         least = 2 if key == "vocab" else 0 if key in _MAY_BE_ZERO else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"workload {name}: {key} must be an integer >= {least}, got {short(value)}")
+            raise ValueError(f"workload {name}: {key} must be an integer >= {least}, got {short_py(value)}")
         if key.endswith("_percent") and value > 100:
-            raise ValueError(f"workload {name}: {key} is a percentage, 0 to 100, got {short(value)}")
+            raise ValueError(f"workload {name}: {key} is a percentage, 0 to 100, got {short_py(value)}")
     merged = {**known, **params}
     for key in params:
         low, high = key[:-4] + "_min", key[:-4] + "_max"  # a range's ends, for a key that is one
@@ -341,9 +341,9 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, /, **pa
     if "vocab" in params and params["vocab"] > MAX_VOCAB:
         raise ValueError(f"workload {name}: vocab must be at most {MAX_VOCAB:,}, got {params['vocab']:,}")
     if requests is not None and (not isinstance(requests, int) or isinstance(requests, bool) or requests < 1):
-        raise ValueError(f"workload {name}: requests must be an integer >= 1, got {short(requests)}")
+        raise ValueError(f"workload {name}: requests must be an integer >= 1, got {short_py(requests)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"workload {name}: seed must be an integer >= 0, got {short(seed)}")
+        raise ValueError(f"workload {name}: seed must be an integer >= 0, got {short_py(seed)}")
     factory = WORKLOADS[name]
     count = requests if requests is not None else inspect.signature(factory).parameters["requests"].default
     if count > MAX_REQUESTS:

@@ -49,7 +49,7 @@ from pipeline.errors import (
     OutputError,
 )
 from pipeline.events import SettingIgnored
-from pipeline.limits import MAX_INT, plain_flag, plain_scalar, plain_value, short
+from pipeline.limits import MAX_INT, checked_flag, plain_scalar, plain_value, short, short_py
 from pipeline.ranks import ranks_from_env
 from pipeline.vllm_compat import reasoning_parser as vllm_reasoning_parser
 from stages import load_stages
@@ -325,8 +325,7 @@ class LLM(PoolingCalls, StreamCalls):
     def get_world_size(self, include_dp: bool = True) -> int:
         """vLLM's ``LLM.get_world_size``: the ranks the model runs on, ``tensor_parallel_size`` (kvload has no
         pipeline or data parallelism, so ``include_dp`` changes nothing: both counts are the same)."""
-        if not isinstance(plain_flag(include_dp), bool):
-            raise GenerationError(f"get_world_size: include_dp: expected true or false, got {short(include_dp)}")
+        checked_flag(include_dp, lambda why: GenerationError(f"get_world_size: include_dp: {why}"))
         return int(self.args.tensor_parallel_size)
 
     def reset_mm_cache(self) -> None:
@@ -457,7 +456,8 @@ class LLM(PoolingCalls, StreamCalls):
                                                   tokenization_cut("chat", tokenization_kwargs))
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-                raise GenerationError(f"chat: tools: expected a list of tool definitions (dicts), got {short(tools)}")
+                raise GenerationError("chat: tools: expected a list of tool definitions (dicts), got "
+                                      f"{short_py(tools)}")
             # OpenAI's tool definitions are JSON, and a template reads them as such (tojson): bytes or an object in
             # one failed there, or passed unread by a template that ignores tools
             found = non_json_in(tools, "tools")
@@ -477,7 +477,7 @@ class LLM(PoolingCalls, StreamCalls):
                 or not all(is_conversation(c) for c in conversations):
             raise GenerationError("chat: messages: expected a conversation (a non-empty list of "
                                   "{'role': ..., 'content': ...} dicts) or a list of conversations, got "
-                                  f"{short(messages)}")
+                                  f"{short_py(messages)}")
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs,
                    "chat_template_content_format": chat_template_content_format}  # checked by run
@@ -514,10 +514,10 @@ class LLM(PoolingCalls, StreamCalls):
         (vLLM's KV connector's cache too; kvload has no KV connector, so true is reported ``setting_ignored``, once
         per LLM).
         """
-        reset_running_requests, reset_connector = plain_flag(reset_running_requests), plain_flag(reset_connector)
-        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
-            if not isinstance(value, bool):
-                raise GenerationError(f"reset_prefix_cache: {name}: expected true or false, got {short(value)}")
+        reset_running_requests = checked_flag(reset_running_requests, lambda why: GenerationError(
+            f"reset_prefix_cache: reset_running_requests: {why}"))
+        reset_connector = checked_flag(reset_connector, lambda why: GenerationError(
+            f"reset_prefix_cache: reset_connector: {why}"))
         with self._exclusive("reset_prefix_cache"), self._running("reset_prefix_cache") as executor:
             if reset_connector and not self._said_no_connector:  # said once: a benchmark resets between every run
                 self._said_no_connector = True
@@ -543,7 +543,7 @@ class LLM(PoolingCalls, StreamCalls):
         """
         if metrics_name_prefix not in METRIC_NAMINGS:
             raise GenerationError(f"get_metrics: metrics_name_prefix: expected one of {', '.join(METRIC_NAMINGS)}, "
-                                  f"got {short(metrics_name_prefix)}")
+                                  f"got {short_py(metrics_name_prefix)}")
         with self._exclusive("get_metrics"):
             manager = self.result.executor.manager
             return self._metrics.snapshot(None if getattr(manager, "closed", False) else manager.stats(),

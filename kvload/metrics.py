@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from pipeline.limits import short
+from pipeline.limits import short_py
 
 #: ``finished_reason`` label values of ``kvload_request_success`` (the server's, where a request can also end in
 #: ``abort`` or ``error``; ``LLM`` counts the samples of calls that returned)
@@ -42,7 +42,7 @@ METRIC_NAMINGS = ("kvload", "vllm")
 def metric_name(naming: str, base: str) -> str:
     """``base`` (vLLM's name without its prefix: ``num_requests_waiting``) under ``naming``."""
     if naming not in METRIC_NAMINGS:
-        raise ValueError(f"metric naming: expected one of {', '.join(METRIC_NAMINGS)}, got {short(naming)}")
+        raise ValueError(f"metric naming: expected one of {', '.join(METRIC_NAMINGS)}, got {short_py(naming)}")
     return f"vllm:{base}" if naming == "vllm" else f"kvload_{base}"
 
 

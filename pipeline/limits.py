@@ -119,6 +119,17 @@ def plain_flag(value: Any) -> Any:
     return value
 
 
+def checked_flag(value: Any, refuse: Callable[[str], Exception], python: bool = True) -> bool:
+    """A flag argument as Python's bool (numpy's bool and a 0-d bool tensor taken: :func:`plain_flag`); anything else
+    raises ``refuse("expected true or false, got V")``, the caller's error naming the argument: 1, "yes" or "no"
+    would silently mean what was not meant. V as Python writes it (:func:`short_py`), or with ``python`` false as
+    JSON and YAML do (:func:`short`: a config file's ``null``)."""
+    value = plain_flag(value)
+    if not isinstance(value, bool):
+        raise refuse(f"expected true or false, got {short_py(value) if python else short(value)}")
+    return value
+
+
 def plain_value(value: Any) -> Any:
     """A numpy scalar or 0-d torch tensor as Python's bool, int or float (:func:`plain_flag`, then
     :func:`plain_scalar`); anything else unchanged for the checks to judge (a bool stays no count, 1 stays no flag)."""
@@ -176,6 +187,18 @@ def int_text(value: int) -> str:
     return f"an integer of about {digits} digits"
 
 
+#: Most items of a list :func:`short` writes out (when each is a plain value it can write whole).
+_SHOWN_ITEMS = 8
+
+
+def _shown_whole(value: Any, width: int) -> bool:
+    """Whether :func:`short` writes a list item as it is: None, a bool, a float, an int of at most 24 digits, a
+    string of at most ``width`` characters (never a container: a list nesting itself is 2**depth items)."""
+    kind = type(value)
+    return (value is None or kind in (bool, float) or (kind is int and abs(value) < 10**24)
+            or (kind is str and len(value) <= width))
+
+
 def short(value: Any, width: int = 60) -> str:
     """``repr`` of a value cut to ``width`` characters, safe for huge integers and shared (alias bomb) containers."""
     if isinstance(value, bool) or value is None:  # as JSON and YAML spell them: what the user wrote
@@ -185,9 +208,18 @@ def short(value: Any, width: int = 60) -> str:
     if isinstance(value, Mapping):
         return f"a mapping of {len(value)} keys"
     if isinstance(value, (list, tuple)):
-        return f"a list of {len(value)} items"
+        if len(value) <= _SHOWN_ITEMS and all(_shown_whole(v, width) for v in value):
+            text = repr(value)  # a few plain values: written as given (``['a.yaml']``, not "a list of 1 items")
+            return text if len(text) <= width else text[: width - 3] + "..."
+        return f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def short_py(value: Any, width: int = 60) -> str:
+    """:func:`short` with None, True and False as Python writes them: a Python argument's value, as its caller wrote
+    it (a config file's or a request's is JSON's ``null`` / ``true``)."""
+    return repr(value) if value is None or isinstance(value, bool) else short(value, width)
 
 
 def short_text(text: str, width: int = 60) -> str:

@@ -13,7 +13,7 @@ from pipeline.bus import EventBus, Subscriber
 from pipeline.config import LlmArgs
 from pipeline.context import Context, LoadRequest, ModelInfo, Route
 from pipeline.errors import ConfigError, KvloadError
-from pipeline.limits import plain_flag, short, short_text
+from pipeline.limits import checked_flag, short_py, short_text
 from pipeline.logs import StructlogSubscriber
 from pipeline.ranks import close_rank_audit, rank_audit_sink, ranks_from_env
 from pipeline.runner import Pipeline, Stage
@@ -91,10 +91,7 @@ def flag_argument(name: str, value: Any) -> bool:
     """A flag of the Python API (``log``, ``load_weights``) as Python's bool (numpy's bool and a 0-d bool tensor
     taken); anything else is a ``ConfigError`` naming the argument: "no" or 0 would silently mean the opposite of what
     was meant."""
-    value = plain_flag(value)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected true or false, got {short(value)}")
-    return value
+    return checked_flag(value, lambda why: ConfigError(f"{name}: {why}"))
 
 
 def path_argument(name: str, value: Any) -> str:
@@ -103,7 +100,7 @@ def path_argument(name: str, value: Any) -> str:
     raised a bare ``TypeError`` that named none."""
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str):
-        raise ConfigError(f"{name}: expected a path (a str or os.PathLike), got {short(value)}")
+        raise ConfigError(f"{name}: expected a path (a str or os.PathLike), got {short_py(value)}")
     if "\x00" in text:  # open() and os.stat raised a bare "embedded null byte"
         raise ConfigError(f"{name}: a path cannot hold a NUL character (at character {text.index(chr(0))}), got "
                           f"{short_text(text)}")

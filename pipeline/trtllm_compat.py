@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.config import KvCacheConfig, LlmArgs, public_fields
 from pipeline.errors import ConfigError, close_names, did_you_mean
-from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_flag, plain_scalar, short
+from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, checked_flag, plain_flag, plain_scalar, short
 from pipeline.vllm_compat import (
     DUMMY_LOAD,
     DUMMY_LOAD_FORMATS,
@@ -139,9 +139,8 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
     for key, value in tree.items():
         _dashed(key, value, python, vllm_first, own)
         if key == "trust_remote_code" and key not in own:
-            if not isinstance(plain_flag(value), bool):
-                raise ConfigError(f"trust_remote_code: expected true or false, got {short(value)}",
-                                  path="trust_remote_code", detail="not a bool")
+            checked_flag(value, lambda why: ConfigError(f"trust_remote_code: {why}", path="trust_remote_code",
+                                                        detail="not a bool"), python=False)
             # vLLM scripts pass true habitually; vLLM itself runs its own implementation of the families kvload
             # serves, as kvload runs transformers' built-in one: taken, and nothing from the checkpoint runs
             ignored.append((key, value, "kvload never runs a checkpoint's own code: the families it serves run "

@@ -50,7 +50,7 @@ from kvload.serve.tls import Tls, tls_from_flags
 from kvload.serve.uds import UnixListener, uds_url
 from pipeline.errors import ConfigError, GenerationError, KvloadError, opening_error
 from pipeline.events import ApiKeyRequired, AutoToolChoiceEnabled, KvEventsFileFailed, ReasoningParserEnabled
-from pipeline.limits import MAX_INT, short, short_text
+from pipeline.limits import MAX_INT, short, short_py, short_text
 from pipeline.signals import stopping
 from pipeline.textfile import read_regular
 from pipeline.thread_end import EndingThread
@@ -140,12 +140,13 @@ def build_state(result: Any, *, model_name: str | Sequence[str] | None = None,
         except GenerationError as exc:
             raise ConfigError(f"default_chat_template_kwargs: {str(exc).split(': ', 2)[-1]}") from None
     if metrics_naming not in METRIC_NAMINGS:
-        raise ConfigError(f"metrics_naming: expected one of {', '.join(METRIC_NAMINGS)}, got {short(metrics_naming)}")
+        raise ConfigError(f"metrics_naming: expected one of {', '.join(METRIC_NAMINGS)}, "
+                          f"got {short_py(metrics_naming)}")
     # vLLM's served_model_name: one name, or several, the first in every answer and any of them in a request
     names = list(model_name) if isinstance(model_name, (list, tuple)) else [model_name]
     if not names or not (names == [None] or all(isinstance(n, str) and n.strip() for n in names)):
         raise ConfigError(f"model_name: expected a non-empty name, a list of them (the first answers) or None (the "
-                          f"model's own), got {short(model_name)}")
+                          f"model's own), got {short_py(model_name)}")
     _need(max_request_bytes is None or _count(max_request_bytes, 1), "max_request_bytes",
           "an integer >= 1 (bytes), or None for the default derived from max_seq_len", max_request_bytes)
     _need(isinstance(read_timeout_s, int | float) and not isinstance(read_timeout_s, bool)
