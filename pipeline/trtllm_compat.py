@@ -136,9 +136,12 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
     mapped: dict[str, Any] = {}  # kvload's fields a speculative_config sets (vLLM's or TensorRT-LLM's NGram)
     names = _SPECULATIVE_NAMES  # kvload's field → the speculative_config key that set it
     own = _known(LlmArgs)
+    nested: dict[str, Any] = {}  # a command-line name a TensorRT-LLM file sets at the top level → its value
     for key, value in tree.items():
         _dashed(key, value, python, vllm_first, own)
-        if key == "trust_remote_code" and key not in own:
+        if key in FILE_FLAG_NAMES and key not in own and not python:
+            nested[key] = value
+        elif key == "trust_remote_code" and key not in own:
             if not isinstance(plain_flag(value), bool):
                 raise ConfigError(f"trust_remote_code: expected true or false, got {short(value)}",
                                   path="trust_remote_code", detail="not a bool")
@@ -190,6 +193,8 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 raise ConfigError(f"{key}: {placed}", path=key, detail="unknown key")
             _near_miss("", key, own, IGNORED_LLM_ARGS)
             kept[key] = value
+    for key, value in nested.items():
+        _set_nested(kept, key, value)
     for field, value in mapped.items():  # a speculative_config beside kvload's own names: they must agree
         # numpy's and torch's integers as Python's, as the fields take them: np.int64(2) and 2 agree (True and 1 not)
         given, value = plain_scalar(tree.get(field)), plain_scalar(value)
@@ -319,6 +324,33 @@ FLAG_NAMES: dict[str, str] = {
     "tp_size": "tensor_parallel_size",
     "kv_cache_free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
 }
+
+
+#: The command line's names a TensorRT-LLM options file may set at the top level, as trtllm-serve's ``--config`` merges
+#: them (NVIDIA's curated ``examples/configs/curated/qwen3.yaml``, ``deepseek-r1-throughput.yaml`` and
+#: ``gpt-oss-120b-latency.yaml`` carry ``kv_cache_free_gpu_memory_fraction: 0.8``) → the nested field each sets. A
+#: Python keyword of that name is still refused (:func:`misplaced_key`): ``LLM(...)`` takes ``LlmArgs`` fields only.
+FILE_FLAG_NAMES: dict[str, str] = {
+    "kv_cache_free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
+}
+
+
+def _set_nested(kept: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``FILE_FLAG_NAMES[key]`` in the tree kvload validates; a file that also gives the nested field a different
+    value is ``ConfigError`` naming both (one setting under two names)."""
+    parent, leaf = FILE_FLAG_NAMES[key].split(".")
+    sub = kept.get(parent)
+    if sub is None:
+        sub = kept[parent] = {}
+    if not isinstance(sub, dict):  # not a mapping: the converter refuses kv_cache_config itself, in its own words
+        return
+    if leaf in sub:
+        given, mine = plain_scalar(sub[leaf]), plain_scalar(value)
+        if not (given == mine and type(given) is type(mine)):
+            raise ConfigError(f"{key}: {short(value)} and {FILE_FLAG_NAMES[key]} {short(sub[leaf])} set one field "
+                              f"({key} is the command line's name for {FILE_FLAG_NAMES[key]}) to different values; "
+                              "give one", path=key, detail="given under two names")
+    sub[leaf] = value
 
 
 def misplaced_key(key: str, value: Any, python: bool) -> str | None:

@@ -108,11 +108,55 @@ def test_truly_unknown_keys_still_fail_with_a_suggestion(capsys, tmp_path, yaml_
     ("tokens_per_block: 64\n", "write kv_cache_config: {tokens_per_block: 64}"),
     # the flags' names: difflib offered max_batch_size for tp_size
     ("tp_size: 2\n", "tp_size: the command line's name for tensor_parallel_size; write tensor_parallel_size: 2"),
-    ("kv_cache_free_gpu_memory_fraction: 0.5\n",
-     "write kv_cache_config: {free_gpu_memory_fraction: 0.5}"),
 ])
 def test_a_key_at_the_wrong_level_or_in_the_flags_spelling_says_where_it_goes(capsys, tmp_path, yaml_text, needle):
     _config_refused(capsys, tmp_path, yaml_text, needle)
+
+
+#: NVIDIA's curated options file for Qwen3 (NVIDIA/TensorRT-LLM examples/configs/curated/qwen3.yaml, read at commit
+#: 62e51e5): the command line's kv_cache_free_gpu_memory_fraction at the top level, as trtllm-serve --config takes it
+CURATED_QWEN3 = """\
+max_batch_size: 161
+max_num_tokens: 1160
+kv_cache_free_gpu_memory_fraction: 0.8
+tensor_parallel_size: 1
+moe_expert_parallel_size: 1
+cuda_graph_config:
+  enable_padding: true
+  batch_sizes: [1, 2, 4, 8, 16, 32, 64, 128, 256, 384]
+print_iter_log: true
+enable_attention_dp: true
+"""
+
+
+def test_nvidias_curated_file_sets_the_fraction_by_its_command_line_name(capsys, tmp_path):
+    cfg = tmp_path / "qwen3.yaml"
+    cfg.write_text(CURATED_QWEN3)
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--extra_llm_api_options", cfg, "--json", "--audit-log", log)
+    assert r.code == 0, r.err
+    assert r.json()["args"]["kv_cache_config"]["free_gpu_memory_fraction"] == 0.8
+    parsed = [e for e in read_events(log) if e["event"] == "args_parsed" and e["field"] == FRACTION]
+    assert [(e["new"], e["source"]) for e in parsed] == [(0.8, "config_file")]
+    ignored = {e["field"] for e in read_events(log) if e["event"] == "setting_ignored" and e["stage"] == "parse_args"}
+    assert ignored == {"moe_expert_parallel_size", "cuda_graph_config", "print_iter_log", "enable_attention_dp"}
+
+
+def test_the_fraction_under_both_names_must_agree(capsys, tmp_path):
+    _config_refused(capsys, tmp_path, "kv_cache_free_gpu_memory_fraction: 0.5\n"
+                                      "kv_cache_config:\n  free_gpu_memory_fraction: 0.6\n",
+                    "kv_cache_free_gpu_memory_fraction: 0.5 and kv_cache_config.free_gpu_memory_fraction 0.6 set one "
+                    "field")
+    cfg = tmp_path / "same.yaml"
+    cfg.write_text("kv_cache_free_gpu_memory_fraction: 0.5\nkv_cache_config:\n  free_gpu_memory_fraction: 0.5\n")
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg, "--json")
+    assert r.code == 0 and r.json()["args"]["kv_cache_config"]["free_gpu_memory_fraction"] == 0.5
+
+
+def test_a_python_keyword_in_the_flags_spelling_is_still_refused():
+    with pytest.raises(ConfigError, match=re.escape("kv_cache_free_gpu_memory_fraction: the command line's name for "
+                                                    "kv_cache_config.free_gpu_memory_fraction")):
+        plan("tiny-llama", kv_cache_free_gpu_memory_fraction=0.5, log=False)
 
 
 def test_a_python_keyword_at_the_wrong_level_says_where_it_goes():
