@@ -24,6 +24,7 @@ from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, plain_flag, plain_scalar, 
 from pipeline.vllm_compat import (
     DUMMY_LOAD,
     DUMMY_LOAD_FORMATS,
+    NO_OP_ONLY,
     SECRET_KNOBS,
     reasoning_parser,
     refused_key,
@@ -87,10 +88,32 @@ IGNORED_LLM_ARGS: dict[str, str] = {
         "checkpoint_io_policy", "mx_config", "gms_config", "enable_lora", "lora_config", "peft_cache_config",
         "multimodal_config", "mm_encoder_only", "disable_mm_encoder", "encode_only", "encoder_max_batch_size",
         "encoder_max_num_tokens", "max_input_len", "num_postprocess_workers", "postprocess_tokenizer_dir",
-        "backend", "env_overrides", "sleep_config", "enable_resource_governor",
+        "env_overrides", "sleep_config", "enable_resource_governor",
         "cache_transceiver_config", "kv_connector_config",
     ), "loading / serving feature kvload does not have (it loads the checkpoint's own tokenizer and weights)"),
+    "backend": "kvload runs the checkpoint's PyTorch modules (transformers'), as the pytorch backend does; it builds "
+               "no TensorRT engine",
+    "fail_fast_on_attention_window_too_large": "kvload never fails on it: a KV budget that holds no whole max_seq_len "
+                                               "sequence is a kv_budget_short warning naming the setting to raise",
+    "custom_module_dirs": "kvload imports no code from outside it: the families it serves run transformers' built-in "
+                          "classes (a checkpoint of an architecture kvload lacks is refused when it loads)",
 }
+
+#: TensorRT-LLM's ``backend`` values (trtllm-serve's ``--backend`` choices; ``trt`` is its alias of ``tensorrt``)
+TRTLLM_BACKENDS = ("pytorch", "tensorrt", "trt", "_autodeploy")
+
+#: trtllm-serve's flags (and keys) asking for what kvload cannot do → why; refused, naming the flag or key, where a
+#: value asks for it (a false ``grpc`` asks for nothing)
+REFUSED_TRTLLM: dict[str, str] = {
+    **dict.fromkeys(("server_role", "metadata_server_config_file", "disagg_cluster_uri"),
+                    "disaggregated serving (context and generation servers exchanging KV caches) is not served: one "
+                    "kvload serve runs prefill and decode"),
+    "grpc": "kvload serve answers HTTP (the OpenAI API) only, not gRPC",
+}
+
+#: ``LlmArgs`` keys TensorRT-LLM shares with vLLM whose no-op value only kvload takes
+#: (``pipeline.vllm_compat.NO_OP_ONLY``): from an options file they are TensorRT-LLM's, and said to be
+SHARED_NO_OP_ONLY = ("pipeline_parallel_size",)
 
 #: ``kv_cache_config`` keys of TensorRT-LLM's ``KvCacheConfig`` that kvload does not act on.
 IGNORED_KV_CACHE_CONFIG: dict[str, str] = {
@@ -167,6 +190,14 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 ignored.extend(dropped)
         elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
             ignored.append(_vllm_ignored(key, value, why))
+        elif key in REFUSED_TRTLLM and key not in own:
+            if value is not None and value is not False:
+                raise ConfigError(f"{key}: {REFUSED_TRTLLM[key]}", path=key, detail="not served")
+        elif key == "backend" and key not in own and value not in TRTLLM_BACKENDS:
+            raise ConfigError(f"backend: expected one of TensorRT-LLM's backends, {', '.join(TRTLLM_BACKENDS)}; got "
+                              f"{short(value)}", path=key, detail="not a TensorRT-LLM backend")
+        elif key in SHARED_NO_OP_ONLY and key not in own and not vllm_first:
+            ignored.append((key, value, f"{_ENGINE}: {_no_op_only(key, value)}"))
         elif key == "reasoning_parser" and key not in own:  # a name kvload does not have is refused, as generate's
             ignored.append((key, reasoning_parser(value, python), REASONING_PARSER_UNUSED))
         elif key in IGNORED_LLM_ARGS and key not in own:
@@ -232,6 +263,17 @@ def _dashed(key: Any, value: Any, python: bool, vllm_first: bool, own: set[str])
     else:
         return
     raise ConfigError(f"{lead}; {said}", path=key, detail="unknown key")
+
+
+def _no_op_only(key: str, value: Any) -> str:
+    """Why TensorRT-LLM's ``key`` (one of :data:`SHARED_NO_OP_ONLY`) at ``value`` asks for nothing kvload lacks;
+    ``ConfigError`` naming the key and the value accepted for any other value."""
+    accepted, why = NO_OP_ONLY[key]
+    if not any(value == a and type(value) is type(a) for a in accepted):
+        shown = " or ".join(repr(a) for a in accepted)
+        raise ConfigError(f"{key}: TensorRT-LLM's setting; {why}; accepted: {shown}, got {short(value)}", path=key,
+                          detail=why)
+    return f"{why} ({short(value)} asks for nothing else)"
 
 
 def _vllm_ignored(key: str, value: Any, why: str) -> tuple[str, Any, str]:

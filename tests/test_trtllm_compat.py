@@ -41,7 +41,8 @@ IGNORED_IN_YAML = {"cuda_graph_config", "enable_chunked_prefill", "print_iter_lo
 
 
 @pytest.mark.parametrize("spelling", ["--kv_cache_free_gpu_memory_fraction", "--kv-cache-free-gpu-memory-fraction",
-                                      "--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction"])
+                                      "--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction",
+                                      "--free_gpu_memory_fraction"])  # trtllm-serve's own name of the flag
 def test_trtllm_flag_spellings_set_the_same_field(capsys, spelling):
     r = run_cli(capsys, "plan", "tiny-llama", spelling, "0.5", "--json")
     assert r.code == 0, r.err
@@ -157,6 +158,79 @@ def test_a_python_keyword_in_the_flags_spelling_is_still_refused():
     with pytest.raises(ConfigError, match=re.escape("kv_cache_free_gpu_memory_fraction: the command line's name for "
                                                     "kv_cache_config.free_gpu_memory_fraction")):
         plan("tiny-llama", kv_cache_free_gpu_memory_fraction=0.5, log=False)
+
+
+#: trtllm-serve's flags (tensorrt_llm/commands/serve.py) for LlmArgs keys kvload does not act on → the key reported
+TRTLLM_SERVE_IGNORED = [
+    (["--backend", "pytorch"], "backend", "builds no TensorRT engine"),
+    (["--backend", "trt"], "backend", "builds no TensorRT engine"),
+    (["--ep_size", "2"], "moe_expert_parallel_size", "parallelism beyond tensor parallel"),
+    (["--moe_expert_parallel_size", "2"], "moe_expert_parallel_size", "parallelism beyond tensor parallel"),
+    (["--cp_size", "1"], "context_parallel_size", "parallelism beyond tensor parallel"),
+    (["--cluster_size", "1"], "moe_cluster_parallel_size", "parallelism beyond tensor parallel"),
+    (["--gpus_per_node", "8"], "gpus_per_node", "parallelism beyond tensor parallel"),
+    (["--num_postprocess_workers", "4"], "num_postprocess_workers", "serving feature"),
+    (["--custom_tokenizer", "deepseek_v32"], "custom_tokenizer", "serving feature"),
+    (["--fail_fast_on_attention_window_too_large"], "fail_fast_on_attention_window_too_large", "kv_budget_short"),
+    (["--custom_module_dirs", "."], "custom_module_dirs", "imports no code from outside it"),
+    (["--pp_size", "1"], "pipeline_parallel_size", "tensor parallel only"),
+]
+
+
+@pytest.mark.parametrize(("argv", "field", "why"), TRTLLM_SERVE_IGNORED)
+def test_trtllm_serve_flags_are_taken_and_reported_ignored(capsys, tmp_path, argv, field, why):
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", *argv, "--audit-log", log)
+    assert r.code == 0, r.err
+    ignored = [e for e in read_events(log) if e["event"] == "setting_ignored" and e["field"] == field]
+    assert len(ignored) == 1 and why in ignored[0]["reason"], ignored
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--pp_size", "2"], "error: --pp_size: TensorRT-LLM's setting; kvload splits a model by tensor parallel only "
+                         "(tensor_parallel_size); accepted: 1, got 2"),
+    (["--server_role", "CONTEXT"], "error: --server_role: disaggregated serving"),
+    (["--disagg_cluster_uri", "http://h:1"], "error: --disagg_cluster_uri: disaggregated serving"),
+    (["--grpc"], "error: --grpc: kvload serve answers HTTP (the OpenAI API) only"),
+    (["--backend", "vllm"], "error: --backend: expected one of TensorRT-LLM's backends, pytorch, tensorrt, trt, "
+                            "_autodeploy; got 'vllm'"),
+])
+def test_trtllm_serve_flags_kvload_cannot_honour_are_refused_by_name(capsys, argv, line):
+    r = run_cli(capsys, "plan", "tiny-llama", *argv)
+    assert r.code == 2 and r.one_error_line, r.err
+    assert r.err.startswith(line), r.err
+
+
+def test_serve_takes_trtllm_serve_flags_into_its_settings():
+    from kvload.cli.commands import build_parser
+    from kvload.cli.flags import cli_overrides
+
+    ns = build_parser().parse_args(["serve", "tiny-llama", "--backend", "pytorch", "--ep_size", "4", "--pp_size", "1",
+                                    "--free_gpu_memory_fraction", "0.7", "--num_postprocess_workers", "2"])
+    assert cli_overrides(ns) == {"backend": "pytorch", "moe_expert_parallel_size": 4, "pipeline_parallel_size": 1,
+                                 "num_postprocess_workers": 2, "kv_cache_config": {"free_gpu_memory_fraction": 0.7}}
+
+
+@pytest.mark.parametrize(("yaml_text", "field", "why"), [
+    # NVIDIA's database files (examples/configs/database/deepseek-ai/DeepSeek-R1-0528/B200/1k1k_tp8_conc64.yaml)
+    ("backend: pytorch\n", "backend", "builds no TensorRT engine"),
+    ("pipeline_parallel_size: 1\n", "pipeline_parallel_size", "a TensorRT-LLM option kvload does not act on"),
+    ("fail_fast_on_attention_window_too_large: true\n", "fail_fast_on_attention_window_too_large", "kv_budget_short"),
+])
+def test_an_options_files_trtllm_keys_are_reported_as_trtllm_ones(capsys, tmp_path, yaml_text, field, why):
+    cfg = tmp_path / "extra.yaml"
+    cfg.write_text(yaml_text)
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--config", cfg, "--audit-log", log)
+    assert r.code == 0, r.err
+    ignored = [e for e in read_events(log) if e["event"] == "setting_ignored" and e["field"] == field]
+    assert len(ignored) == 1 and why in ignored[0]["reason"], ignored
+
+
+def test_an_options_files_pipeline_parallel_size_is_refused_as_trtllms(capsys, tmp_path):
+    # NVIDIA's curated nemotron-super-marlin.yaml sets pipeline_parallel_size: 2; kvload said it was vLLM's setting
+    _config_refused(capsys, tmp_path, "pipeline_parallel_size: 2\n",
+                    "pipeline_parallel_size: TensorRT-LLM's setting; kvload splits a model by tensor parallel only")
 
 
 def test_a_python_keyword_at_the_wrong_level_says_where_it_goes():
