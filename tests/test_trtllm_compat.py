@@ -211,6 +211,29 @@ def test_serve_takes_trtllm_serve_flags_into_its_settings():
                                  "num_postprocess_workers": 2, "kv_cache_config": {"free_gpu_memory_fraction": 0.7}}
 
 
+def _serve_flags(*argv: str) -> object:
+    from kvload.cli.commands import build_parser
+
+    return build_parser().parse_args(["serve", "tiny-llama", *argv])
+
+
+def test_trtllm_serves_tool_parser_qwen3_serves_tool_calls_as_hermes():
+    ns = _serve_flags("--tool_parser", "qwen3")  # no --enable-auto-tool-choice: TensorRT-LLM needs none
+    assert (ns.tool_call_parser, ns.enable_auto_tool_choice) == ("hermes", True)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--tool_parser", "kimi_k2"], "--tool_parser: no reader for TensorRT-LLM's tool parser 'kimi_k2' in kvload; it "
+                                   "reads TensorRT-LLM's qwen3"),
+    (["--tool_parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"],
+     "--tool_parser reads as --tool-call-parser hermes, and --tool-call-parser pythonic was given too"),
+])
+def test_a_trtllm_tool_parser_kvload_cannot_read_is_refused_by_name(capsys, argv, needle):
+    with pytest.raises(SystemExit) as stop:
+        _serve_flags(*argv)
+    assert stop.value.code == 2 and needle in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("yaml_text", "field", "why"), [
     # NVIDIA's database files (examples/configs/database/deepseek-ai/DeepSeek-R1-0528/B200/1k1k_tp8_conc64.yaml)
     ("backend: pytorch\n", "backend", "builds no TensorRT engine"),
