@@ -111,6 +111,17 @@ REFUSED_TRTLLM: dict[str, str] = {
     "grpc": "kvload serve answers HTTP (the OpenAI API) only, not gRPC",
 }
 
+#: Keys of TensorRT-LLM's older releases its current ``LlmArgs`` no longer takes, still in published YAML files (its
+#: 2025 blogs' ``pytorch_backend_config``) → where their settings are now; refused saying so (difflib offered
+#: ``torch_compile_config``, another setting)
+RETIRED_TRTLLM: dict[str, str] = {
+    "pytorch_backend_config": (
+        "the nesting of TensorRT-LLM's older releases, which its current LlmArgs no longer takes; write its keys at "
+        "the top level by today's names: kv_cache_dtype as kv_cache_config: {dtype: ...} (kvload acts on it), "
+        "use_cuda_graph and cuda_graph_* as cuda_graph_config, enable_overlap_scheduler as disable_overlap_scheduler, "
+        "moe_backend as moe_config: {backend: ...} (kvload takes and ignores these)"),
+}
+
 #: ``LlmArgs`` keys TensorRT-LLM shares with vLLM whose no-op value only kvload takes
 #: (``pipeline.vllm_compat.NO_OP_ONLY``): from an options file they are TensorRT-LLM's, and said to be
 SHARED_NO_OP_ONLY = ("pipeline_parallel_size",)
@@ -190,6 +201,8 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 ignored.extend(dropped)
         elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
             ignored.append(_vllm_ignored(key, value, why))
+        elif key in RETIRED_TRTLLM and key not in own:
+            raise ConfigError(f"{key}: {RETIRED_TRTLLM[key]}", path=key, detail="unknown key")
         elif key in REFUSED_TRTLLM and key not in own:
             if value is not None and value is not False:
                 raise ConfigError(f"{key}: {REFUSED_TRTLLM[key]}", path=key, detail="not served")

@@ -256,6 +256,16 @@ def test_an_options_files_pipeline_parallel_size_is_refused_as_trtllms(capsys, t
                     "pipeline_parallel_size: TensorRT-LLM's setting; kvload splits a model by tensor parallel only")
 
 
+def test_an_older_releases_pytorch_backend_config_says_where_its_keys_are_now(capsys, tmp_path):
+    # TensorRT-LLM's blog "Best perf practice on DeepSeek-R1" (docs/source/blogs, 2025): difflib offered
+    # torch_compile_config, another setting
+    _config_refused(capsys, tmp_path, "pytorch_backend_config:\n  enable_overlap_scheduler: true\n  use_cuda_graph: "
+                                      "true\n  moe_backend: TRTLLM\n",
+                    "pytorch_backend_config: the nesting of TensorRT-LLM's older releases, which its current LlmArgs "
+                    "no longer takes; write its keys at the top level by today's names: kv_cache_dtype as "
+                    "kv_cache_config: {dtype: ...}")
+
+
 def test_a_python_keyword_at_the_wrong_level_says_where_it_goes():
     with pytest.raises(ConfigError, match=re.escape("max_tokens: a kv_cache_config field, not a top-level one; pass "
                                                     "kv_cache_config={'max_tokens': 4096}")):
