@@ -4,15 +4,17 @@ and the same verdict on a value whichever source (CLI, YAML, Python) gave it."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvload.api import plan
 from pipeline.config import parse_size
 from pipeline.errors import ConfigError
-from pipeline.trtllm_compat import IGNORED_KV_CACHE_CONFIG, IGNORED_LLM_ARGS
+from pipeline.trtllm_compat import FILE_FLAG_NAMES, IGNORED_KV_CACHE_CONFIG, IGNORED_LLM_ARGS
 from tests.cli_support import read_events, run_cli
 
 FRACTION = "kv_cache_config.free_gpu_memory_fraction"
@@ -114,25 +116,37 @@ def test_a_key_at_the_wrong_level_or_in_the_flags_spelling_says_where_it_goes(ca
     _config_refused(capsys, tmp_path, yaml_text, needle)
 
 
-#: NVIDIA's curated options file for Qwen3 (NVIDIA/TensorRT-LLM examples/configs/curated/qwen3.yaml, read at commit
-#: 62e51e5): the command line's kv_cache_free_gpu_memory_fraction at the top level, as trtllm-serve --config takes it
-CURATED_QWEN3 = """\
-max_batch_size: 161
-max_num_tokens: 1160
-kv_cache_free_gpu_memory_fraction: 0.8
-tensor_parallel_size: 1
-moe_expert_parallel_size: 1
-cuda_graph_config:
-  enable_padding: true
-  batch_sizes: [1, 2, 4, 8, 16, 32, 64, 128, 256, 384]
-print_iter_log: true
-enable_attention_dp: true
-"""
+#: NVIDIA's published options files (each names its source): the ones kvload refuses → the start of its one line
+OPTIONS_FILES = Path(__file__).parent / "data" / "trtllm_options"
+REFUSED_FILES = {"nemotron-super-marlin.yaml": "pipeline_parallel_size: TensorRT-LLM's setting; kvload splits",
+                 "r1-blog-min-latency.yaml": "pytorch_backend_config: the nesting of TensorRT-LLM's older releases"}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in OPTIONS_FILES.glob("*.yaml")))
+def test_nvidias_options_files_drop_no_key_silently(capsys, tmp_path, name):
+    """Each key of a published file acts (an args_parsed event from the file) or is reported setting_ignored once;
+    a file kvload cannot honour is one error line naming the key. --tp_size 1: the tiny model has 4 heads."""
+    path = OPTIONS_FILES / name
+    log = tmp_path / "a.jsonl"
+    r = run_cli(capsys, "plan", "tiny-llama", "--extra_llm_api_options", path, "--tp_size", "1", "--audit-log", log)
+    if name in REFUSED_FILES:
+        assert r.code == 2 and r.one_error_line and REFUSED_FILES[name] in r.err, r.err
+        return
+    assert r.code == 0, r.err
+    events = read_events(log)
+    tree = yaml.safe_load(path.read_text())
+    keys = [f"kv_cache_config.{k}" for k in tree.get("kv_cache_config", {})]
+    keys += [FILE_FLAG_NAMES.get(k, k) for k in tree if k != "kv_cache_config"]
+    for key in keys:
+        acted = [e for e in events if e["event"] == "args_parsed" and e["source"] == "config_file"
+                 and e["field"] == key]
+        ignored = [e for e in events if e["event"] == "setting_ignored" and e["stage"] == "parse_args"
+                   and e["field"] == key]
+        assert (len(acted), len(ignored)) in ((1, 0), (0, 1)), (key, acted, ignored)
 
 
 def test_nvidias_curated_file_sets_the_fraction_by_its_command_line_name(capsys, tmp_path):
-    cfg = tmp_path / "qwen3.yaml"
-    cfg.write_text(CURATED_QWEN3)
+    cfg = OPTIONS_FILES / "qwen3.yaml"  # kv_cache_free_gpu_memory_fraction: 0.8 at the top level
     log = tmp_path / "a.jsonl"
     r = run_cli(capsys, "plan", "tiny-llama", "--extra_llm_api_options", cfg, "--json", "--audit-log", log)
     assert r.code == 0, r.err
