@@ -200,7 +200,10 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 mapped.update(fields)
                 ignored.extend(dropped)
         elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
-            ignored.append(_vllm_ignored(key, value, why))
+            if key in SHARED_NO_OP_ONLY:  # the command line's --pp_size (trtllm-serve's) or --pipeline-parallel-size
+                ignored.append((key, value, f"a TensorRT-LLM and vLLM option kvload does not act on: {why}"))
+            else:
+                ignored.append(_vllm_ignored(key, value, why))
         elif key in RETIRED_TRTLLM and key not in own:
             raise ConfigError(f"{key}: {RETIRED_TRTLLM[key]}", path=key, detail="unknown key")
         elif key in REFUSED_TRTLLM and key not in own:

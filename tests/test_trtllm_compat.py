@@ -187,7 +187,8 @@ TRTLLM_SERVE_IGNORED = [
     (["--custom_tokenizer", "deepseek_v32"], "custom_tokenizer", "serving feature"),
     (["--fail_fast_on_attention_window_too_large"], "fail_fast_on_attention_window_too_large", "kv_budget_short"),
     (["--custom_module_dirs", "."], "custom_module_dirs", "imports no code from outside it"),
-    (["--pp_size", "1"], "pipeline_parallel_size", "tensor parallel only"),
+    (["--pp_size", "1"], "pipeline_parallel_size", "a TensorRT-LLM and vLLM option kvload does not act on: kvload "
+                                                   "splits a model by tensor parallel only"),
 ]
 
 
