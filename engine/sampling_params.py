@@ -335,6 +335,13 @@ class SamplingParams:
                  truncate_prompt_tokens: int | None = None, **unknown: Any) -> None:
         """Keywords only (the field order may grow); ``max_new_tokens`` is an alias of ``max_tokens``; ``max_tokens``
         None (vLLM's): no cap but the context, as many tokens as ``max_seq_len`` leaves after the prompt."""
+        if "bad" in unknown:  # TensorRT-LLM's name of bad_words: a string, or a list of them
+            bad = unknown.pop("bad")
+            if bad is not None and bad_words is not None:
+                raise GenerationError("generate: bad and bad_words are one setting (bad is TensorRT-LLM's name of "
+                                      "bad_words); give one")
+            if bad is not None:
+                bad_words = [bad] if isinstance(bad, str) else bad
         taken = {k: v for k, v in unknown.items() if _asks_nothing(k, v, n)}  # vLLM's "not set": taken, as vLLM's
         for name in taken:  # defaults they are (SamplingParams(best_of=None), a config's logits_processors: [])
             del unknown[name]
@@ -378,7 +385,7 @@ class SamplingParams:
     def __getattr__(self, name: str) -> Any:
         """vLLM's fields kvload lacks read back as given (:attr:`_vllm_fields`), else as vLLM's default: a script that
         reads ``params.output_kind`` or ``params.best_of`` gets what vLLM's params would say."""
-        defaults = VLLM_FIELDS_AT_NO_OP.get(name)
+        defaults = VLLM_FIELDS_AT_NO_OP.get(name, TRTLLM_FIELDS_AT_NO_OP.get(name))
         if defaults is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         try:
@@ -639,6 +646,49 @@ VLLM_FIELDS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
     "output_kind": (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
 }
 
+#: TensorRT-LLM's ``SamplingParams`` fields (``tensorrt_llm/sampling_params.py``) kvload does not have → what to do
+#: instead; its ``bad`` acts (it is kvload's ``bad_words``), and the fields both have (``best_of``) are vLLM's above.
+_BEAM = "kvload's beam search is LLM.beam_search(prompts, BeamSearchParams(beam_width=k, length_penalty=...))"
+TRTLLM_FIELDS_NOT_TAKEN: dict[str, str] = {
+    "end_id": "kvload ends a sample at the model's EOS (its generation_config's eos_token_id) already; for another "
+              "end token give stop_token_ids=[id] (with ignore_eos=True for it alone)",
+    "pad_id": "kvload returns each sample's tokens unpadded",
+    "bad_token_ids": "give logit_bias={id: -100} for each token never to generate, or bad_words=[...] for strings",
+    "embedding_bias": "give logit_bias={token_id: bias}, a dict of the entries that are not 0",
+    "logits_processor": "kvload runs no user code in its sampler; logit_bias, allowed_token_ids, bad_words and "
+                        "structured_outputs shape the logits",
+    "apply_batched_logits_processor": "kvload runs no user code in its sampler",
+    "use_beam_search": _BEAM,
+    **dict.fromkeys(("beam_search_diversity_rate", "length_penalty", "early_stopping", "beam_width_array"), _BEAM),
+    **dict.fromkeys(("top_p_min", "top_p_reset_ids", "top_p_decay"), "kvload's top_p stays as given for every token"),
+    "no_repeat_ngram_size": "kvload does not ban repeated n-grams; repetition_penalty, frequency_penalty and "
+                            "presence_penalty discourage repeats",
+    **dict.fromkeys(("return_context_logits", "return_generation_logits"),
+                    "kvload returns log-probabilities, not logits: prompt_logprobs=k for the prompt's, logprobs=k for "
+                    "each generated token's"),
+    "return_log_probs": "TensorRT-LLM's older switch; give logprobs=k (0: the sampled token's alone)",
+    "exclude_input_from_output": "kvload's outputs never hold the prompt: RequestOutput.prompt_token_ids does",
+    "return_encoder_output": "kvload serves decoder-only models",
+    "return_perf_metrics": "kvload records each request's admission, steps and end in its audit log",
+    "additional_model_outputs": "kvload returns tokens, text and logprobs only",
+    "lookahead_config": "kvload's speculative decoding is n-gram drafts, set on the LLM (max_draft_len=k)",
+    "add_special_tokens": "kvload tokenizes a prompt with the tokenizer's special tokens; for other tokens give "
+                          "TokensPrompt(prompt_token_ids=[...])",
+}
+#: TensorRT-LLM's fields kvload lacks → the values that ask for nothing (TensorRT-LLM's defaults): accepted and
+#: dropped, as :data:`VLLM_FIELDS_AT_NO_OP`'s are; any other value is refused (:data:`TRTLLM_FIELDS_NOT_TAKEN`).
+TRTLLM_FIELDS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
+    **dict.fromkeys(("end_id", "pad_id", "embedding_bias", "top_p_min", "top_p_reset_ids", "top_p_decay",
+                     "beam_search_diversity_rate", "length_penalty", "early_stopping", "no_repeat_ngram_size",
+                     "beam_width_array", "additional_model_outputs", "lookahead_config"), (None,)),
+    **dict.fromkeys(("bad_token_ids", "logits_processor"), (None, [])),
+    **dict.fromkeys(("apply_batched_logits_processor", "use_beam_search", "return_context_logits",
+                     "return_generation_logits", "return_encoder_output", "return_perf_metrics", "return_log_probs"),
+                    (False,)),
+    **dict.fromkeys(("exclude_input_from_output", "add_special_tokens"), (True,)),
+}
+
+
 #: vLLM's ``LLM.generate`` / ``LLM.chat`` arguments kvload lacks → the values that ask for nothing (their defaults).
 VLLM_CALL_ARGUMENTS_AT_NO_OP: dict[str, tuple[Any, ...]] = {
     **dict.fromkeys(("mm_processor_kwargs", "tokenization_kwargs"), (None, {})),
@@ -650,7 +700,8 @@ def _asks_nothing(name: str, value: Any, n: Any) -> bool:
     """Whether vLLM's field ``name`` at ``value`` asks for nothing kvload does not do."""
     if name == "best_of" and is_int(value) and value == n:
         return True
-    return any(value == v and type(value) is type(v) for v in VLLM_FIELDS_AT_NO_OP.get(name, ()))
+    at_no_op = VLLM_FIELDS_AT_NO_OP.get(name, TRTLLM_FIELDS_AT_NO_OP.get(name, ()))
+    return any(value == v and type(value) is type(v) for v in at_no_op)
 
 
 def _known_keywords() -> set[str]:
@@ -686,6 +737,11 @@ def unknown_field(name: str) -> str:
             why += f"; accepted: {' or '.join(map(repr, taken))}" + (
                 ", or n itself" if name == "best_of" else "") + ", which ask for nothing"
         return f"generate: {name}: vLLM's SamplingParams field, not kvload's: {why}"
+    why = TRTLLM_FIELDS_NOT_TAKEN.get(name)
+    if why is not None:
+        taken = " or ".join(map(repr, TRTLLM_FIELDS_AT_NO_OP[name]))
+        return f"generate: {name}: TensorRT-LLM's SamplingParams field, not kvload's: {why}; accepted: {taken}, " \
+               "which ask for nothing"
     known = sorted(_known_keywords())
     return f"generate: unknown SamplingParams field {name!r}; fields are {', '.join(known)}{did_you_mean(name, known)}"
 
@@ -706,6 +762,8 @@ def check_keywords(keywords: Mapping[str, Any], arguments: Sequence[str] = ()) -
         why = VLLM_CALL_ARGUMENTS_NOT_TAKEN.get(name) or VLLM_FIELDS_NOT_TAKEN.get(name)
         if why is not None:
             raise GenerationError(f"generate: {name}: vLLM's argument, not kvload's: {why}")
+        if name in TRTLLM_FIELDS_NOT_TAKEN:
+            raise GenerationError(unknown_field(name))
         known = sorted(_known_keywords())
         own = f"; the call's own arguments are {', '.join(arguments)}" if arguments else ""
         raise GenerationError(f"generate: unknown argument {name[:80]!r}; sampling fields are {', '.join(known)}{own}"
@@ -779,7 +837,8 @@ def inert_settings(params: SamplingParams, has_tokenizer: bool,
     return out
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "VLLM_CALL_ARGUMENTS_NOT_TAKEN", "VLLM_FIELDS_NOT_TAKEN", "RequestOutputKind",
+__all__ = ["DEFAULT_MAX_TOKENS", "TRTLLM_FIELDS_NOT_TAKEN", "VLLM_CALL_ARGUMENTS_NOT_TAKEN", "VLLM_FIELDS_NOT_TAKEN",
+           "RequestOutputKind",
            "SamplingParams", "check",
            "check_keywords", "check_logit_bias_count", "check_logprobs", "check_salt",
            "check_stop_sizes", "check_stop_token_ids_count", "defaulted_fields", "greedy_ignored", "inert_settings",

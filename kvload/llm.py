@@ -150,6 +150,22 @@ VLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
 }
 
 
+#: ``tensorrt_llm.LLM`` methods ``kvload.LLM`` does not have → what to use instead (the AttributeError says it; its
+#: ``generate``, ``shutdown`` and ``tokenizer`` are kvload's too).
+TRTLLM_ATTRIBUTES_NOT_TAKEN: dict[str, str] = {
+    "generate_async": "kvload's calls block the thread that makes them: LLM.generate(prompts, sampling_params) returns "
+                      "each prompt's RequestOutput (a list, also for one prompt, as vLLM's), and "
+                      "LLM.generate_stream(prompt, sampling_params) yields its tokens as they come (streaming=True)",
+    **dict.fromkeys(("get_stats", "get_stats_async"),
+                    "llm.last_stats holds the last call's tokens, steps and times, llm.get_metrics() the counters "
+                    "since the load"),
+    **dict.fromkeys(("get_kv_cache_events", "get_kv_cache_events_async"),
+                    "llm.result.kv_cache_events() drains them, with kv_cache_config={'event_buffer_max_size': N} "
+                    "on the LLM"),
+    "save": "it writes a TensorRT engine; kvload builds none and loads the checkpoint itself each time",
+}
+
+
 class LLM(PoolingCalls, StreamCalls):
     """A loaded model that generates through kvload's KV cache manager (``with LLM(...) as llm:``).
 
@@ -611,13 +627,16 @@ class LLM(PoolingCalls, StreamCalls):
     def __getattr__(self, name: str) -> Any:
         """Only for what is missing: vLLM's attributes kvload lacks are named with what to use instead."""
         why = VLLM_ATTRIBUTES_NOT_TAKEN.get(name)
-        if why is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
-        raise AttributeError(f"LLM.{name}: vLLM's, not kvload's: {why}", name=name, obj=self)
+        if why is not None:
+            raise AttributeError(f"LLM.{name}: vLLM's, not kvload's: {why}", name=name, obj=self)
+        why = TRTLLM_ATTRIBUTES_NOT_TAKEN.get(name)
+        if why is not None:
+            raise AttributeError(f"LLM.{name}: TensorRT-LLM's, not kvload's: {why}", name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.route.kv_manager} on {self.args.device}"
         return f"LLM({self.args.model!r}, {state})"
 
 
-__all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM", "VLLM_ATTRIBUTES_NOT_TAKEN"]
+__all__ = ["DEFAULT_CPU_MAX_TOKENS", "LLM", "TRTLLM_ATTRIBUTES_NOT_TAKEN", "VLLM_ATTRIBUTES_NOT_TAKEN"]

@@ -24,6 +24,7 @@ from pipeline.limits import MAX_DRAFT_LEN, MAX_NGRAM, checked_flag, plain_flag, 
 from pipeline.vllm_compat import (
     DUMMY_LOAD,
     DUMMY_LOAD_FORMATS,
+    NO_OP_ONLY,
     SECRET_KNOBS,
     reasoning_parser,
     refused_key,
@@ -87,10 +88,43 @@ IGNORED_LLM_ARGS: dict[str, str] = {
         "checkpoint_io_policy", "mx_config", "gms_config", "enable_lora", "lora_config", "peft_cache_config",
         "multimodal_config", "mm_encoder_only", "disable_mm_encoder", "encode_only", "encoder_max_batch_size",
         "encoder_max_num_tokens", "max_input_len", "num_postprocess_workers", "postprocess_tokenizer_dir",
-        "backend", "env_overrides", "sleep_config", "enable_resource_governor",
+        "env_overrides", "sleep_config", "enable_resource_governor",
         "cache_transceiver_config", "kv_connector_config",
     ), "loading / serving feature kvload does not have (it loads the checkpoint's own tokenizer and weights)"),
+    "backend": "kvload runs the checkpoint's PyTorch modules (transformers'), as the pytorch backend does; it builds "
+               "no TensorRT engine",
+    "fail_fast_on_attention_window_too_large": "kvload never fails on it: a KV budget that holds no whole max_seq_len "
+                                               "sequence is a kv_budget_short warning naming the setting to raise",
+    "custom_module_dirs": "kvload imports no code from outside it: the families it serves run transformers' built-in "
+                          "classes (a checkpoint of an architecture kvload lacks is refused when it loads)",
 }
+
+#: TensorRT-LLM's ``backend`` values (trtllm-serve's ``--backend`` choices; ``trt`` is its alias of ``tensorrt``)
+TRTLLM_BACKENDS = ("pytorch", "tensorrt", "trt", "_autodeploy")
+
+#: trtllm-serve's flags (and keys) asking for what kvload cannot do → why; refused, naming the flag or key, where a
+#: value asks for it (a false ``grpc`` asks for nothing)
+REFUSED_TRTLLM: dict[str, str] = {
+    **dict.fromkeys(("server_role", "metadata_server_config_file", "disagg_cluster_uri"),
+                    "disaggregated serving (context and generation servers exchanging KV caches) is not served: one "
+                    "kvload serve runs prefill and decode"),
+    "grpc": "kvload serve answers HTTP (the OpenAI API) only, not gRPC",
+}
+
+#: Keys of TensorRT-LLM's older releases its current ``LlmArgs`` no longer takes, still in published YAML files (its
+#: 2025 blogs' ``pytorch_backend_config``) → where their settings are now; refused saying so (difflib offered
+#: ``torch_compile_config``, another setting)
+RETIRED_TRTLLM: dict[str, str] = {
+    "pytorch_backend_config": (
+        "the nesting of TensorRT-LLM's older releases, which its current LlmArgs no longer takes; write its keys at "
+        "the top level by today's names: kv_cache_dtype as kv_cache_config: {dtype: ...} (kvload acts on it), "
+        "use_cuda_graph and cuda_graph_* as cuda_graph_config, enable_overlap_scheduler as disable_overlap_scheduler, "
+        "moe_backend as moe_config: {backend: ...} (kvload takes and ignores these)"),
+}
+
+#: ``LlmArgs`` keys TensorRT-LLM shares with vLLM whose no-op value only kvload takes
+#: (``pipeline.vllm_compat.NO_OP_ONLY``): from an options file they are TensorRT-LLM's, and said to be
+SHARED_NO_OP_ONLY = ("pipeline_parallel_size",)
 
 #: ``kv_cache_config`` keys of TensorRT-LLM's ``KvCacheConfig`` that kvload does not act on.
 IGNORED_KV_CACHE_CONFIG: dict[str, str] = {
@@ -136,9 +170,12 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
     mapped: dict[str, Any] = {}  # kvload's fields a speculative_config sets (vLLM's or TensorRT-LLM's NGram)
     names = _SPECULATIVE_NAMES  # kvload's field → the speculative_config key that set it
     own = _known(LlmArgs)
+    nested: dict[str, Any] = {}  # a command-line name a TensorRT-LLM file sets at the top level → its value
     for key, value in tree.items():
         _dashed(key, value, python, vllm_first, own)
-        if key == "trust_remote_code" and key not in own:
+        if key in FILE_FLAG_NAMES and key not in own and not python:
+            nested[key] = value
+        elif key == "trust_remote_code" and key not in own:
             checked_flag(value, lambda why: ConfigError(f"trust_remote_code: {why}", path="trust_remote_code",
                                                         detail="not a bool"), python=False)
             # vLLM scripts pass true habitually; vLLM itself runs its own implementation of the families kvload
@@ -162,7 +199,20 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 mapped.update(fields)
                 ignored.extend(dropped)
         elif vllm_first and isinstance(key, str) and key not in own and (why := vllm_knob(key, value)) is not None:
-            ignored.append(_vllm_ignored(key, value, why))
+            if key in SHARED_NO_OP_ONLY:  # the command line's --pp_size (trtllm-serve's) or --pipeline-parallel-size
+                ignored.append((key, value, f"a TensorRT-LLM and vLLM option kvload does not act on: {why}"))
+            else:
+                ignored.append(_vllm_ignored(key, value, why))
+        elif key in RETIRED_TRTLLM and key not in own:
+            raise ConfigError(f"{key}: {RETIRED_TRTLLM[key]}", path=key, detail="unknown key")
+        elif key in REFUSED_TRTLLM and key not in own:
+            if value is not None and value is not False:
+                raise ConfigError(f"{key}: {REFUSED_TRTLLM[key]}", path=key, detail="not served")
+        elif key == "backend" and key not in own and value not in TRTLLM_BACKENDS:
+            raise ConfigError(f"backend: expected one of TensorRT-LLM's backends, {', '.join(TRTLLM_BACKENDS)}; got "
+                              f"{short(value)}", path=key, detail="not a TensorRT-LLM backend")
+        elif key in SHARED_NO_OP_ONLY and key not in own and not vllm_first:
+            ignored.append((key, value, f"{_ENGINE}: {_no_op_only(key, value)}"))
         elif key == "reasoning_parser" and key not in own:  # a name kvload does not have is refused, as generate's
             ignored.append((key, reasoning_parser(value, python), REASONING_PARSER_UNUSED))
         elif key in IGNORED_LLM_ARGS and key not in own:
@@ -189,6 +239,8 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
                 raise ConfigError(f"{key}: {placed}", path=key, detail="unknown key")
             _near_miss("", key, own, IGNORED_LLM_ARGS)
             kept[key] = value
+    for key, value in nested.items():
+        _set_nested(kept, key, value)
     for field, value in mapped.items():  # a speculative_config beside kvload's own names: they must agree
         # numpy's and torch's integers as Python's, as the fields take them: np.int64(2) and 2 agree (True and 1 not)
         given, value = plain_scalar(tree.get(field)), plain_scalar(value)
@@ -226,6 +278,17 @@ def _dashed(key: Any, value: Any, python: bool, vllm_first: bool, own: set[str])
     else:
         return
     raise ConfigError(f"{lead}; {said}", path=key, detail="unknown key")
+
+
+def _no_op_only(key: str, value: Any) -> str:
+    """Why TensorRT-LLM's ``key`` (one of :data:`SHARED_NO_OP_ONLY`) at ``value`` asks for nothing kvload lacks;
+    ``ConfigError`` naming the key and the value accepted for any other value."""
+    accepted, why = NO_OP_ONLY[key]
+    if not any(value == a and type(value) is type(a) for a in accepted):
+        shown = " or ".join(repr(a) for a in accepted)
+        raise ConfigError(f"{key}: TensorRT-LLM's setting; {why}; accepted: {shown}, got {short(value)}", path=key,
+                          detail=why)
+    return f"{why} ({short(value)} asks for nothing else)"
 
 
 def _vllm_ignored(key: str, value: Any, why: str) -> tuple[str, Any, str]:
@@ -318,6 +381,33 @@ FLAG_NAMES: dict[str, str] = {
     "tp_size": "tensor_parallel_size",
     "kv_cache_free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
 }
+
+
+#: The command line's names a TensorRT-LLM options file may set at the top level, as trtllm-serve's ``--config`` merges
+#: them (NVIDIA's curated ``examples/configs/curated/qwen3.yaml``, ``deepseek-r1-throughput.yaml`` and
+#: ``gpt-oss-120b-latency.yaml`` carry ``kv_cache_free_gpu_memory_fraction: 0.8``) → the nested field each sets. A
+#: Python keyword of that name is still refused (:func:`misplaced_key`): ``LLM(...)`` takes ``LlmArgs`` fields only.
+FILE_FLAG_NAMES: dict[str, str] = {
+    "kv_cache_free_gpu_memory_fraction": "kv_cache_config.free_gpu_memory_fraction",
+}
+
+
+def _set_nested(kept: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``FILE_FLAG_NAMES[key]`` in the tree kvload validates; a file that also gives the nested field a different
+    value is ``ConfigError`` naming both (one setting under two names)."""
+    parent, leaf = FILE_FLAG_NAMES[key].split(".")
+    sub = kept.get(parent)
+    if sub is None:
+        sub = kept[parent] = {}
+    if not isinstance(sub, dict):  # not a mapping: the converter refuses kv_cache_config itself, in its own words
+        return
+    if leaf in sub:
+        given, mine = plain_scalar(sub[leaf]), plain_scalar(value)
+        if not (given == mine and type(given) is type(mine)):
+            raise ConfigError(f"{key}: {short(value)} and {FILE_FLAG_NAMES[key]} {short(sub[leaf])} set one field "
+                              f"({key} is the command line's name for {FILE_FLAG_NAMES[key]}) to different values; "
+                              "give one", path=key, detail="given under two names")
+    sub[leaf] = value
 
 
 def misplaced_key(key: str, value: Any, python: bool) -> str | None:

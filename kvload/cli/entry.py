@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from kvload.cli.commands import build_parser
 from kvload.cli.files import check_distinct_files
-from kvload.cli.flags import FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, _underscored
+from kvload.cli.flags import FLAGS, TRTLLM_SERVE_FLAGS, VLLM_KNOB_FLAGS, VLLM_KNOB_SHORT, _underscored
 from kvload.cli.launch import launch, ranks_to_launch
 from kvload.cli.output import ResultStream, _drop_stdout, error_text
 from kvload.cli.parser import typed_spelling, typed_value
@@ -210,10 +210,16 @@ def _cli_message(exc: KvloadError, argv: Sequence[str] = ()) -> str:
         if typed is not None and got:
             detail = f"{head} got {short_text(typed)}"
         return f"{typed_spelling(spellings, argv)}: {detail}"
-    knob = next((name for name, key, _, _ in VLLM_KNOB_FLAGS if exc.path == key), None) \
-        if isinstance(exc, ConfigError) and exc.source == "cli" and exc.path else None
-    if knob is not None:  # vLLM's flag refused (--quantization awq, -dp 2): named as typed, not as its key
-        spellings = (knob, _underscored(knob), *VLLM_KNOB_SHORT.get(knob, ()))
+    cli = isinstance(exc, ConfigError) and exc.source == "cli" and bool(exc.path)
+    knob = next((name for name, key, _, _ in VLLM_KNOB_FLAGS if exc.path == key), None) if cli else None
+    # trtllm-serve's flag of the key (--pp_size 2, --server_role): named as typed too, and as TensorRT-LLM's
+    trt = next((names for names, key, _, _ in TRTLLM_SERVE_FLAGS if exc.path == key), ()) if cli else ()
+    if knob is not None or trt:  # vLLM's flag refused (--quantization awq, -dp 2): named as typed, not as its key
+        vllm = (knob, _underscored(knob), *VLLM_KNOB_SHORT.get(knob, ())) if knob is not None else ()
+        trt = tuple(n for name in trt for n in (name, "--" + name[2:].replace("_", "-")))
+        spelled = typed_spelling((*vllm, *trt), argv) if vllm else typed_spelling(trt, argv)
         detail = str(exc).removeprefix(exc.path + ": ").replace("a vLLM engine argument", "a vLLM engine flag", 1)
-        return f"{typed_spelling(spellings, argv)}: {detail}"
+        if spelled in trt:
+            detail = detail.replace("vLLM's setting", "TensorRT-LLM's setting", 1)
+        return f"{spelled}: {detail}"
     return str(exc)

@@ -51,7 +51,7 @@ FLAGS: tuple[Flag, ...] = (
          metavar="{auto,true,false}"),
     Flag("--kv_cache_free_gpu_memory_fraction", "kv_cache_config.free_gpu_memory_fraction",
          "fraction of free device memory for the KV cache, in (0, 1]", number, metavar="F",
-         aliases=("--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction")),
+         aliases=("--kv_cache_fraction", "--kv_cache_free_gpu_mem_fraction", "--free_gpu_memory_fraction")),
     Flag("--max_tokens", "kv_cache_config.max_tokens", "cap the KV cache at this many tokens", field_integer,
          metavar="N"),
     Flag("--max_gpu_total_bytes", "kv_cache_config.max_gpu_total_bytes",
@@ -218,6 +218,29 @@ VLLM_LIST_FLAGS = frozenset({"--lora-modules", "--cuda-graph-sizes",
                              *("--" + k.replace("_", "-") for k, r in VLLM_ONLY.items() if r.shape == "values")})
 
 
+#: trtllm-serve's flags (``tensorrt_llm/commands/serve.py``) for ``LlmArgs`` keys kvload does not act on, and its
+#: disaggregated-serving flags: each goes into the command line's tree under the key, where
+#: ``pipeline.trtllm_compat.split_ignored`` reports it ``setting_ignored`` with the reason an options file's key gets,
+#: or refuses it (``--pp_size 2``, ``--server_role``). (spellings, key, type, metavar; a None type is a switch.) Those
+#: it shares with vLLM are :data:`VLLM_KNOB_FLAGS` (``--tokenizer``, ``--revision``, ``--enable_chunked_prefill``).
+TRTLLM_SERVE_FLAGS: tuple[tuple[tuple[str, ...], str, Callable[[str], Any] | None, str | None], ...] = (
+    (("--backend",), "backend", str, "{pytorch,tensorrt,_autodeploy}"),
+    (("--pp_size",), "pipeline_parallel_size", integer, "N"),
+    (("--moe_expert_parallel_size", "--ep_size"), "moe_expert_parallel_size", integer, "N"),
+    (("--context_parallel_size", "--cp_size"), "context_parallel_size", integer, "N"),
+    (("--moe_cluster_parallel_size", "--cluster_size"), "moe_cluster_parallel_size", integer, "N"),
+    (("--gpus_per_node",), "gpus_per_node", integer, "N"),
+    (("--num_postprocess_workers",), "num_postprocess_workers", integer, "N"),
+    (("--custom_tokenizer",), "custom_tokenizer", str, "NAME"),
+    (("--custom_module_dirs",), "custom_module_dirs", str, "DIR"),
+    (("--fail_fast_on_attention_window_too_large",), "fail_fast_on_attention_window_too_large", None, None),
+    (("--server_role",), "server_role", str, "ROLE"),
+    (("--metadata_server_config_file",), "metadata_server_config_file", str, "FILE"),
+    (("--disagg_cluster_uri",), "disagg_cluster_uri", str, "URI"),
+    (("--grpc",), "grpc", None, None),
+)
+
+
 def _knob_dest(key: str) -> str:
     return "vllm_knob__" + key
 
@@ -268,6 +291,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         else:
             knobs.add_argument(*names, dest=_knob_dest(key), type=kind, metavar=metavar, default=None,
                                nargs="+" if name in VLLM_LIST_FLAGS else None, help=argparse.SUPPRESS)
+    trt = p.add_argument_group("trtllm-serve options kvload does not act on (each accepted with a setting_ignored "
+                                "warning saying why, or refused where kvload cannot do what it asks)")
+    for spellings, key, kind, metavar in TRTLLM_SERVE_FLAGS:
+        names = list(dict.fromkeys(n for name in spellings for n in (name, _dashed(name))))
+        if kind is None:
+            trt.add_argument(*names, dest=_knob_dest(key), action="store_const", const=True, default=None,
+                             help=argparse.SUPPRESS)
+        else:
+            trt.add_argument(*names, dest=_knob_dest(key), type=kind, metavar=metavar, default=None,
+                             action="append" if key == "custom_module_dirs" else None, help=argparse.SUPPRESS)
     group.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config",
                        metavar="FILE.yaml", help="YAML file of LlmArgs fields (CLI flags win); TensorRT-LLM options "
                                                  "kvload does not act on are accepted with a warning each")
@@ -321,7 +354,8 @@ def cli_overrides(ns: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             continue
         set_in(tree, f.path, value)
-    for key in (*(key for _, key, _, _ in VLLM_KNOB_FLAGS), "reasoning_parser"):
+    for key in dict.fromkeys((*(key for _, key, _, _ in VLLM_KNOB_FLAGS), *(key for _, key, _, _ in TRTLLM_SERVE_FLAGS),
+                              "reasoning_parser")):
         value = getattr(ns, _knob_dest(key), None)
         if value is not None:
             tree[key] = value

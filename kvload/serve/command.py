@@ -38,6 +38,10 @@ MAX_CONCURRENT_DEFAULT = 256
 RESPONSES_STORE_MAX_DEFAULT = 1000
 #: The tool-call parsers ``--tool-call-parser`` takes (vLLM's names; ``kvload.serve.tool_parser`` reads them).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")
+#: trtllm-serve's ``--tool_parser`` names → kvload's reader of the same format: TensorRT-LLM's qwen3 reads
+#: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, vLLM's hermes format (its other parsers,
+#: qwen3_coder's XML, kimi_k2's, deepseek_v3's, ... read formats kvload has no reader for)
+TRTLLM_TOOL_PARSERS = {"qwen3": "hermes"}
 #: The reasoning parsers ``--reasoning-parser`` takes (vLLM's names; ``engine.reasoning`` reads them).
 REASONING_PARSERS = PARSERS
 
@@ -267,6 +271,11 @@ def add_serve_command(sub: Any) -> None:
                         "Qwen2.5, Hermes and SmolLM2-style chat templates ask for; llama3_json: a reply of "
                         "{\"name\": ..., \"parameters\": {...}} objects separated by ';' (Llama 3.1/3.2); "
                         "pythonic: a reply that is a Python list of calls, [f(a=1), g()] (Llama 3.2/4, ToolACE)")
+    g.add_argument("--tool_parser", "--tool-parser", dest="trtllm_tool_parser", default=None, metavar="NAME",
+                   type=_trtllm_tool_parser,
+                   help="trtllm-serve's flag: qwen3 reads an \"auto\" reply's <tool_call> JSON blocks, as "
+                        "--enable-auto-tool-choice --tool-call-parser hermes does (TensorRT-LLM serves tool calls "
+                        "whenever its parser is set)")
     g.add_argument("--reasoning-parser", "--reasoning_parser", dest="reasoning_parser", default=None, metavar="NAME",
                    type=_reasoning_parser,
                    help="split each chat reply into the model's thinking (message.reasoning_content, streamed as "
@@ -335,6 +344,11 @@ def _finish(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
                          "value is MODEL is unclear; give MODEL first (kvload serve MODEL --api-key KEY ...)")
         ns.model = ns.api_key.pop(ends[0] - 1)
         ns.model_after_api_key = True
+    if ns.trtllm_tool_parser is not None:  # TensorRT-LLM's parser serves "auto" by itself, no other flag needed
+        if ns.tool_call_parser is not None and ns.tool_call_parser != ns.trtllm_tool_parser:
+            parser.error(f"--tool_parser reads as --tool-call-parser {ns.trtllm_tool_parser}, and --tool-call-parser "
+                         f"{ns.tool_call_parser} was given too; give one")
+        ns.tool_call_parser, ns.enable_auto_tool_choice = ns.trtllm_tool_parser, True
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:  # vLLM's rule, in its words
         parser.error("--enable-auto-tool-choice requires --tool-call-parser (kvload has: "
                      f"{', '.join(TOOL_CALL_PARSERS)})")
@@ -379,6 +393,16 @@ def _tool_call_parser(text: str) -> str:
         raise argparse.ArgumentTypeError(f"no tool-call parser {text!r} in kvload; it has: "
                                          f"{', '.join(TOOL_CALL_PARSERS)}")
     return text
+
+
+def _trtllm_tool_parser(text: str) -> str:
+    """trtllm-serve's ``--tool_parser``: kvload's reader of one of :data:`TRTLLM_TOOL_PARSERS`."""
+    if text not in TRTLLM_TOOL_PARSERS:
+        raise argparse.ArgumentTypeError(
+            f"no reader for TensorRT-LLM's tool parser {text!r} in kvload; it reads TensorRT-LLM's "
+            f"{', '.join(TRTLLM_TOOL_PARSERS)} (<tool_call> JSON blocks), and vLLM's {', '.join(TOOL_CALL_PARSERS)} "
+            "by --enable-auto-tool-choice --tool-call-parser NAME")
+    return TRTLLM_TOOL_PARSERS[text]
 
 
 def _metrics_name_prefix(text: str) -> str:
