@@ -208,6 +208,18 @@ def test_log_format_json_keeps_stdout_a_json_document(capsys):
     assert any(e["event"] == "auto_resolved" and e["field"] == V2 for e in events)
 
 
+@pytest.mark.parametrize("given, shows_info", [("verbose", True), ("trace", True), ("INFO", True),
+                                               ("internal_error", False), ("critical", False)])
+def test_trtllm_serves_and_uvicorns_log_levels_act_as_the_nearest(capsys, given, shows_info):
+    """trtllm-serve's ``--log_level verbose`` (and trace, internal_error; uvicorn's critical) was argparse's "invalid
+    choice" (exit 2): each is now kvload's nearest level, any case."""
+    r = run_cli(capsys, "plan", "tiny-llama", "--log_level", given)
+    assert r.code == 0, r.err
+    assert ("stage_started" in r.err) is shows_info
+    bad = run_cli(capsys, "plan", "tiny-llama", "--log_level", "loud")
+    assert bad.code == 2 and "--log_level: invalid choice: 'loud'" in bad.err
+
+
 def test_default_log_level_shows_warnings_only_on_success(capsys):
     ok = run_cli(capsys, "plan", "tiny-llama", "--host_cache_size", "1GiB")
     assert ok.code == 0 and "setting_ignored" in ok.err and "host_cache_size" in ok.err
