@@ -11,6 +11,16 @@ from typing import Any, TextIO
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+#: Other engines' log levels → kvload's nearest (trtllm-serve's ``--log_level`` has verbose, trace and
+#: internal_error; uvicorn's and vLLM's critical and trace): their users' habits act, not "invalid choice".
+LEVEL_ALIASES = {"verbose": "debug", "trace": "debug", "critical": "error", "internal_error": "error"}
+
+
+def log_level_named(text: str) -> str:
+    """A log level as written (any case, another engine's name for a level) as kvload's nearest level's name;
+    anything else as given (lowered), for the caller to refuse."""
+    level = text.strip().lower()
+    return LEVEL_ALIASES.get(level, level)
 
 
 class HeldStream:
@@ -91,7 +101,7 @@ def env_log_settings() -> tuple[str | None, str | None]:
     from pipeline.errors import ConfigError
     from pipeline.limits import short_text  # quoted and cut: the line must stay one readable line
 
-    level = os.environ.get(LEVEL_ENV, "").strip().lower() or None
+    level = log_level_named(os.environ.get(LEVEL_ENV, "")) or None
     fmt = os.environ.get(FORMAT_ENV, "").strip().lower() or None
     if level is not None and level not in _LEVELS:
         raise ConfigError(f"{LEVEL_ENV}={short_text(os.environ[LEVEL_ENV])}: expected one of {', '.join(_LEVELS)}")

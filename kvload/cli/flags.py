@@ -21,6 +21,7 @@ from kvload.cli.values import (
     tri_state,
 )
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from pipeline.logs import log_level_named
 from pipeline.paths import set_in
 from pipeline.vllm_compat import VLLM_ONLY
 
@@ -337,23 +338,12 @@ def take_model_option(parser: argparse.ArgumentParser, ns: argparse.Namespace, *
         parser.error("the following arguments are required: MODEL")
 
 
-#: Other engines' log levels → kvload's nearest (trtllm-serve's ``--log_level`` has verbose, trace and
-#: internal_error; uvicorn's and vLLM's critical and trace): their users' habits act, not "invalid choice".
-LOG_LEVEL_ALIASES = {"verbose": "debug", "trace": "debug", "critical": "error", "internal_error": "error"}
-
-
-def _log_level(text: str) -> str:
-    """A ``--log-level`` value, any case, another engine's name for a level as kvload's nearest."""
-    level = text.strip().lower()
-    return LOG_LEVEL_ALIASES.get(level, level)
-
-
 def add_log_flags(p: Any) -> None:
     """``--log-format``, ``--log-level`` and ``--debug``."""
     p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default=None,
                    help="how events are logged on stderr (default: $KVLOAD_LOG_FORMAT, else console)")
     p.add_argument("--log-level", "--log_level", dest="log_level", choices=("debug", "info", "warning", "error"),
-                   type=_log_level, default=None,
+                   type=log_level_named, default=None,
                    help="least severe event logged on stderr (default: $KVLOAD_LOG_LEVEL, else warning; "
                         "trtllm-serve's verbose and trace are debug, internal_error and critical error)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
