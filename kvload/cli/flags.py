@@ -21,7 +21,6 @@ from kvload.cli.values import (
     tri_state,
 )
 from pipeline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
-from pipeline.logs import log_level_named
 from pipeline.paths import set_in
 from pipeline.vllm_compat import VLLM_ONLY
 
@@ -338,12 +337,20 @@ def take_model_option(parser: argparse.ArgumentParser, ns: argparse.Namespace, *
         parser.error("the following arguments are required: MODEL")
 
 
+def _log_level(text: str) -> str:
+    """``--log-level``'s value as kvload's level (:func:`pipeline.logs.log_level_named`: trtllm-serve's verbose is
+    debug). Imported when a value is parsed: structlog must not load before main's stop handling is armed."""
+    from pipeline.logs import log_level_named
+
+    return log_level_named(text)
+
+
 def add_log_flags(p: Any) -> None:
     """``--log-format``, ``--log-level`` and ``--debug``."""
     p.add_argument("--log-format", "--log_format", dest="log_format", choices=("console", "json"), default=None,
                    help="how events are logged on stderr (default: $KVLOAD_LOG_FORMAT, else console)")
     p.add_argument("--log-level", "--log_level", dest="log_level", choices=("debug", "info", "warning", "error"),
-                   type=log_level_named, default=None,
+                   type=_log_level, default=None,
                    help="least severe event logged on stderr (default: $KVLOAD_LOG_LEVEL, else warning; "
                         "trtllm-serve's verbose and trace are debug, internal_error and critical error)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
