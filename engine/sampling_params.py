@@ -39,6 +39,7 @@ from pipeline.limits import (
     plain_flag,
     plain_scalar,
     short,
+    short_py,
 )
 
 
@@ -350,8 +351,10 @@ class SamplingParams:
         length_name = "max_tokens"
         if max_new_tokens is not None:
             if max_tokens is not _NOT_GIVEN and max_tokens is not None and max_tokens != max_new_tokens:
-                raise GenerationError(f"generate: max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r}: "
-                                      "they are one setting (max_new_tokens is an alias); give one")
+                # each cut short (short_py): a huge int's repr raised, a list nesting itself 40 deep never returned
+                raise GenerationError(f"generate: max_tokens={short_py(max_tokens)} and max_new_tokens="
+                                      f"{short_py(max_new_tokens)}: they are one setting (max_new_tokens is an alias); "
+                                      "give one")
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
