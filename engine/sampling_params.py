@@ -39,6 +39,7 @@ from pipeline.limits import (
     plain_flag,
     plain_scalar,
     short,
+    short_py,
 )
 
 
@@ -350,8 +351,10 @@ class SamplingParams:
         length_name = "max_tokens"
         if max_new_tokens is not None:
             if max_tokens is not _NOT_GIVEN and max_tokens is not None and max_tokens != max_new_tokens:
-                raise GenerationError(f"generate: max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r}: "
-                                      "they are one setting (max_new_tokens is an alias); give one")
+                # each cut short (short_py): a huge int's repr raised, a list nesting itself 40 deep never returned
+                raise GenerationError(f"generate: max_tokens={short_py(max_tokens)} and max_new_tokens="
+                                      f"{short_py(max_new_tokens)}: they are one setting (max_new_tokens is an alias); "
+                                      "give one")
             max_tokens, length_name = max_new_tokens, "max_new_tokens"
         if max_tokens is _NOT_GIVEN:
             max_tokens = DEFAULT_MAX_TOKENS
@@ -385,6 +388,8 @@ class SamplingParams:
     def __getattr__(self, name: str) -> Any:
         """vLLM's fields kvload lacks read back as given (:attr:`_vllm_fields`), else as vLLM's default: a script that
         reads ``params.output_kind`` or ``params.best_of`` gets what vLLM's params would say."""
+        if name == "bad":  # TensorRT-LLM's name of bad_words, read back as its params hold it (None when none)
+            return object.__getattribute__(self, "bad_words") or None
         defaults = VLLM_FIELDS_AT_NO_OP.get(name, TRTLLM_FIELDS_AT_NO_OP.get(name))
         if defaults is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -713,6 +718,8 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     (``llm.get_default_sampling_params()``); the new value is checked with the others as the constructor checks it, and
     a bad one changes nothing."""
     name = "max_tokens" if name == "max_new_tokens" else name
+    if name == "bad":  # TensorRT-LLM's name of bad_words (a string or a list), as the constructor takes it
+        name, value = "bad_words", [value] if isinstance(value, str) else value
     if name not in _known_keywords():
         if _asks_nothing(name, value, self.n):  # vLLM's "not set", which the error below says is accepted
             # read back as set (__getattr__); a new dict, not written into: a shallow copy holds the same one

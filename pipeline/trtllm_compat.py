@@ -177,7 +177,7 @@ def split_ignored(tree: Mapping[str, Any], python: bool = False,
             nested[key] = value
         elif key == "trust_remote_code" and key not in own:
             checked_flag(value, lambda why: ConfigError(f"trust_remote_code: {why}", path="trust_remote_code",
-                                                        detail="not a bool"), python=False)
+                                                        detail="not a bool"), python=python)
             # vLLM scripts pass true habitually; vLLM itself runs its own implementation of the families kvload
             # serves, as kvload runs transformers' built-in one: taken, and nothing from the checkpoint runs
             ignored.append((key, value, "kvload never runs a checkpoint's own code: the families it serves run "

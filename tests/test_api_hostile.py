@@ -439,3 +439,27 @@ def test_an_ignored_setting_too_large_to_write_is_recorded_as_its_description(tm
     ignored = {r["field"]: r["value"] for r in records if r["event"] == "setting_ignored"}
     assert ignored["compilation_config"] == "a list of 2 items"
     assert ignored["revision"] == "an integer of about 5001 digits"
+
+
+def test_max_tokens_and_max_new_tokens_that_differ_are_refused_in_one_short_line():
+    """Their refusal wrote both with repr: a 5,001-digit max_tokens raised Python's own ValueError about
+    ``sys.set_int_max_str_digits``, and a list nesting itself 40 deep never returned."""
+    import signal
+
+    def hung(*_):
+        raise AssertionError("the refusal did not return in 60 s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    try:
+        for value, shown in ((HUGE, "an integer of about 5001 digits"), (_alias_bomb(), "a list of 2 items")):
+            signal.alarm(60)
+            with pytest.raises(ValueError) as caught:
+                SamplingParams(max_tokens=value, max_new_tokens=5)
+            signal.alarm(0)
+            assert str(caught.value).startswith(f"generate: max_tokens={shown} and max_new_tokens=5: they are one "
+                                                "setting"), caught.value
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(ValueError, match=r"^generate: max_tokens=4 and max_new_tokens=5: they are one setting"):
+        SamplingParams(max_tokens=4, max_new_tokens=5)

@@ -104,6 +104,14 @@ def test_truly_unknown_keys_still_fail_with_a_suggestion(capsys, tmp_path, yaml_
     _config_refused(capsys, tmp_path, yaml_text, needle)
 
 
+def test_trust_remote_code_none_is_written_as_the_python_caller_wrote_it_and_null_in_a_file(capsys, tmp_path):
+    """A Python keyword's None reads None in its refusal, as log=None's does (the options file's null reads null)."""
+    with pytest.raises(ConfigError, match=r"^trust_remote_code: expected true or false, got None$"):
+        plan("tiny-llama", log=False, trust_remote_code=None)
+    _config_refused(capsys, tmp_path, "trust_remote_code: null\n",
+                    "trust_remote_code: expected true or false, got null")
+
+
 @pytest.mark.parametrize(("yaml_text", "needle"), [
     # difflib offered max_num_tokens (another setting: tokens per step, not the cache's size)
     ("max_tokens: 4096\n", "max_tokens: a kv_cache_config field, not a top-level one; write kv_cache_config: "

@@ -74,6 +74,11 @@ def test_bad_is_trtllms_name_of_bad_words():
     assert SamplingParams(bad=["w5", "w6"]) == SamplingParams(bad_words=["w5", "w6"])
     with pytest.raises(GenerationError, match="bad and bad_words are one setting"):
         SamplingParams(bad="w5", bad_words=["w6"])
+    # read and set as TensorRT-LLM's mutable params are (sp.bad = [...]): it said "unknown SamplingParams field 'bad'"
+    params = SamplingParams()
+    assert params.bad is None
+    params.bad = "w5"
+    assert params.bad_words == ["w5"] and params.bad == ["w5"]
 
 
 def test_trtllm_fields_as_generate_keywords_and_its_methods_say_what_to_do(words):
