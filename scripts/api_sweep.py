@@ -830,7 +830,8 @@ def _worker(a: argparse.Namespace, status: Any) -> int:
                                    "{% if add_generation_prompt %}w1{% endif %}")  # the word tokenizer has none
     baseline = _tokens(llm)
     probe, probe_baseline = None, baseline
-    if any(p.startswith(a.only) or a.only.startswith(p) for p in CLASSIFY_GROUPS):
+    only = tuple(a.only.split(","))  # several prefixes, comma-separated
+    if any(p.startswith(o) or o.startswith(p) for p in CLASSIFY_GROUPS for o in only):
         from tests.classify_support import classifier_checkpoint
 
         kw = {"device": "cpu", "max_seq_len": 64, "log": False, "kv_cache_config": {"max_tokens": 512}}
@@ -852,9 +853,9 @@ def _worker(a: argparse.Namespace, status: Any) -> int:
     if probe is not None:
         groups.append((classify_cases(kvload, cls, ce), True))
     groups += [(_lazy(lambda: door_cases(kvload, work), ("plan", "load", "kv_config", "llm_args", "simulate"),
-                      a.only), False),
-               (_lazy(lambda: serve_cases(kvload), ("serve",), a.only), False),
-               (_lazy(lambda: cli_cases(work), ("cli",), a.only), False)]
+                      only), False),
+               (_lazy(lambda: serve_cases(kvload), ("serve",), only), False),
+               (_lazy(lambda: cli_cases(work), ("cli",), only), False)]
     skipping = bool(a.after)
     with a.out.open("a") as out:
         for group, uses_llm in groups:
@@ -862,7 +863,7 @@ def _worker(a: argparse.Namespace, status: Any) -> int:
                 if skipping:
                     skipping = name != a.after
                     continue
-                if not name.startswith(a.only) or (kinds is not None and name.rsplit(".", 1)[-1] not in kinds):
+                if not name.startswith(only) or (kinds is not None and name.rsplit(".", 1)[-1] not in kinds):
                     continue
                 print(f"BEGIN {name}", file=status, flush=True)
                 classify = name.startswith(CLASSIFY_GROUPS)
@@ -878,9 +879,9 @@ def _worker(a: argparse.Namespace, status: Any) -> int:
 
 
 def _lazy(build: Callable[[], Iterator[tuple[str, Callable[[], Any]]]], prefixes: tuple[str, ...],
-          only: str) -> Iterator[tuple[str, Callable[[], Any]]]:
+          only: tuple[str, ...]) -> Iterator[tuple[str, Callable[[], Any]]]:
     """``build()``'s cases, built only when ``--only`` can select one of them (their setup loads a model)."""
-    if any(p.startswith(only) or only.startswith(p) for p in prefixes):
+    if any(p.startswith(o) or o.startswith(p) for p in prefixes for o in only):
         yield from build()
 
 
@@ -959,7 +960,8 @@ def _supervise(a: argparse.Namespace) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="results, one JSON line a case")
-    ap.add_argument("--only", default="", help="run only the cases whose name starts with this")
+    ap.add_argument("--only", default="",
+                    help="run only the cases whose name starts with this (or one of these, comma-separated)")
     ap.add_argument("--kinds", default="", help="run only the cases whose last name part (the value's kind) is one of "
                     "these, comma-separated (e.g. the new values: " + ",".join(NEW_VALUES) + ")")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take before it counts as a hang")
