@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
+import kvload
 from engine.simulator import simulate
-from kvload import SamplingParams
+from kvload import PoolingParams, SamplingParams
 from pipeline.config import LlmArgs
 from pipeline.errors import ConfigError, GenerationError
 from pipeline.limits import short
@@ -37,7 +38,8 @@ EvilInt = type("EvilInt", (int,), dict(_METHODS))
 def test_sampling_params_refuses_an_alias_bomb_in_one_line_instead_of_writing_it_out():
     # in a subprocess: on the old code the refusal's repr of 2**40 items never returned (C code, holding the GIL)
     script = """
-from kvload import SamplingParams
+import kvload
+from kvload import PoolingParams, SamplingParams
 bomb = []
 for _ in range(40):
     bomb = [bomb, bomb]
@@ -98,3 +100,24 @@ def test_simulate_refuses_each_of_its_own_keywords_by_name_before_any_work(keywo
     with pytest.raises(ConfigError, match=rf"^{keyword}: ") as info:
         simulate(args.pop("model"), args.pop("workload"), **args)
     assert "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def test_a_pooling_cut_past_int64_is_refused_by_name_before_the_tokenizer_takes_it():
+    # a cross-encoder's score passed 10**5000 to the tokenizer: a bare "OverflowError: int too big to convert"
+    with pytest.raises(GenerationError, match=r"truncate_prompt_tokens: expected at most 2\*\*63 - 1, got an integer "
+                                              r"of about 5001 digits$"):
+        PoolingParams(truncate_prompt_tokens=10 ** 5000)
+
+
+@pytest.mark.parametrize("stages", [5, (s for s in ()), "parse_args", {"a": 1}],
+                         ids=["int", "generator", "str", "dict"])
+def test_plan_refuses_stages_that_are_no_list_naming_stages(stages):
+    # an int was "'int' object is not iterable", a generator "zip() argument 2 is longer than argument 1"
+    with pytest.raises(TypeError, match=r"^stages: expected a list of stage objects"):
+        kvload.plan("tiny-llama", stages=stages, log=False, kv_cache_config={"max_tokens": 256})
+
+
+def test_plan_given_a_numpy_array_for_stages_names_stages():
+    # its truth was asked first: "The truth value of an array with more than one element is ambiguous"
+    with pytest.raises(TypeError, match=r"^stages: expected a list of stage objects"):
+        kvload.plan("tiny-llama", stages=np.zeros(3), log=False, kv_cache_config={"max_tokens": 256})
