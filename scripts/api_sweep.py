@@ -594,6 +594,8 @@ CLI_VALUES: dict[str, str] = {
     "long_text": "a" * 100_000, "json_list": "[1, 2]", "json_bomb": "[" * 50_000, "newline": "64\n65",
     "empty": "", "surrogate_escape": "\udcff",
 }
+#: A flag whose refusal names the setting it sets (``--tp_size 64``: "tensor_parallel_size=64: ...").
+CLI_NAMES = {"tp_size": "tensor_parallel_size", "config": "config file", "audit": "audit log"}
 #: A YAML config file whose alias bomb expands to 2**40 items (each level names the last twice).
 YAML_BOMB = "a0: &a0 [1, 1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 41))
 PLAN_BASE: dict[str, Any] = {"log": False, "kv_cache_config": {"max_tokens": 256}}
@@ -775,8 +777,9 @@ def suspect(r: dict[str, Any]) -> list[str]:
         why.append("unprintable message")
     if r.get("outcome") not in (None, "accepted"):
         arg = r["case"].split(".")[1] if r["case"].count(".") >= 2 else ""
+        also = CLI_NAMES.get(arg, arg) if r["case"].startswith("cli.") else arg  # the flag or the setting it sets
         if arg and arg not in ("prompt", "prompt2", "messages", "sp_list", "pool_list", "kv", "model") \
-                and arg not in msg and arg.replace("_", " ") not in msg:
+                and not any(name in msg or name.replace("_", " ") in msg for name in (arg, also)):
             why.append(f"message does not name {arg}")
     if r["case"].startswith("hf_overrides.") and refused and "hf_overrides" not in msg:
         why.append("message does not name hf_overrides")

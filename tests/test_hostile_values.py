@@ -121,3 +121,10 @@ def test_plan_given_a_numpy_array_for_stages_names_stages():
     # its truth was asked first: "The truth value of an array with more than one element is ambiguous"
     with pytest.raises(TypeError, match=r"^stages: expected a list of stage objects"):
         kvload.plan("tiny-llama", stages=np.zeros(3), log=False, kv_cache_config={"max_tokens": 256})
+
+
+@pytest.mark.parametrize("keyword", ["max_model_len", "quantization"])
+def test_a_vllm_keyword_given_a_numpy_array_is_refused_naming_it(keyword):
+    # its elementwise == with vLLM's sentinel reached `and`: "parse_args: ValueError: The truth value of an array..."
+    with pytest.raises(ConfigError, match=rf"^{keyword}: "):
+        kvload.plan("tiny-llama", log=False, kv_cache_config={"max_tokens": 256}, **{keyword: np.zeros(10)})
