@@ -56,7 +56,7 @@ from engine.capacity import MANAGERS, Budget, refusal_reason, routed_budget, var
 from engine.driver import Arrival, Driver, StalledError
 from engine.step_model import DEFAULT_HARDWARE, HARDWARE, StepModel
 from engine.workloads import WORKLOADS, Workload, default_budget_sequences, make_workload
-from pipeline.audit import JsonlSink
+from pipeline.audit import JsonlSink, check_output_path
 from pipeline.bus import Subscriber
 from pipeline.config import V2_FIELD
 from pipeline.context import LoadRequest, keywords_of
@@ -505,9 +505,10 @@ def _checked_keywords(workload: Any, requests: Any, seed: Any, params: Any, comp
             raise refuse(name, "an integer" + (" or None" if name == "requests" else ""), value)
     if params is not None and (not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params)):
         raise refuse("params", "a dict of workload parameter names to integers, or None", params)
-    for name, value in (("config_file", config_file), ("audit_log", audit_log)):
-        if value is not None:
-            path_argument(name, value)
+    if config_file is not None:
+        path_argument("config_file", config_file)
+    if audit_log is not None:  # "" was "audit log .: cannot write it (Device or resource busy)", from the sink
+        check_output_path(path_argument("audit_log", audit_log), flag="audit_log")
     if not isinstance(source, str):
         raise refuse("source", 'a str ("api" or "cli")', source)
     if not isinstance(hardware, str) or hardware not in HARDWARE:

@@ -86,7 +86,7 @@ def test_short_describes_values_whose_own_repr_or_str_raises():
 SIMULATE_CASES = [
     ("workload", 10 ** 5000), ("workload", [1]), ("requests", "2"), ("requests", 2.5),
     ("seed", None), ("params", [1, 2]), ("params", {1: 2}), ("compare", np.zeros(3)), ("compare", "yes"),
-    ("config_file", 5), ("audit_log", [1]), ("source", 5), ("progress", "no"),
+    ("config_file", 5), ("audit_log", [1]), ("audit_log", ""), ("source", 5), ("progress", "no"),
     ("subscribers", 5), ("hardware", [1]), ("hardware", 10 ** 5000),
 ]
 
