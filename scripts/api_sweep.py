@@ -15,8 +15,16 @@ answer as before after each case. The front door's newer arguments (``tokenizati
 it: itself, its ``truncate_prompt_tokens``, keys kvload lacks, the cut given twice; ``output_kind``;
 ``reset_prefix_cache``'s, ``get_world_size``'s and ``reset_mm_cache``'s arguments) are ``front_door_cases``.
 
+sweep69 added values the first list never tried (``NEW_VALUES``: an int past 4,300 digits, alias bombs, a million-item
+list, str / int subclasses whose own methods raise, a generator, a 10**7 numpy array, a tensor with requires_grad, a
+NaN dict key) and the doors ``kvload.plan`` / ``load``, ``KvCacheConfig`` / ``LlmArgs``, ``simulate``, ``build_state``
+and the CLI (``plan.``, ``plan_kv.``, ``load.``, ``kv_config.``, ``llm_args.``, ``simulate.``, ``serve.``, ``cli.``).
+Cases run in a worker process that is killed at ``--timeout`` (an alias bomb written out in C holds the GIL) and
+started again after the case that hung.
+
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
+    python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only plan,simulate --kinds alias_bomb,bigint
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --summary   # the suspects of a results file
 
 A suspect: an exception that is neither ValueError nor TypeError (an IndexError, a RuntimeError from torch), a
