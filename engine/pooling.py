@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from pipeline.errors import GenerationError, close_names, did_you_mean
-from pipeline.limits import plain_flag, plain_scalar, short
+from pipeline.limits import MAX_INT, plain_flag, plain_scalar, short
 
 
 def _check_dimensions(_: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -30,6 +30,9 @@ def _check_truncate(_: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1 or value == 0):
         raise GenerationError(f"PoolingParams: truncate_prompt_tokens: expected a positive integer (keep the "
                               f"prompt's last N tokens) or -1 (the model's length), got {short(value)}")
+    if value is not None and value > MAX_INT:  # past int64: the tokenizer's cut raised a bare "int too big to convert"
+        raise GenerationError(f"PoolingParams: truncate_prompt_tokens: expected at most 2**63 - 1, got "
+                              f"{short(value)}")
 
 
 def _check_activation(_: Any, attribute: attrs.Attribute, value: Any) -> None:

@@ -36,6 +36,7 @@ from pipeline.limits import (
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
     int_text,
+    node_count,
     plain_flag,
     plain_scalar,
     short,
@@ -106,6 +107,10 @@ def _plain_number(v: Any) -> Any:
     return float(plain) if plain is not v and isinstance(plain, (int, float)) else v
 
 
+#: Most nodes (items of items, counted at each occurrence) of a value :func:`_shown` writes out with ``repr``.
+_SHOWN_NODES = 64
+
+
 def _shown(value: Any) -> str:
     """A value for an error message: its repr, but a huge integer or a long list by its size and long text cut
     (``repr`` of a 5,000-digit int raises; of a million-item list, it is a 5 MB line)."""
@@ -115,6 +120,8 @@ def _shown(value: Any) -> str:
         return f"a list of {len(value):,} items"
     if isinstance(value, tuple):  # a list the caller gave (JSON's array, --stop), kept as a tuple: shown as given,
         value = list(value)  # not "got ('',)"
+    if node_count(value, _SHOWN_NODES) > _SHOWN_NODES:  # an alias bomb (a few lists naming one another 2**40 items
+        return short(value)  # when written out): repr never returned; its size instead, as a long list's
     try:
         text = repr(value)
     except ValueError:  # a huge integer inside (a logit_bias key): its size, never the repr's own error
@@ -706,7 +713,8 @@ def _asks_nothing(name: str, value: Any, n: Any) -> bool:
     if name == "best_of" and is_int(value) and value == n:
         return True
     at_no_op = VLLM_FIELDS_AT_NO_OP.get(name, TRTLLM_FIELDS_AT_NO_OP.get(name, ()))
-    return any(value == v and type(value) is type(v) for v in at_no_op)
+    # the type first: a numpy array's == is elementwise, and its truth raised a message naming no field
+    return any(type(value) is type(v) and value == v for v in at_no_op)
 
 
 def _known_keywords() -> set[str]:

@@ -45,7 +45,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -55,15 +55,16 @@ from cache_backends.request import Request
 from engine.capacity import MANAGERS, Budget, refusal_reason, routed_budget, variant_request
 from engine.driver import Arrival, Driver, StalledError
 from engine.step_model import DEFAULT_HARDWARE, HARDWARE, StepModel
-from engine.workloads import Workload, default_budget_sequences, make_workload
-from pipeline.audit import JsonlSink
+from engine.workloads import WORKLOADS, Workload, default_budget_sequences, make_workload
+from pipeline.audit import JsonlSink, check_output_path
 from pipeline.bus import Subscriber
 from pipeline.config import V2_FIELD
 from pipeline.context import LoadRequest, keywords_of
 from pipeline.errors import ConfigError, KvBuildError, RouteError
 from pipeline.events import Event, RequestAdmitted
+from pipeline.limits import short_py
 from pipeline.paths import flatten
-from pipeline.run import RunResult, execute
+from pipeline.run import RunResult, _subscribers, execute, flag_argument, path_argument
 from pipeline.sources import overrides_to_tree
 from pipeline.text import table
 from stages import load_stages, plan_stages
@@ -472,8 +473,8 @@ def simulate(model: str, workload: str | Workload, *, requests: int | None = Non
     ``subscribers`` receive the same events (the CLI's own audit sink, published when it succeeds);
     ``hardware`` (one of :data:`engine.step_model.HARDWARE`) prices the steps (``modeled_seconds``).
     """
-    if hardware not in HARDWARE:
-        raise ConfigError(f"hardware: {hardware!r} is not one of {', '.join(HARDWARE)}", path="hardware")
+    compare, progress, log, subscribers = _checked_keywords(workload, requests, seed, params, compare, config_file,
+                                                            source, audit_log, progress, log, subscribers, hardware)
     sink = JsonlSink(audit_log) if audit_log is not None else None
     try:
         report = _simulate(model, workload, requests, seed, params, compare, config_file, source, progress, log,
@@ -485,6 +486,36 @@ def simulate(model: str, workload: str | Workload, *, requests: int | None = Non
     if sink is not None:
         sink.close(ok=True)
     return report
+
+
+def _checked_keywords(workload: Any, requests: Any, seed: Any, params: Any, compare: Any, config_file: Any,
+                      source: Any, audit_log: Any, progress: Any, log: Any, subscribers: Any,
+                      hardware: Any) -> tuple[bool, bool | None, bool, list[Subscriber]]:
+    """:func:`simulate`'s own keywords checked before anything runs, each refusal a ``ConfigError`` naming it (a list
+    for ``hardware`` was "unhashable type: 'list'", a dict for ``params`` "argument after ** must be a mapping", an
+    int for ``audit_log`` pathlib's bare TypeError; none named the keyword); returns the flags and the subscribers
+    as Python's bool and a list."""
+    def refuse(name: str, expected: str, value: Any) -> ConfigError:
+        return ConfigError(f"{name}: expected {expected}, got {short_py(value)}", path=name)
+
+    if not isinstance(workload, (str, Workload)):
+        raise refuse("workload", f"a workload name ({', '.join(WORKLOADS)}) or a built Workload", workload)
+    for name, value in (("requests", requests), ("seed", seed)):
+        if (value is not None or name == "seed") and (not isinstance(value, int) or isinstance(value, bool)):
+            raise refuse(name, "an integer" + (" or None" if name == "requests" else ""), value)
+    if params is not None and (not isinstance(params, Mapping) or not all(isinstance(k, str) for k in params)):
+        raise refuse("params", "a dict of workload parameter names to integers, or None", params)
+    if config_file is not None:
+        path_argument("config_file", config_file)
+    if audit_log is not None:  # "" was "audit log .: cannot write it (Device or resource busy)", from the sink
+        check_output_path(path_argument("audit_log", audit_log), flag="audit_log")
+    if not isinstance(source, str):
+        raise refuse("source", 'a str ("api" or "cli")', source)
+    if not isinstance(hardware, str) or hardware not in HARDWARE:
+        raise ConfigError(f"hardware: {short_py(hardware)} is not one of {', '.join(HARDWARE)}", path="hardware")
+    flags = (flag_argument("compare", compare), None if progress is None else flag_argument("progress", progress),
+             flag_argument("log", log))
+    return (*flags, _subscribers(subscribers))
 
 
 def _simulate(model: str, workload: str | Workload, requests: int | None, seed: int, params: dict[str, int] | None,

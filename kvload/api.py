@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -239,6 +239,14 @@ def api_request(model: Any, config_file: Any, load_weights: bool, overrides: dic
     return request.for_call(call, PUBLIC_CALL_KEYWORDS[call])
 
 
+def _stages(stages: Any, default: Callable[[], Any]) -> Any:
+    """``stages`` as given, or the call's own (``default()``) for None or an empty list; the truth of anything else
+    is not asked (a numpy array's raised "ambiguous", naming no argument): the pipeline checks it by name."""
+    if stages is None or (isinstance(stages, (list, tuple)) and not stages):
+        return default()
+    return stages
+
+
 def model_argument(model: Any) -> Any:
     """A checkpoint directory given as a ``pathlib.Path`` (any ``os.PathLike``) as its string; anything else as is,
     for the ``model`` check to name."""
@@ -262,7 +270,7 @@ def plan(
     ``pipeline.vllm_compat.SAME_MEANING``) are taken as them. Precedence: defaults < ``config_file`` < overrides.
     """
     request = api_request(model, config_file, False, overrides, "kvload.plan()")
-    return execute(request, stages or plan_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
+    return execute(request, _stages(stages, plan_stages), audit_log=audit_log, subscribers=subscribers, log=log)
 
 
 def load(
@@ -283,7 +291,7 @@ def load(
     """
     load_weights = flag_argument("load_weights", load_weights)  # "no" loaded the weights before it was checked
     request = api_request(model, config_file, load_weights, overrides, "kvload.load()")
-    return execute(request, stages or load_stages(), audit_log=audit_log, subscribers=subscribers, log=log)
+    return execute(request, _stages(stages, load_stages), audit_log=audit_log, subscribers=subscribers, log=log)
 
 
 __all__ = ["LoadResult", "execute", "load", "load_stages", "plan", "plan_stages", "resolve_stages"]

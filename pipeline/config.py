@@ -158,7 +158,11 @@ def _is_int(v: Any) -> bool:
 
 def _check(pred, expected: str):
     def validator(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if not pred(value):
+        try:
+            ok = bool(pred(value))
+        except Exception:  # a numpy array's == is elementwise (its truth ambiguous); a user's own __eq__ may raise:
+            ok = False  # neither is a value of the field (the message named no field: "LlmArgs: The truth value...")
+        if not ok:
             raise FieldError(attribute.name, f"expected {expected}, got {describe(value)}")
         if _is_int(value) and value > MAX_INT:  # past int64: torch and the budget arithmetic cannot take it
             raise FieldError(attribute.name, f"expected {expected} and at most 2**63 - 1, got {describe(value)}")

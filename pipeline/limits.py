@@ -182,7 +182,7 @@ def _plain_values(value: Any, left: list[int], depth: int) -> Any:
 def int_text(value: int) -> str:
     """An integer for an error message: its digits when short, its size when long (never a 5,000-digit line)."""
     if abs(value) < 10**24:
-        return str(value)
+        return int.__repr__(value)  # int's own: a subclass's __str__ may raise (or say anything)
     digits = int(abs(value).bit_length() * 0.30103) + 1
     return f"an integer of about {digits} digits"
 
@@ -212,7 +212,10 @@ def short(value: Any, width: int = 60) -> str:
             text = repr(value)  # a few plain values: written as given (``['a.yaml']``, not "a list of 1 items")
             return text if len(text) <= width else text[: width - 3] + "..."
         return f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception as exc:  # a user's object whose own __repr__ raises: the refusal must still be said
+        return f"a {type(value).__name__} whose repr raised {type(exc).__name__}"
     return text if len(text) <= width else text[: width - 3] + "..."
 
 

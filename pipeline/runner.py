@@ -28,6 +28,10 @@ class Pipeline:
     """Runs stages once, in order, over one :class:`Context`; users may pass their own list."""
 
     def __init__(self, stages: Sequence[Stage]) -> None:
+        if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):  # an int was "'int' object is not
+            # iterable"; a generator, read once, "zip() argument 2 is longer than argument 1": neither named stages
+            raise TypeError(f"stages: expected a list of stage objects (pipeline.plan_stages(), ...) or a Pipeline, "
+                            f"got {short(stages)}")
         names = [getattr(s, "name", None) for s in stages]
         for i, (stage, name) in enumerate(zip(stages, names, strict=True)):
             if not isinstance(name, str) or not name:

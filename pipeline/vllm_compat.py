@@ -459,7 +459,7 @@ def vllm_knob(name: str, value: Any) -> str | None:
     if entry is None:
         return None
     accepted, why = entry
-    if not any(value == a and type(value) is type(a) for a in accepted):
+    if not any(type(value) is type(a) and value == a for a in accepted):  # the type first, as above
         shown = " or ".join(repr(a) for a in accepted)
         raise ConfigError(f"{name}: vLLM's setting; {why}; accepted: {shown}, got {short(value)}", path=name,
                           detail=why)
@@ -583,7 +583,8 @@ def take_same_meaning(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
             continue
         if value is None:  # vLLM's "not set" (its default for every one of these): kvload's default stands
             continue
-        if key == "max_model_len" and value == -1 and type(value) is int:  # vLLM's sentinel of "auto"
+        # the type first: a numpy array's == is elementwise, and its truth raised a message naming no setting
+        if key == "max_model_len" and type(value) is int and value == -1:  # vLLM's sentinel of "auto"
             value = AUTO
         try:
             mine = _checked(path, value)

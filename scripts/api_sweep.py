@@ -15,8 +15,16 @@ answer as before after each case. The front door's newer arguments (``tokenizati
 it: itself, its ``truncate_prompt_tokens``, keys kvload lacks, the cut given twice; ``output_kind``;
 ``reset_prefix_cache``'s, ``get_world_size``'s and ``reset_mm_cache``'s arguments) are ``front_door_cases``.
 
+sweep69 added values the first list never tried (``NEW_VALUES``: an int past 4,300 digits, alias bombs, a million-item
+list, str / int subclasses whose own methods raise, a generator, a 10**7 numpy array, a tensor with requires_grad, a
+NaN dict key) and the doors ``kvload.plan`` / ``load``, ``KvCacheConfig`` / ``LlmArgs``, ``simulate``, ``build_state``
+and the CLI (``plan.``, ``plan_kv.``, ``load.``, ``kv_config.``, ``llm_args.``, ``simulate.``, ``serve.``, ``cli.``).
+Cases run in a worker process that is killed at ``--timeout`` (an alias bomb written out in C holds the GIL) and
+started again after the case that hung.
+
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl            # every case (a few minutes)
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only sp.  # the cases whose name starts "sp."
+    python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --only plan,simulate --kinds alias_bomb,bigint
     python scripts/api_sweep.py --out /tmp/api_sweep.jsonl --summary   # the suspects of a results file
 
 A suspect: an exception that is neither ValueError nor TypeError (an IndexError, a RuntimeError from torch), a
@@ -37,20 +45,102 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-HOSTILE: dict[str, Any] = {
+
+class Make:
+    """A value built afresh for each case (a generator is consumed once; a big array is not kept between cases)."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self.build = build
+
+
+class Fresh(Mapping[str, Any]):
+    """A dict of hostile values whose :class:`Make` entries are built anew on each lookup: ``value=X[kind]`` in a
+    case's defaults gives each case its own (the same generator given to two cases reached the second consumed)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.raw = values  # the entries as given (Make unbuilt): for building another Fresh on them
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.raw[key]
+        return value.build() if isinstance(value, Make) else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+class DunderError(Exception):
+    """Raised by :class:`EvilStr` / :class:`EvilInt`'s own methods: a case ending in it shows which method kvload
+    called on a user's object without guarding it (``raised_in`` is then that method, the record's ``called_from``
+    kvload's line)."""
+
+
+def _evil(name: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any) -> Any:
+        raise DunderError(f"hostile {type(self).__name__}.{name} called")
+    method.__name__ = name
+    return method
+
+
+_DUNDERS = ("__repr__", "__str__", "__eq__", "__ne__", "__hash__", "__bool__", "__len__", "__iter__", "__format__",
+            "__index__", "__int__", "__float__", "__lt__", "__le__", "__gt__", "__ge__")
+#: A ``str`` / ``int`` subclass each of whose methods a check could call raises.
+EvilStr = type("EvilStr", (str,), {name: _evil(name) for name in _DUNDERS if name not in ("__index__",)})
+EvilInt = type("EvilInt", (int,), {name: _evil(name) for name in _DUNDERS})
+
+
+def alias_bomb(levels: int = 40) -> list[Any]:
+    """A few hundred bytes that hold 2**levels items when written out: any repr / json.dumps / walk never returns."""
+    bomb: list[Any] = []
+    for _ in range(levels):
+        bomb = [bomb, bomb]
+    return bomb
+
+
+def _numpy_big() -> Any:
+    import numpy
+
+    return numpy.zeros(10 ** 7)  # where a scalar is wanted: 80 MB of it (calloc: no page is touched until read)
+
+
+def _tensor_grad() -> Any:
+    import torch
+
+    return torch.tensor(1.0, requires_grad=True)  # .numpy() refuses it; .item() does not
+
+
+def _generator() -> Any:
+    return (i for i in [1, 2, 3])
+
+
+#: sweep69's values: what the first list never tried (each hit a real bug somewhere). A case given one of these runs
+#: in the worker process the supervisor kills at ``--timeout`` (an alias bomb in C code holds the GIL: no thread
+#: timeout and no SIGALRM ends it).
+NEW_VALUES: dict[str, Any] = {
+    "bigint": 10 ** 5000,  # past Python's 4,300-digit str() limit: str/repr of it raises ValueError
+    "alias_bomb": Make(alias_bomb), "dict_bomb": Make(lambda: {"a": alias_bomb(), "b": alias_bomb()}),
+    "million_list": Make(lambda: [1] * 10 ** 6), "evil_str": Make(lambda: EvilStr("abc")),
+    "evil_int": Make(lambda: EvilInt(3)), "generator": Make(_generator), "numpy_big": Make(_numpy_big),
+    "tensor_grad": Make(_tensor_grad), "nan_key": Make(lambda: {math.nan: 1}),
+}
+HOSTILE: Fresh = Fresh({
     "str": "abc", "float": 1.5, "bool": True, "none": None, "list": [1], "dict": {"a": 1}, "bytes": b"1",
     "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "neg": -1, "zero": 0, "huge": 2 ** 63,
     "surrogate": "\ud800", "empty_str": "", "empty_list": [], "nested": [{"a": [None, b"x"]}], "object": object(),
-}
+    **NEW_VALUES,
+})
 #: Kinds of value that nothing in the API should accept silently.
-NEVER_OK = {"bytes", "nan", "dict", "nested", "object", "surrogate"}
+NEVER_OK = {"bytes", "nan", "dict", "nested", "object", "surrogate", "bigint", "alias_bomb", "dict_bomb",
+            "evil_str", "evil_int", "numpy_big", "nan_key"}
 PROMPT = "w5 w17 w300 w42 w9"
 BASE_IDS = [5, 17, 300, 42, 9]
 VOCAB = 512
@@ -99,6 +189,18 @@ def _tokens(llm: Any) -> list[int]:
     return list(llm.generate(BASE_IDS, SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids)
 
 
+def _safe_repr(value: Any) -> str:
+    """What a call returned, for the record: cut, never hanging on an alias bomb nor raising on a huge int."""
+    import reprlib
+
+    cut = reprlib.Repr()
+    cut.maxlevel, cut.maxstring, cut.maxother, cut.maxlong = 3, 80, 80, 80
+    try:
+        return cut.repr(value)[:160]
+    except Exception as e:  # a huge int (reprlib writes it out first), a user's __repr__
+        return f"<unprintable {type(value).__name__}: {type(e).__name__}>"
+
+
 def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: Any, timeout: float,
              watch: list[Path], probe: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Run ``fn`` in a thread (a hang is seen, not waited for), then check the LLM and what was left."""
@@ -125,18 +227,22 @@ def run_case(name: str, fn: Callable[[], Any], llm: Any, baseline: Any, timeout:
     exc = box.get("exc")
     if exc is None:
         rec["outcome"] = "accepted"
-        rec["value"] = repr(box.get("value"))[:160]
+        rec["value"] = _safe_repr(box.get("value"))
     else:
         rec["outcome"] = type(exc).__name__
         rec["mro"] = [c.__name__ for c in type(exc).__mro__]
         rec["message"] = str(exc)[:600]
         if name.endswith(".typo"):  # said past the cut of a long message (every field listed first)
             rec["suggests"] = "did you mean" in str(exc)
+        frames = []
         tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
+        while tb is not None:
+            frames.append(f"{Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}")
             tb = tb.tb_next
-        if tb is not None:
-            rec["raised_in"] = f"{Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}"
+        if frames:
+            rec["raised_in"] = frames[-1]
+        if isinstance(exc, DunderError) and len(frames) > 1:  # the line of kvload's that called the user's method
+            rec["called_from"] = frames[-2]
     if llm is not None and baseline is not None:
         try:
             rec["llm_ok"] = (probe or (lambda: _tokens(llm)))() == baseline
@@ -171,28 +277,28 @@ def param_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]
         return [f.name for f in attrs.fields(cls) if f.init]
 
     for field in fields(kvload.SamplingParams):
-        for kind, value in HOSTILE.items():
-            def go(field: str = field, value: Any = value) -> Any:
+        for kind in HOSTILE:
+            def go(field: str = field, value: Any = HOSTILE[kind]) -> Any:
                 kw = {field: value} if field == "max_tokens" else {"max_tokens": 3, field: value}
                 return llm.generate(BASE_IDS, kvload.SamplingParams(**kw))
             yield f"sp.{field}.{kind}", go
-            yield f"gen_kw.{field}.{kind}", lambda field=field, value=value: llm.generate(
+            yield f"gen_kw.{field}.{kind}", lambda field=field, value=HOSTILE[kind]: llm.generate(
                 BASE_IDS, **{field: value, **({} if field == "max_tokens" else {"max_tokens": 3})})
     for field in fields(kvload.BeamSearchParams):
-        for kind, value in HOSTILE.items():
-            def beam(field: str = field, value: Any = value) -> Any:
+        for kind in HOSTILE:
+            def beam(field: str = field, value: Any = HOSTILE[kind]) -> Any:
                 kw = {"beam_width": 2, "max_tokens": 3, field: value}
                 return llm.beam_search([{"prompt_token_ids": BASE_IDS}], kvload.BeamSearchParams(**kw))
             yield f"beam.{field}.{kind}", beam
     for field in fields(kvload.PoolingParams):
-        for kind, value in HOSTILE.items():
-            yield f"pool.{field}.{kind}", lambda field=field, value=value: llm.embed(
+        for kind in HOSTILE:
+            yield f"pool.{field}.{kind}", lambda field=field, value=HOSTILE[kind]: llm.embed(
                 [BASE_IDS], pooling_params=kvload.PoolingParams(**{field: value}))
     for field in fields(kvload.StructuredOutputsParams):
-        for kind, value in HOSTILE.items():
+        for kind in HOSTILE:
             # a field that is not the spec is given with one (a regex), so its own check is what answers
             spec = {} if field in SPECS else {"regex": "w1"}
-            yield f"so.{field}.{kind}", lambda field=field, value=value, spec=spec: llm.generate(
+            yield f"so.{field}.{kind}", lambda field=field, value=HOSTILE[kind], spec=spec: llm.generate(
                 PROMPT, kvload.SamplingParams(max_tokens=3, structured_outputs=kvload.StructuredOutputsParams(
                     **spec, **{field: value})))
     typos = {"sp.typo": lambda: kvload.SamplingParams(temprature=0.5),
@@ -228,21 +334,21 @@ def _without_template(llm: Any, call: Callable[[], Any]) -> Any:
 def call_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
     """The calls' own arguments and the prompts' odd forms."""
     sp = kvload.SamplingParams(max_tokens=3)
-    prompts: dict[str, Any] = {
-        **{f"hostile_{k}": v for k, v in HOSTILE.items()},
+    prompts = Fresh({
+        **{f"hostile_{k}": v for k, v in HOSTILE.raw.items()},
         "oov_id": [VOCAB + 5], "neg_id": [1, -3], "huge_id": [2 ** 63], "float_ids": [1.0, 2.0], "bool_ids": [True],
         "mix_str_ids": ["w1", 2], "dict_no_prompt": {"text": "w1"}, "dict_empty": {}, "dict_ids_oov": {
             "prompt_token_ids": [VOCAB]}, "dict_prompt_int": {"prompt": 5}, "dict_both": {
             "prompt": "w1", "prompt_token_ids": [1]}, "list_empty_str": [""], "list_empty_ids": [[]],
         "list_mixed": ["w1", [2, 3], {"prompt": "w4"}], "million_ids": [1] * 10 ** 6,
         "million_words": "w1 " * 10 ** 6, "nested_lists": [[[1, 2]]], "tuple_ids": (1, 2, 3), "set": {1, 2},
-        "generator": (i for i in [1, 2]), "unknown_word": "zzz qqq",
-    }
-    for kind, value in prompts.items():
-        yield f"generate.prompt.{kind}", lambda value=value: llm.generate(value, sp)
-        yield f"stream.prompt.{kind}", lambda value=value: llm.generate_stream(value, sp)
-        yield f"embed.prompt.{kind}", lambda value=value: llm.embed(value)
-        yield f"beam_search.prompt.{kind}", lambda value=value: llm.beam_search(
+        "generator": Make(lambda: (i for i in [1, 2])), "unknown_word": "zzz qqq",
+    })
+    for kind in prompts:
+        yield f"generate.prompt.{kind}", lambda value=prompts[kind]: llm.generate(value, sp)
+        yield f"stream.prompt.{kind}", lambda value=prompts[kind]: llm.generate_stream(value, sp)
+        yield f"embed.prompt.{kind}", lambda value=prompts[kind]: llm.embed(value)
+        yield f"beam_search.prompt.{kind}", lambda value=prompts[kind]: llm.beam_search(
             value, kvload.BeamSearchParams(beam_width=2, max_tokens=2))
     yield "score.prompt.empty_list", lambda: llm.score([], [PROMPT])
     yield "score.prompt.oov", lambda: llm.score([VOCAB + 1], [PROMPT])
@@ -258,28 +364,28 @@ def call_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]
     chat_kw = ["chat_template", "chat_template_content_format", "add_generation_prompt", "continue_final_message",
                "tools", "chat_template_kwargs", "salt", "use_tqdm"]
     for kw in chat_kw:
-        for kind, value in HOSTILE.items():
-            yield f"chat.{kw}.{kind}", lambda kw=kw, value=value: llm.chat(msgs, sp, **{kw: value})
+        for kind in HOSTILE:
+            yield f"chat.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: llm.chat(msgs, sp, **{kw: value})
     for kw in ["salt", "chat", "priority", "lora_request", "prompt_token_ids", "use_tqdm", "sampling_params"]:
-        for kind, value in HOSTILE.items():
-            def gen(kw: str = kw, value: Any = value) -> Any:
+        for kind in HOSTILE:
+            def gen(kw: str = kw, value: Any = HOSTILE[kind]) -> Any:
                 base: dict[str, Any] = {} if kw in ("sampling_params", "prompt_token_ids") else {"sampling_params": sp}
                 args = () if kw == "prompt_token_ids" else (BASE_IDS,)
                 return llm.generate(*args, **base, **{kw: value})
             yield f"generate.{kw}.{kind}", gen
     for kw in ["truncate_prompt_tokens", "pooling_params", "salt", "use_tqdm", "lora_request"]:
-        for kind, value in HOSTILE.items():
-            yield f"embed.{kw}.{kind}", lambda kw=kw, value=value: llm.embed([BASE_IDS], **{kw: value})
-            yield f"score.{kw}.{kind}", lambda kw=kw, value=value: llm.score(PROMPT, "w1 w2", **{kw: value})
+        for kind in HOSTILE:
+            yield f"embed.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: llm.embed([BASE_IDS], **{kw: value})
+            yield f"score.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: llm.score(PROMPT, "w1 w2", **{kw: value})
     for kw in ["concurrency_limit", "use_tqdm", "lora_request", "params"]:
-        for kind, value in HOSTILE.items():
-            def beam(kw: str = kw, value: Any = value) -> Any:
+        for kind in HOSTILE:
+            def beam(kw: str = kw, value: Any = HOSTILE[kind]) -> Any:
                 kwargs = {"params": kvload.BeamSearchParams(beam_width=2, max_tokens=2), kw: value}
                 return llm.beam_search([BASE_IDS, [1, 2]], **kwargs)
             yield f"beam_search.{kw}.{kind}", beam
     for kw in ["salt", "chat", "lora_request", "sampling_params"]:
-        for kind, value in HOSTILE.items():
-            yield f"stream.{kw}.{kind}", lambda kw=kw, value=value: llm.generate_stream(
+        for kind in HOSTILE:
+            yield f"stream.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: llm.generate_stream(
                 BASE_IDS, **({"sampling_params": sp} if kw != "sampling_params" else {}), **{kw: value})
     # lists of sampling params against the prompts
     yield "generate.sp_list.short", lambda: llm.generate([BASE_IDS, [1, 2]], [sp])
@@ -298,8 +404,8 @@ def call_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], Any]]]
 #: ``tokenization_kwargs={"truncate_prompt_tokens": v}``'s values: the hostile ones and cuts near the edges.
 #: (A dict in the cut is one of them, named under truncate_prompt_tokens: its refusal rightly names that key, where
 #: the first list had it among TK_KEYS and charged it with not naming tokenization_kwargs.)
-CUT_VALUES: dict[str, Any] = {**HOSTILE, "neg2": -2, "big": 10 ** 6, "float_int": 2.0, "minus_one": -1,
-                              "dict_cut": {"truncate_prompt_tokens": 2}}
+CUT_VALUES: Fresh = Fresh({**HOSTILE.raw, "neg2": -2, "big": 10 ** 6, "float_int": 2.0, "minus_one": -1,
+                              "dict_cut": {"truncate_prompt_tokens": 2}})
 #: ``tokenization_kwargs`` dicts with keys kvload does not take (vLLM's others, junk, non-str keys, a typo).
 TK_KEYS: dict[str, Any] = {
     "add_special_tokens": {"add_special_tokens": False}, "truncation": {"truncation": True},
@@ -314,13 +420,13 @@ def tokenization_kwargs_cases(calls: dict[str, Callable[[Any], Any]]) -> Iterato
     """Each call's ``tokenization_kwargs`` cases: the argument itself hostile, its cut hostile, keys kvload lacks, the
     cut's name one letter short."""
     for call, fn in calls.items():
-        for kind, value in HOSTILE.items():  # the argument itself
-            yield f"{call}.tokenization_kwargs.{kind}", lambda fn=fn, value=value: fn(value)
-        for kind, value in CUT_VALUES.items():  # its cut
-            yield f"{call}_tk.truncate_prompt_tokens.{kind}", lambda fn=fn, value=value: fn(
+        for kind in HOSTILE:  # the argument itself
+            yield f"{call}.tokenization_kwargs.{kind}", lambda fn=fn, value=HOSTILE[kind]: fn(value)
+        for kind in CUT_VALUES:  # its cut
+            yield f"{call}_tk.truncate_prompt_tokens.{kind}", lambda fn=fn, value=CUT_VALUES[kind]: fn(
                 {"truncate_prompt_tokens": value})
-        for kind, value in TK_KEYS.items():
-            yield f"{call}.tokenization_kwargs.key_{kind}", lambda fn=fn, value=value: fn(value)
+        for kind in TK_KEYS:
+            yield f"{call}.tokenization_kwargs.key_{kind}", lambda fn=fn, value=TK_KEYS[kind]: fn(value)
         yield f"{call}.tokenization_kwargs.typo", lambda fn=fn: fn({"truncate_prompt_token": 2})
 
 
@@ -377,22 +483,23 @@ def front_door_cases(kvload: Any, llm: Any) -> Iterator[tuple[str, Callable[[], 
             tokenization_kwargs={"truncate_prompt_tokens": 3}),
     }
     yield from twice.items()
-    kinds = {**HOSTILE, "delta": kvload.RequestOutputKind.DELTA, "int_two": 2, "name": "FINAL_ONLY",
-             "final_only": kvload.RequestOutputKind.FINAL_ONLY, "cumulative": kvload.RequestOutputKind.CUMULATIVE}
-    for kind, value in kinds.items():
-        yield f"sp.output_kind.{kind}", lambda value=value: llm.generate(
+    kinds = Fresh({**HOSTILE.raw, "delta": kvload.RequestOutputKind.DELTA, "int_two": 2, "name": "FINAL_ONLY",
+             "final_only": kvload.RequestOutputKind.FINAL_ONLY, "cumulative": kvload.RequestOutputKind.CUMULATIVE})
+    for kind in kinds:
+        yield f"sp.output_kind.{kind}", lambda value=kinds[kind]: llm.generate(
             BASE_IDS, kvload.SamplingParams(max_tokens=3, output_kind=value))
-        yield f"gen_kw.output_kind.{kind}", lambda value=value: llm.generate(BASE_IDS, max_tokens=3, output_kind=value)
-        yield f"stream_sp.output_kind.{kind}", lambda value=value: llm.generate_stream(
+        yield f"gen_kw.output_kind.{kind}", lambda value=kinds[kind]: llm.generate(
+            BASE_IDS, max_tokens=3, output_kind=value)
+        yield f"stream_sp.output_kind.{kind}", lambda value=kinds[kind]: llm.generate_stream(
             BASE_IDS, kvload.SamplingParams(max_tokens=3, output_kind=value))
     for arg in ("reset_running_requests", "reset_connector"):
-        for kind, value in HOSTILE.items():
-            yield f"reset_prefix_cache.{arg}.{kind}", lambda arg=arg, value=value: llm.reset_prefix_cache(
+        for kind in HOSTILE:
+            yield f"reset_prefix_cache.{arg}.{kind}", lambda arg=arg, value=HOSTILE[kind]: llm.reset_prefix_cache(
                 **{arg: value})
     yield "reset_prefix_cache.positional.three", lambda: llm.reset_prefix_cache(True, True, True)
     yield "reset_prefix_cache.typo", lambda: llm.reset_prefix_cache(reset_running_request=True)
-    for kind, value in HOSTILE.items():
-        yield f"get_world_size.include_dp.{kind}", lambda value=value: llm.get_world_size(include_dp=value)
+    for kind in HOSTILE:
+        yield f"get_world_size.include_dp.{kind}", lambda value=HOSTILE[kind]: llm.get_world_size(include_dp=value)
     yield "get_world_size.typo", lambda: llm.get_world_size(include_pd=True)
     yield "get_world_size.positional.two", lambda: llm.get_world_size(True, True)
     yield "reset_mm_cache.positional.one", lambda: llm.reset_mm_cache(True)
@@ -475,8 +582,135 @@ def hf_cases(kvload: Any, ckpt: Path) -> Iterator[tuple[str, Callable[[], Any]]]
         finally:
             llm.close()
 
-    for kind, value in HF_OVERRIDES.items():
-        yield f"hf_overrides.{kind}", lambda value=value: build(value)
+    for kind in HF_OVERRIDES:
+        yield f"hf_overrides.{kind}", lambda value=HF_OVERRIDES[kind]: build(value)
+
+
+#: ``kvload.plan`` / ``load``'s own keywords (the ``LlmArgs`` overrides are :data:`LLM_ARGS_FIELDS`).
+PLAN_KWARGS = ["config_file", "audit_log", "subscribers", "stages", "log"]
+#: ``engine.simulator.simulate``'s keywords (``model`` and ``workload`` too: they are arguments a caller passes).
+SIMULATE_KWARGS = ["model", "workload", "requests", "seed", "params", "compare", "config_file", "source", "audit_log",
+                   "progress", "log", "subscribers", "hardware"]
+#: ``kvload serve``'s flags with a text value, given odd and huge text on ``kvload plan tiny-llama`` (the parse and
+#: the checks are the same for every command).
+CLI_FLAGS = ["max_tokens", "max_gpu_total_bytes", "tokens_per_block", "kv_cache_free_gpu_memory_fraction",
+             "host_cache_size", "max_seq_len", "max_batch_size", "dtype", "device", "scheduling_policy",
+             "generation_config", "override_generation_config", "tp_size", "config", "audit"]
+CLI_VALUES: dict[str, str] = {
+    "digits_5000": "9" * 5000, "digits_100k": "9" * 100_000, "exp_huge": "1e400", "nan": "nan", "inf": "inf",
+    "neg": "-1", "fullwidth": "\uff11\uff12", "underscore": "1_000", "hex": "0x10", "spaces": " 64 ",
+    "long_text": "a" * 100_000, "json_list": "[1, 2]", "json_bomb": "[" * 50_000, "newline": "64\n65",
+    "empty": "", "surrogate_escape": "\udcff",
+}
+#: A flag whose refusal names the setting it sets (``--tp_size 64``: "tensor_parallel_size=64: ...").
+CLI_NAMES = {"tp_size": "tensor_parallel_size", "config": "config file", "audit": "audit log"}
+#: A YAML config file whose alias bomb expands to 2**40 items (each level names the last twice).
+YAML_BOMB = "a0: &a0 [1, 1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 41))
+PLAN_BASE: dict[str, Any] = {"log": False, "kv_cache_config": {"max_tokens": 256}}
+
+
+def _fields(cls: type) -> list[str]:
+    import attrs
+
+    return [f.name for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
+
+
+def door_cases(kvload: Any, work: Path) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """The doors the first sweep did not try: ``kvload.plan`` / ``load`` (their keywords, the ``LlmArgs`` overrides,
+    ``kv_cache_config``'s fields), ``KvCacheConfig(...)`` / ``LlmArgs(...)`` built directly, ``simulate``'s keywords
+    and ``build_state``'s (the server's Python door), each given every hostile value."""
+    from engine.simulator import simulate
+    from pipeline.config import KvCacheConfig, LlmArgs
+
+    bomb_file = work / "bomb.yaml"
+    bomb_file.write_text(YAML_BOMB)
+    for kw in PLAN_KWARGS + [f for f in _fields(LlmArgs) if f not in ("model", "kv_cache_config")]:
+        for kind in HOSTILE:
+            yield f"plan.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: kvload.plan(
+                "tiny-llama", **{**PLAN_BASE, kw: value})
+    for field in _fields(KvCacheConfig):
+        for kind in HOSTILE:
+            yield f"plan_kv.{field}.{kind}", lambda field=field, value=HOSTILE[kind]: kvload.plan(
+                "tiny-llama", log=False, kv_cache_config={"max_tokens": 256, field: value})
+            yield f"kv_config.{field}.{kind}", lambda field=field, value=HOSTILE[kind]: KvCacheConfig(**{field: value})
+    for kind in HOSTILE:
+        yield f"plan.model.{kind}", lambda value=HOSTILE[kind]: kvload.plan(value, **PLAN_BASE)
+        yield f"plan.kv_cache_config.{kind}", lambda value=HOSTILE[kind]: kvload.plan(
+            "tiny-llama", log=False, kv_cache_config=value)
+        yield f"load.load_weights.{kind}", lambda value=HOSTILE[kind]: kvload.load(
+            "tiny-llama", load_weights=value, **PLAN_BASE)
+        yield f"load.kv_cache_config.{kind}", lambda value=HOSTILE[kind]: kvload.load(
+            "tiny-llama", log=False, kv_cache_config=value)
+    for field in _fields(LlmArgs):
+        for kind in HOSTILE:
+            yield f"llm_args.{field}.{kind}", lambda field=field, value=HOSTILE[kind]: LlmArgs(
+                **{"model": "tiny-llama", field: value})
+    yield "plan.config_file.yaml_bomb", lambda: kvload.plan("tiny-llama", config_file=bomb_file, **PLAN_BASE)
+    yield "plan.typo", lambda: kvload.plan("tiny-llama", max_seq_lne=64, **PLAN_BASE)
+    yield "plan_kv.typo", lambda: kvload.plan("tiny-llama", log=False, kv_cache_config={"max_tokes": 256})
+    sim = {"requests": 2, "log": False}
+    for kw in SIMULATE_KWARGS:
+        for kind in HOSTILE:
+            def simulate_one(kw: str = kw, value: Any = HOSTILE[kind]) -> Any:
+                args = {"model": "tiny-llama", "workload": "no-reuse", **sim, kw: value}
+                simulate(args.pop("model"), args.pop("workload"), **args)
+                return "simulated"
+            yield f"simulate.{kw}.{kind}", simulate_one
+    yield "simulate.config_file.yaml_bomb", lambda: simulate("tiny-llama", "no-reuse", config_file=str(bomb_file),
+                                                            **sim)
+    yield "simulate.typo", lambda: simulate("tiny-llama", "no-reuse", reqests=2, log=False)
+
+
+def serve_cases(kvload: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``build_state``'s keywords (``kvload serve``'s Python door) on one loaded tiny llama; a state built is closed."""
+    import inspect
+
+    from kvload.serve.server import build_state
+
+    result = kvload.load("tiny-llama", log=False, load_weights=True, kv_cache_config={"max_tokens": 256})
+
+    def build(**kw: Any) -> Any:
+        state = build_state(result, **kw)
+        close = getattr(state, "close", None) or getattr(getattr(state, "engine", None), "close", None)
+        if close is not None:
+            close()
+        return "built"
+
+    for kw in [p for p in inspect.signature(build_state).parameters if p != "result"]:
+        for kind in HOSTILE:
+            yield f"serve.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: build(**{kw: value})
+    yield "serve.typo", lambda: build(max_concurent_requests=4)
+
+
+class CliRefused(ValueError):
+    """``kvload`` exited 2: its stderr is the message (what a user reads)."""
+
+
+def cli_cases(work: Path) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``python -m kvload plan tiny-llama --FLAG V`` with odd and huge text, and a config file holding an alias bomb;
+    exit 2 is a refusal (checked as the calls' are: one line naming the flag), 0 "accepted", anything else raised."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def kvload_cli(*argv: str) -> Any:
+        try:
+            r = subprocess.run([sys.executable, "-m", "kvload", "plan", "tiny-llama", "--max_tokens", "256", *argv],
+                               capture_output=True, text=True, env=env, timeout=60, errors="backslashreplace")
+        except subprocess.TimeoutExpired as e:
+            raise TimeoutError(f"kvload {' '.join(a[:20] for a in argv)} ran past 60 s") from e
+        if r.returncode == 2:
+            raise CliRefused(r.stderr.strip())
+        if r.returncode != 0 or "Traceback" in r.stderr:
+            raise RuntimeError(f"exit {r.returncode}: {r.stderr.strip()[-600:]}")
+        return "accepted"
+
+    for flag in CLI_FLAGS:
+        for kind, value in CLI_VALUES.items():
+            yield f"cli.{flag}.{kind}", lambda flag=flag, value=value: kvload_cli(f"--{flag}", value)
+    bomb_file = work / "cli_bomb.yaml"
+    bomb_file.write_text(YAML_BOMB)
+    yield "cli.config.yaml_bomb", lambda: kvload_cli("--config", str(bomb_file))
 
 
 CLASSIFY_GROUPS = ("classify", "ce_score")
@@ -484,25 +718,26 @@ CLASSIFY_GROUPS = ("classify", "ce_score")
 
 def classify_cases(kvload: Any, cls: Any, ce: Any) -> Iterator[tuple[str, Callable[[], Any]]]:
     """``LLM.classify`` and ``LLM.reward`` on a 3-label classifier and ``LLM.score`` on a one-label cross-encoder."""
-    prompts: dict[str, Any] = {
-        **{f"hostile_{k}": v for k, v in HOSTILE.items()}, "oov_id": [VOCAB + 5], "neg_id": [1, -3],
+    prompts = Fresh({
+        **{f"hostile_{k}": v for k, v in HOSTILE.raw.items()}, "oov_id": [VOCAB + 5], "neg_id": [1, -3],
         "huge_id": [2 ** 63], "list_empty_ids": [[]], "list_empty_str": [""], "million_ids": [1] * 10 ** 6,
-        "nested_lists": [[[1, 2]]], "dict_empty": {}, "mix": ["w1", [2, 3], {"prompt": "w4"}], "unknown": "zzz"}
-    for kind, value in prompts.items():
-        yield f"classify.prompt.{kind}", lambda value=value: cls.classify(value)
-        yield f"classify_reward.prompt.{kind}", lambda value=value: cls.reward(value)
-        yield f"ce_score.prompt.{kind}", lambda value=value: ce.score(value, PROMPT)
-        yield f"ce_score.prompt2.{kind}", lambda value=value: ce.score(PROMPT, value)
+        "nested_lists": [[[1, 2]]], "dict_empty": {}, "mix": ["w1", [2, 3], {"prompt": "w4"}], "unknown": "zzz"})
+    for kind in prompts:
+        yield f"classify.prompt.{kind}", lambda value=prompts[kind]: cls.classify(value)
+        yield f"classify_reward.prompt.{kind}", lambda value=prompts[kind]: cls.reward(value)
+        yield f"ce_score.prompt.{kind}", lambda value=prompts[kind]: ce.score(value, PROMPT)
+        yield f"ce_score.prompt2.{kind}", lambda value=prompts[kind]: ce.score(PROMPT, value)
     for kw in ["truncate_prompt_tokens", "pooling_params", "salt", "use_tqdm", "lora_request"]:
-        for kind, value in HOSTILE.items():
-            yield f"classify.{kw}.{kind}", lambda kw=kw, value=value: cls.classify([BASE_IDS], **{kw: value})
-            yield f"classify_reward.{kw}.{kind}", lambda kw=kw, value=value: cls.reward([BASE_IDS], **{kw: value})
-            yield f"ce_score.{kw}.{kind}", lambda kw=kw, value=value: ce.score(PROMPT, "w1 w2", **{kw: value})
+        for kind in HOSTILE:
+            yield f"classify.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: cls.classify([BASE_IDS], **{kw: value})
+            yield f"classify_reward.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: cls.reward(
+                [BASE_IDS], **{kw: value})
+            yield f"ce_score.{kw}.{kind}", lambda kw=kw, value=HOSTILE[kind]: ce.score(PROMPT, "w1 w2", **{kw: value})
     import attrs
 
     for field in [f.name for f in attrs.fields(kvload.PoolingParams) if f.init]:
-        for kind, value in HOSTILE.items():
-            yield f"classify_pool.{field}.{kind}", lambda field=field, value=value: cls.classify(
+        for kind in HOSTILE:
+            yield f"classify_pool.{field}.{kind}", lambda field=field, value=HOSTILE[kind]: cls.classify(
                 [BASE_IDS], pooling_params=kvload.PoolingParams(**{field: value}))
     pool_calls: dict[str, Callable[[Any], Any]] = {
         "classify": lambda tk: cls.classify([BASE_IDS], tokenization_kwargs=tk),
@@ -535,6 +770,8 @@ def suspect(r: dict[str, Any]) -> list[str]:
     if r.get("hang"):
         return ["hang"]
     refused = r.get("outcome") not in (None, "accepted")
+    if r.get("outcome") == "DunderError":  # kvload called a method of the user's object that raised, unguarded
+        return [f"called the value's own method unguarded at {r.get('called_from')}"]
     if refused and not {"ValueError", "TypeError"} & set(r.get("mro", [])) \
             and not (r["case"].startswith("llm.model.") and r["outcome"] == "ModelError") \
             and not (r["case"].startswith("hf_overrides.") and "KvloadError" in r.get("mro", [])):  # the model's
@@ -548,8 +785,9 @@ def suspect(r: dict[str, Any]) -> list[str]:
         why.append("unprintable message")
     if r.get("outcome") not in (None, "accepted"):
         arg = r["case"].split(".")[1] if r["case"].count(".") >= 2 else ""
+        also = CLI_NAMES.get(arg, arg) if r["case"].startswith("cli.") else arg  # the flag or the setting it sets
         if arg and arg not in ("prompt", "prompt2", "messages", "sp_list", "pool_list", "kv", "model") \
-                and arg not in msg and arg.replace("_", " ") not in msg:
+                and not any(name in msg or name.replace("_", " ") in msg for name in (arg, also)):
             why.append(f"message does not name {arg}")
     if r["case"].startswith("hf_overrides.") and refused and "hf_overrides" not in msg:
         why.append("message does not name hf_overrides")
@@ -577,22 +815,11 @@ def summary(path: Path) -> None:
         print(f"{r['case']}: {'; '.join(why)} -- {r.get('outcome', 'hang')}: {said!r}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="results, one JSON line a case")
-    ap.add_argument("--only", default="", help="run only the cases whose name starts with this")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take before it counts as a hang")
-    ap.add_argument("--llm-kinds", default="str,float,neg,nan,huge,dict",
-                    help="hostile kinds given to LLM(...)'s keywords (each case may be a load)")
-    ap.add_argument("--summary", action="store_true", help="print the suspects of --out and stop")
-    a = ap.parse_args()
-    if a.summary:
-        summary(a.out)
-        return
+def _worker(a: argparse.Namespace, status: Any) -> int:
+    """Run the cases after ``--after`` in this process, writing each result to ``--out`` and ``BEGIN`` / ``END`` lines
+    to ``status`` (the supervisor's pipe); 3 when a case hung in a thread (the LLM is then busy: start afresh)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    work = Path(tempfile.mkdtemp(prefix="api_sweep-"))
-    # the checkpoints and whatever the cases wrote go with the run (every earlier run left its folder in /tmp)
-    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(dir=a.work))  # the supervisor's folder: it goes with the run, a worker killed or not
     os.environ["TMPDIR"] = str(work / "tmp")
     os.environ["KVLOAD_CACHE"] = str(work / "cache")
     (work / "tmp").mkdir()
@@ -613,9 +840,9 @@ def main() -> None:
     llm.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                                    "{% if add_generation_prompt %}w1{% endif %}")  # the word tokenizer has none
     baseline = _tokens(llm)
-    n = 0
     probe, probe_baseline = None, baseline
-    if any(p.startswith(a.only) or a.only.startswith(p) for p in CLASSIFY_GROUPS):
+    only = tuple(a.only.split(","))  # several prefixes, comma-separated
+    if any(p.startswith(o) or o.startswith(p) for p in CLASSIFY_GROUPS for o in only):
         from tests.classify_support import classifier_checkpoint
 
         kw = {"device": "cpu", "max_seq_len": 64, "log": False, "kv_cache_config": {"max_tokens": 512}}
@@ -628,29 +855,146 @@ def main() -> None:
             return cls.classify([BASE_IDS])[0].outputs.probs, ce.score(PROMPT, "w1 w2")[0].outputs.score
 
         probe_baseline = probe()
-    with a.out.open("w") as out:
-        groups = [param_cases(kvload, llm), call_cases(kvload, llm), front_door_cases(kvload, llm),
-                  llm_cases(kvload, ckpt, a.llm_kinds.split(",")), hf_cases(kvload, ckpt)]
-        if probe is not None:
-            groups.append(classify_cases(kvload, cls, ce))
-        for group in groups:
+    kinds = set(a.kinds.split(",")) if a.kinds else None
+    print("READY", file=status, flush=True)
+    # the doors of sweep69 run without the LLM (nothing of theirs touches it); the door groups build lazily
+    groups: list[tuple[Iterator[tuple[str, Callable[[], Any]]], bool]] = [
+        (param_cases(kvload, llm), True), (call_cases(kvload, llm), True), (front_door_cases(kvload, llm), True),
+        (llm_cases(kvload, ckpt, a.llm_kinds.split(",")), True), (hf_cases(kvload, ckpt), True)]
+    if probe is not None:
+        groups.append((classify_cases(kvload, cls, ce), True))
+    groups += [(_lazy(lambda: door_cases(kvload, work), ("plan", "load", "kv_config", "llm_args", "simulate"),
+                      only), False),
+               (_lazy(lambda: serve_cases(kvload), ("serve",), only), False),
+               (_lazy(lambda: cli_cases(work), ("cli",), only), False)]
+    skipping = bool(a.after)
+    with a.out.open("a") as out:
+        for group, uses_llm in groups:
             for name, fn in group:
-                if not name.startswith(a.only):
+                if skipping:
+                    skipping = name != a.after
                     continue
+                if not name.startswith(only) or (kinds is not None and name.rsplit(".", 1)[-1] not in kinds):
+                    continue
+                print(f"BEGIN {name}", file=status, flush=True)
                 classify = name.startswith(CLASSIFY_GROUPS)
-                rec = run_case(name, fn, llm, probe_baseline if classify else baseline, a.timeout, watch,
+                rec = run_case(name, fn, llm if uses_llm else None,
+                               (probe_baseline if classify else baseline) if uses_llm else None, a.timeout, watch,
                                probe if classify else None)
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                n += 1
-                if rec.get("hang"):
-                    print(f"{name}: hung; the LLM is busy, stopping", file=sys.stderr)
-                    llm = None
-                    break
-            if llm is None:
+                print(f"END {name}", file=status, flush=True)
+                if rec.get("hang"):  # the LLM (or a lock of kvload's) is busy: go on in a new process
+                    return 3
+    return 0
+
+
+def _lazy(build: Callable[[], Iterator[tuple[str, Callable[[], Any]]]], prefixes: tuple[str, ...],
+          only: tuple[str, ...]) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``build()``'s cases, built only when ``--only`` can select one of them (their setup loads a model)."""
+    if any(p.startswith(o) or o.startswith(p) for p in prefixes for o in only):
+        yield from build()
+
+
+def _bound_memory(gib: int) -> None:
+    """In the worker before exec: at most ``gib`` GiB of address space."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+
+
+def _supervise(a: argparse.Namespace) -> int:
+    """Run the cases in a worker process, killing it when one case runs past ``--timeout`` (a hang in C code holds the
+    GIL: the worker's own thread timeout never fires) and going on in a new worker after that case."""
+    import select
+    import signal
+    import subprocess
+
+    a.out.write_text("")
+    work = tempfile.mkdtemp(prefix="api_sweep-")
+    # the checkpoints and whatever the cases wrote go with the run (every earlier run left its folder in /tmp)
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    after = ""
+    while True:
+        read_end, write_end = os.pipe()
+        argv = [sys.executable, __file__, "--worker", str(write_end), "--out", str(a.out), "--only", a.only,
+                "--timeout", str(a.timeout), "--llm-kinds", a.llm_kinds, "--kinds", a.kinds, "--after", after,
+                "--work", work, "--max-memory", str(a.max_memory)]
+        # a bound on memory: an alias bomb written out grows a string until the timeout, on a shared machine
+        proc = subprocess.Popen(argv, pass_fds=(write_end,), start_new_session=True,
+                                preexec_fn=lambda: _bound_memory(a.max_memory))
+        os.close(write_end)
+        current, pending, lines = "", b"", []
+        while True:
+            wait = a.timeout + 10 if current else 900  # between cases: a group's setup (a model load)
+            # read the fd itself (a buffered readline takes several lines at once, and select then sees none)
+            if not lines and not select.select([read_end], [], [], wait)[0]:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                os.close(read_end)
+                if not current:
+                    print(f"the worker stopped between cases (after {after or 'its start'})", file=sys.stderr)
+                    return 1
+                with a.out.open("a") as out:
+                    out.write(json.dumps({"case": current, "hang": True, "s": wait, "in_c": True}) + "\n")
+                print(f"{current}: hung (worker killed); going on after it", file=sys.stderr)
+                after = current
                 break
-    print(f"{n} cases -> {a.out}", file=sys.stderr)
+            if not lines:
+                chunk = os.read(read_end, 65536)
+                pending += chunk
+                *done, pending = pending.split(b"\n")
+                lines += [d.decode() for d in done]
+                if chunk:
+                    continue
+            if not lines:  # the worker ended
+                rc = proc.wait()
+                os.close(read_end)
+                if rc == 0:
+                    return 0
+                if current:  # died inside a case (killed by the memory bound, a crash in C)
+                    with a.out.open("a") as out:
+                        out.write(json.dumps({"case": current, "outcome": f"worker died ({rc})",
+                                              "mro": [], "message": ""}) + "\n")
+                    after = current
+                elif rc != 3 or not after:
+                    print(f"the worker failed ({rc}) outside any case", file=sys.stderr)
+                    return 1
+                break
+            word, _, name = lines.pop(0).strip().partition(" ")
+            if word == "BEGIN":
+                current = name
+            elif word == "END":
+                current, after = "", name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="results, one JSON line a case")
+    ap.add_argument("--only", default="",
+                    help="run only the cases whose name starts with this (or one of these, comma-separated)")
+    ap.add_argument("--kinds", default="", help="run only the cases whose last name part (the value's kind) is one of "
+                    "these, comma-separated (e.g. the new values: " + ",".join(NEW_VALUES) + ")")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take before it counts as a hang")
+    ap.add_argument("--max-memory", type=int, default=6, help="GiB of address space the worker may use")
+    ap.add_argument("--llm-kinds", default="str,float,neg,nan,huge,dict,bigint,alias_bomb,evil_str,numpy_big",
+                    help="hostile kinds given to LLM(...)'s keywords (each case may be a load)")
+    ap.add_argument("--summary", action="store_true", help="print the suspects of --out and stop")
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # the status pipe's fd: this is the worker
+    ap.add_argument("--after", default="", help=argparse.SUPPRESS)  # the worker starts after this case
+    ap.add_argument("--work", default="", help=argparse.SUPPRESS)  # the supervisor's scratch folder
+    a = ap.parse_args()
+    if a.summary:
+        summary(a.out)
+        return
+    if a.worker is not None:
+        with os.fdopen(a.worker, "w") as status:
+            code = _worker(a, status)
+        sys.stdout.flush()
+        os._exit(code)  # a case's thread still running (a hang) must not keep the worker alive
+    code = _supervise(a)
     summary(a.out)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
