@@ -411,7 +411,8 @@ def template_options(add_generation_prompt: Any = True, continue_final_message: 
     ``chat_template_content_format`` as :func:`apply_template`'s ``content_format``."""
     from engine.content_format import CONTENT_FORMATS
 
-    if chat_template_content_format is not None and chat_template_content_format not in CONTENT_FORMATS:
+    if chat_template_content_format is not None and (not isinstance(chat_template_content_format, str)
+                                                     or chat_template_content_format not in CONTENT_FORMATS):
         raise GenerationError(f"chat: chat_template_content_format: expected one of {', '.join(CONTENT_FORMATS)}, "
                               f"got {short_py(chat_template_content_format)}")
     add_generation_prompt = checked_flag(add_generation_prompt,

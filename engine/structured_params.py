@@ -210,7 +210,8 @@ class StructuredOutputsParams:
         if self.disable_any_whitespace and kind not in ("json", "json_object"):
             raise _refuse("disable_any_whitespace", f"applies to json and json_object (JSON's whitespace); {kind} "
                                                     "outputs match their own spec exactly")
-        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+        if self.reasoning_parser is not None and (not isinstance(self.reasoning_parser, str)
+                                                 or self.reasoning_parser not in PARSERS):
             shown = repr(self.reasoning_parser) if isinstance(self.reasoning_parser, str) else \
                 type(self.reasoning_parser).__name__
             raise _refuse("reasoning_parser", f"expected one of {', '.join(PARSERS)} (or None: the grammar holds the "

@@ -347,7 +347,8 @@ def make_workload(name: str, requests: int | None = None, seed: int = 0, /, **pa
     factory = WORKLOADS[name]
     count = requests if requests is not None else inspect.signature(factory).parameters["requests"].default
     if count > MAX_REQUESTS:
-        raise ValueError(f"workload {name}: requests={count:,} is more than {MAX_REQUESTS:,}; lower --requests")
+        shown = f"{count:,}" if count < 10**24 else short_py(count)  # (10**5000's digits cannot be written)
+        raise ValueError(f"workload {name}: requests={shown} is more than {MAX_REQUESTS:,}; lower --requests")
     segments = fresh_segments(name, count, merged)
     # the default grows (the ids are synthetic; their uniqueness is what the ideal hit rate rests on)
     if "vocab" not in params and segments > merged["vocab"] - 1:

@@ -128,3 +128,22 @@ def test_a_vllm_keyword_given_a_numpy_array_is_refused_naming_it(keyword):
     # its elementwise == with vLLM's sentinel reached `and`: "parse_args: ValueError: The truth value of an array..."
     with pytest.raises(ConfigError, match=rf"^{keyword}: "):
         kvload.plan("tiny-llama", log=False, kv_cache_config={"max_tokens": 256}, **{keyword: np.zeros(10)})
+
+
+def test_a_format_or_parser_name_given_as_an_array_and_a_huge_request_count_are_refused_naming_them():
+    """Left by sweep69: ``chat_template_content_format`` and a grammar's ``reasoning_parser`` given a numpy array
+    said "The truth value of an array ... is ambiguous" (``x not in NAMES`` compared it element by element), and
+    ``make_workload(requests=10**5000)`` raised Python's 4,300-digit error writing the count."""
+    import numpy as np
+
+    from engine.prompts import template_options
+    from engine.structured_params import StructuredOutputsParams
+    from engine.workloads import make_workload
+    from pipeline.errors import GenerationError
+
+    with pytest.raises(GenerationError, match=r"^chat: chat_template_content_format: expected one of .*, got array"):
+        template_options(chat_template_content_format=np.zeros(3))
+    with pytest.raises(GenerationError, match=r"structured_outputs\.reasoning_parser: expected one of .* got ndarray"):
+        StructuredOutputsParams(json={}, reasoning_parser=np.zeros(3))
+    with pytest.raises(ValueError, match=r"^workload mixed: requests=an integer of about 5001 digits is more than "):
+        make_workload("mixed", 10**5000, 0)
