@@ -215,10 +215,17 @@ def non_json_in(value: Any, where: str) -> tuple[str, Any] | None:
 
 def _first_leaf(value: Any, where: str, bad: Callable[[Any], bool]) -> tuple[str, Any] | None:
     """The first leaf of ``value`` (a mapping's keys are leaves too) for which ``bad`` holds, with its path from
-    ``where`` (``where.key``, ``where[2]``). A walk with a stack: a document's depth is bounded elsewhere, not here."""
+    ``where`` (``where.key``, ``where[2]``). A walk with a stack: a document's depth is bounded elsewhere, not here.
+    A container met again (the same object held twice) is not walked again: it held no such leaf the first time, and
+    a list holding itself twice at each of 40 levels (a few hundred bytes) was 2**40 leaves walked (never returned)."""
     stack: list[tuple[Any, str, bool]] = [(value, where, False)]
-    while stack:
+    walked: set[tuple[int, bool]] = set()  # the containers walked, as a value or as a key (a tuple key is judged
+    while stack:  # whole first); each is held by ``value``, so its id stays its own while this runs
         node, at, is_key = stack.pop()
+        if isinstance(node, (Mapping, list, tuple)):
+            if (id(node), is_key) in walked:
+                continue
+            walked.add((id(node), is_key))
         if is_key:  # a key is a leaf: a tuple key is judged whole (JSON has no such key), then its items
             if bad(node):
                 return at, node

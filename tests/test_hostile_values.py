@@ -147,3 +147,32 @@ def test_a_format_or_parser_name_given_as_an_array_and_a_huge_request_count_are_
         StructuredOutputsParams(json={}, reasoning_parser=np.zeros(3))
     with pytest.raises(ValueError, match=r"^workload mixed: requests=an integer of about 5001 digits is more than "):
         make_workload("mixed", 10**5000, 0)
+
+
+def test_chat_template_kwargs_holding_one_list_many_times_are_walked_once():
+    """``LLM.chat(chat_template_kwargs=...)`` and ``kvload serve``'s ``default_chat_template_kwargs`` look for a lone
+    surrogate in every string of the variables: a list holding itself twice at each of 40 levels (a few hundred bytes)
+    was 2**40 leaves walked, so the call never returned (sweep69 found it through build_state). Each container is
+    walked once now; what it finds is unchanged."""
+    import signal
+
+    from engine.prompts import non_json_in, surrogate_in, template_options
+
+    bomb: list = []
+    for _ in range(40):
+        bomb = [bomb, bomb]
+
+    def hung(*_):
+        raise AssertionError("the walk did not return in 60 s")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        assert template_options(chat_template_kwargs={"x": bomb})["x"] is bomb
+        assert surrogate_in([bomb, ["ok", "\ud800"]], "w") == ("w[1][1]", "\ud800")
+        assert non_json_in({"a": [bomb, b"x"]}, "tools") == ("tools.a[1]", b"x")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    shared = (1, 2)  # a tuple met as a value first, then as a key: a key is judged whole (JSON has no tuple key)
+    assert non_json_in({"a": shared, shared: 1}, "k") == ("k", shared)
